@@ -1,0 +1,63 @@
+"""The fallback chain: where a deflected turn goes.
+
+An entry is a command, optionally bound to a backend of its own:
+
+    --fallback 'llm -m gpt-4o-mini'                      a cloud command: runs ungated
+    --fallback '@127.0.0.1:8081 llm -m local-small'      bound to a backend: gated on that lane
+
+The first word starting with '@' names the entry's backend. Entries are tried in order: one whose
+backend is a busy local lane is skipped (it would thrash that lane too), one that cannot be executed
+is skipped with a warning; the first entry that runs decides the exit status. A failing fallback is
+not retried on the next entry: its side effects may already have happened.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+
+class ChainError(ValueError):
+    """A malformed entry: a usage error."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    argv: tuple[str, ...]
+    backend: str | None = None
+
+    @property
+    def text(self) -> str:
+        words = shlex.join(self.argv)
+        return f"@{self.backend} {words}" if self.backend else words
+
+
+def parse(text: str) -> Entry:
+    """A --fallback string, split as a shell splits words (no shell is run)."""
+    try:
+        words = shlex.split(text)
+    except ValueError as error:
+        raise ChainError(f"--fallback {text!r}: {error}") from None
+    backend = None
+    if words and words[0].startswith("@"):
+        backend = words.pop(0)[1:]
+        if not backend:
+            raise ChainError(f"--fallback {text!r}: '@' must be followed by a backend")
+    if not words:
+        raise ChainError(f"--fallback {text!r}: no command")
+    return Entry(tuple(words), backend)
+
+
+def from_config(name: str, chains: dict | None) -> list[Entry]:
+    """The named chain of the config ([[chains.NAME]] with command and optional backend)."""
+    if not chains or name not in chains:
+        known = ", ".join(sorted(chains or {})) or "none defined"
+        raise ChainError(f"no fallback chain named {name!r} (known: {known})")
+    entries = []
+    for item in chains[name]:
+        command = item["command"]
+        argv = tuple(shlex.split(command)) if isinstance(command, str) else tuple(command)
+        if not argv:
+            raise ChainError(f"chain {name!r}: an entry has no command")
+        entries.append(Entry(argv, item.get("backend")))
+    return entries

@@ -1,0 +1,159 @@
+"""Click commands: parse, call, render. No logic of its own lives here."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from . import __version__, exitcodes
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def lane_options(function):
+    """The options every command uses to name a lane."""
+    function = click.option("--key-by", type=click.Choice(["backend", "model"]), default=None,
+                            help="Key the lane on the backend (default) or backend+model.")(function)
+    function = click.option("--model", "-m", metavar="NAME", default=None,
+                            help="Model label (env LANELOCK_MODEL).")(function)
+    function = click.option("--lock-dir", metavar="DIR", default=None,
+                            help="Lock root (env LANELOCK_DIR; default /run/lock/lanelock).")(function)
+    function = click.option("--backend", "-b", metavar="BACKEND", default=None,
+                            help="HOST:PORT, [V6]:PORT or URL (env LANELOCK_BACKEND; "
+                                 "default 127.0.0.1:8080).")(function)
+    return function
+
+
+def make_gate(backend, lock_dir, model, key_by, gate=None, grace=None, warn=None):
+    from .gate import Gate
+    from .key import BackendError
+
+    try:
+        kwargs = {"warn": warn} if warn else {}
+        return Gate(backend, model=model, key_by=key_by, lock_dir=lock_dir, gate=gate,
+                    grace=grace, **kwargs)
+    except BackendError as error:
+        raise click.UsageError(str(error)) from None
+
+
+def strict_gate(*args, **kwargs):
+    """A gate for read commands: a broken config is a usage error (exit 2), not fail-open."""
+    gate = make_gate(*args, **kwargs)
+    if gate.config_error:
+        raise click.UsageError(gate.config_error)
+    return gate
+
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(__version__, "--version", prog_name="lanelock")
+def cli():
+    """Hold a local model's lane for exactly one turn; everyone else takes the fallback.
+
+    A cross-process flock(2) gate per backend (host:port): `lanelock run -- CMD` holds it while
+    CMD runs; a second session finds it busy and deflects to its fallback.
+    """
+
+
+@cli.command(context_settings={**CONTEXT, "allow_interspersed_args": False})
+@lane_options
+@click.option("--session", "-s", metavar="LABEL", default=None,
+              help="Session label (env LANELOCK_SESSION; default user@tty or user@cron).")
+@click.option("--fallback", "-f", "fallbacks", metavar="CMD", multiple=True,
+              help="Fallback command when busy; repeatable, tried in order. '@BACKEND CMD' binds "
+                   "it to a backend, skipped when that lane is busy.")
+@click.option("--chain", metavar="NAME", default=None, help="Use a fallback chain from the config.")
+@click.option("--wait", "-w", type=click.FloatRange(min=0), is_flag=False,
+              flag_value=float("inf"), default=None, metavar="[SECONDS]",
+              help="Block in the kernel until the lane is free (up to SECONDS), then fall back.")
+@click.option("--busy-exit-code", "-E", type=click.IntRange(0, 255), default=None,
+              help="Exit status when busy and no fallback ran (default 75).")
+@click.option("--grace", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="Wait this long in the kernel before deflecting (default 0.05).")
+@click.option("--kill-after", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="SIGKILL the child this long after forwarding it a signal it ignores.")
+@click.option("--gate/--no-gate", "gate_override", default=None,
+              help="Force gating on or off, whatever the backend's classification.")
+@click.option("--quiet", "-q", is_flag=True, help="No notes or warnings from lanelock.")
+@click.option("--verbose", "-v", is_flag=True, help="Report the wait time and the lock path.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run(backend, lock_dir, model, key_by, session, fallbacks, chain, wait, busy_exit_code, grace,
+        kill_after, gate_override, quiet, verbose, command):
+    """Run COMMAND holding the backend's lane; deflect to a fallback when it is busy."""
+    from . import chain as chains
+    from .wrapper import Options, Say, run_turn
+
+    say = Say(quiet)
+    gate = make_gate(backend, lock_dir, model, key_by, gate_override, grace, warn=say.warn)
+    settings = gate.config
+    try:
+        entries = [chains.parse(text) for text in fallbacks]
+        if chain:
+            entries += chains.from_config(chain, settings.get("chains"))
+    except chains.ChainError as error:
+        raise click.UsageError(str(error)) from None
+    if wait is None and settings.get("wait") is not None:
+        wait = float(settings.get("wait"))
+    options = Options(
+        session=session, model=model, wait=None if wait == float("inf") else (wait or 0.0),
+        fallbacks=entries, quiet=quiet, verbose=verbose, lock_dir=lock_dir,
+        busy_exit_code=busy_exit_code if busy_exit_code is not None
+        else settings.get("busy_exit_code", exitcodes.BUSY),
+        kill_after=kill_after if kill_after is not None else settings.get("kill_after"))
+    return run_turn(gate, list(command), options, say)
+
+
+@cli.command(context_settings=CONTEXT)
+@lane_options
+@click.option("--json", "json_", is_flag=True, help="Print the result as JSON.")
+def probe(backend, lock_dir, model, key_by, json_):
+    """Is the lane free? Exit 0 free, 1 busy, 2 error. Takes and drops the lock at once."""
+    from . import render
+    from .paths import GateUnavailable
+
+    gate = strict_gate(backend, lock_dir, model, key_by)
+    try:
+        result = gate.probe()
+    except GateUnavailable as error:
+        render.fail(str(error))
+        return exitcodes.USAGE
+    render.probe(result, json_)
+    return exitcodes.PROBE_BUSY if result["state"] == "busy" else exitcodes.OK
+
+
+@cli.command(context_settings=CONTEXT)
+@lane_options
+@click.option("--json", "json_", is_flag=True, help="Print the paths as JSON.")
+def where(backend, lock_dir, model, key_by, json_):
+    """Print the lock file, the sidecar and how the lock root was chosen."""
+    from . import render
+
+    render.where(strict_gate(backend, lock_dir, model, key_by).where(), json_)
+    return exitcodes.OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: one-line `lanelock:` errors with documented codes, never a traceback."""
+    try:
+        result = cli.main(args=argv, prog_name="lanelock", standalone_mode=False)
+    except click.UsageError as error:
+        hint = f" (see '{error.ctx.command_path} --help')" if error.ctx else ""
+        sys.stderr.write(f"lanelock: {error.format_message()}{hint}\n")
+        return exitcodes.USAGE
+    except click.ClickException as error:
+        sys.stderr.write(f"lanelock: {error.format_message()}\n")
+        return error.exit_code
+    except click.exceptions.Exit as error:
+        return error.exit_code
+    except (click.Abort, KeyboardInterrupt):
+        # ^C while waiting for the lane: die of SIGINT so a calling shell loop stops, as it would.
+        import os
+        import signal
+
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        return exitcodes.SIGNAL_BASE + signal.SIGINT
+    except BrokenPipeError:
+        return exitcodes.OK
+    return result if isinstance(result, int) else exitcodes.OK

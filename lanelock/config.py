@@ -1,0 +1,158 @@
+"""TOML configuration: a system file and a per-user file, read with tomllib.
+
+The per-user file may set anything except the lock root: a user file that moved the root would split
+the gate silently, so its lock_dir is ignored and reported (``lanelock where`` says so loudly).
+tomllib is imported only when a file exists, so the common case costs two stat() calls.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+SYSTEM_FILE = "/etc/lanelock/config.toml"
+MAX_BYTES = 1 << 20
+
+
+class ConfigError(Exception):
+    """An invalid config file: 'FILE: line N: reason'."""
+
+
+def _non_negative(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 86400 * 365
+
+
+def _exit_code(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 255
+
+
+def _text(value: object) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= 4096 and "\x00" not in value
+
+
+def _chains(value: object) -> bool:
+    if not isinstance(value, dict):
+        return False
+    for entries in value.values():
+        if not isinstance(entries, list):
+            return False
+        for entry in entries:
+            if not isinstance(entry, dict) or set(entry) - {"backend", "command"}:
+                return False
+            command = entry.get("command")
+            if not (_text(command) or (isinstance(command, list) and command
+                                       and all(_text(word) for word in command))):
+                return False
+            if "backend" in entry and not _text(entry["backend"]):
+                return False
+    return True
+
+
+# key -> (validator, description); the descriptions feed `config show` and the man page.
+SETTINGS = {
+    "lock_dir": (_text, "lock root (system file only)"),
+    "backend": (_text, "default backend HOST:PORT or URL"),
+    "model": (_text, "default model label"),
+    "session": (_text, "default session label"),
+    "key_by": (lambda v: v in ("backend", "model"), "'backend' or 'model'"),
+    "gate": (lambda v: v in ("auto", "always", "never"), "'auto', 'always' or 'never'"),
+    "busy_exit_code": (_exit_code, "exit status when busy and no fallback ran (0-255)"),
+    "grace": (_non_negative, "seconds a turn waits in the kernel before deflecting"),
+    "wait": (_non_negative, "default --wait seconds"),
+    "kill_after": (_non_negative, "seconds after a forwarded signal before SIGKILL"),
+    "journal_max_bytes": (lambda v: isinstance(v, int) and not isinstance(v, bool)
+                          and 4096 <= v <= 1 << 34, "rotate the journal past this size"),
+    "chains": (_chains, "named fallback chains: [[chains.NAME]] backend=..., command=..."),
+}
+
+
+@dataclass
+class Config:
+    values: dict = field(default_factory=dict)
+    origins: dict = field(default_factory=dict)     # key -> file it came from
+    ignored: list = field(default_factory=list)     # human sentences: what was not applied
+    files: list = field(default_factory=list)       # files that were read
+
+    def get(self, key: str, default=None):
+        return self.values.get(key, default)
+
+
+def system_file() -> str:
+    return os.environ.get("LANELOCK_SYSTEM_CONFIG") or SYSTEM_FILE
+
+
+def user_file() -> str | None:
+    explicit = os.environ.get("LANELOCK_CONFIG")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CONFIG_HOME") or (
+        os.path.join(os.environ["HOME"], ".config") if os.environ.get("HOME") else None)
+    return os.path.join(base, "lanelock", "config.toml") if base else None
+
+
+def load() -> Config:
+    """The effective configuration. Raises ConfigError for an invalid file."""
+    config = Config()
+    for path, is_system in ((system_file(), True), (user_file(), False)):
+        if not path:
+            continue
+        data = read_file(path)
+        if data is None:
+            continue
+        config.files.append(path)
+        for key, value in data.items():
+            if key == "lock_dir" and not is_system:
+                config.ignored.append(
+                    f"user config {path} sets lock_dir = {value!r}: IGNORED, only the system "
+                    f"config ({system_file()}) may move the gate")
+                continue
+            config.values[key] = value
+            config.origins[key] = path
+    return config
+
+
+def read_file(path: str) -> dict | None:
+    """Parsed and validated settings of one file, None when it does not exist."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read: {error.strerror}") from None
+    with os.fdopen(fd, "rb") as handle:
+        raw = handle.read(MAX_BYTES + 1)
+    if len(raw) > MAX_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_BYTES} bytes")
+    import tomllib
+
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 (byte {error.start})") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: {error}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply") from None
+    for key, value in data.items():
+        check = validate(key, value)
+        if check:
+            raise ConfigError(f"{path}: line {_line_of(raw, key)}: {check}")
+    return data
+
+
+def validate(key: str, value: object) -> str | None:
+    """None when the setting is valid, else the reason."""
+    if key not in SETTINGS:
+        return f"unknown setting {key!r} (known: {', '.join(SETTINGS)})"
+    check, description = SETTINGS[key]
+    if not check(value):
+        return f"bad value for {key!r}: {str(value)[:80]!r} (expected {description})"
+    return None
+
+
+def _line_of(raw: bytes, key: str) -> int:
+    for number, line in enumerate(raw.decode("utf-8", "replace").splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith((key, f'"{key}"', f"[{key}", f"[[{key}")):
+            return number
+    return 1

@@ -1,0 +1,22 @@
+"""The exit status contract, in one place.
+
+Every code here is documented in README.md and man/lanelock.1 and has a test.
+"""
+
+OK = 0
+PROBE_BUSY = 1        # `probe`: the lane is held by someone
+FAILED = 1            # `duel`: the proof failed
+USAGE = 2             # bad flags, malformed backend, bad config for read commands
+BUSY = 75             # EX_TEMPFAIL: lane busy and no fallback ran (--busy-exit-code)
+CANNOT_EXECUTE = 126  # command found but not executable
+NOT_FOUND = 127       # command not found
+SIGNAL_BASE = 128     # child died of signal N -> 128 + N
+
+
+def from_wait_status(status: int) -> int:
+    """Map a waitpid() status to the shell's convention."""
+    import os
+
+    if os.WIFSIGNALED(status):
+        return SIGNAL_BASE + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)

@@ -1,0 +1,89 @@
+"""Kernel truth about a lock file: who holds it and who waits, from /proc/locks.
+
+The sidecar says who *claimed* the lane; /proc/locks says who *holds* it. They disagree after a
+kill -9 (the kernel dropped the lock, the sidecar still names the dead holder) and after PID reuse,
+so readers trust the kernel and use the sidecar only for labels. Plain /proc reads here: the run
+path must not import psutil.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+PROC_LOCKS = "/proc/locks"
+
+
+@dataclass(frozen=True)
+class KernelView:
+    holders: tuple[int, ...]   # pids that hold an FLOCK on the file (the process that took it)
+    waiters: tuple[int, ...]   # pids blocked in flock() on it
+
+
+def kernel_view(st: os.stat_result) -> KernelView | None:
+    """FLOCK entries for the file with this device and inode; None when /proc/locks is unreadable."""
+    try:
+        with open(PROC_LOCKS, "rb") as handle:
+            text = handle.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    holders, waiters = [], []
+    for line in text.splitlines():
+        words = line.split()
+        blocked = len(words) > 1 and words[1] == "->"
+        if blocked:
+            words = words[:1] + words[2:]
+        # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:2146329 0 EOF"
+        if len(words) < 6 or words[1] != "FLOCK" or words[5] != want:
+            continue
+        try:
+            pid = int(words[4])
+        except ValueError:
+            continue
+        (waiters if blocked else holders).append(pid)
+    return KernelView(tuple(holders), tuple(waiters))
+
+
+def proc_stat(pid: int) -> tuple[int, int] | None:
+    """(ppid, start time in clock ticks since boot) of a live process, else None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            data = handle.read()
+    except OSError:
+        return None
+    # comm may hold spaces and parentheses: the fields start after the last ')'.
+    fields = data[data.rfind(b")") + 2:].split()
+    try:
+        return int(fields[1]), int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def start_ticks(pid: int) -> int | None:
+    found = proc_stat(pid)
+    return found[1] if found else None
+
+
+def ancestors(pid: int | None = None) -> list[int]:
+    """Parent, grandparent, ... up to (not including) pid 0."""
+    chain: list[int] = []
+    current = os.getppid() if pid is None else pid
+    while current > 0 and current not in chain and len(chain) < 512:
+        chain.append(current)
+        found = proc_stat(current)
+        if not found:
+            break
+        current = found[0]
+    return chain
+
+
+def command_line(pid: int, limit: int = 200) -> str:
+    """The command of a process for display, '?' when it is gone or hidden."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            raw = handle.read(4096)
+    except OSError:
+        return "?"
+    text = " ".join(part.decode("utf-8", "replace") for part in raw.split(b"\0") if part)
+    return (text[:limit] + "…") if len(text) > limit else (text or "?")

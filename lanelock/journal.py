@@ -1,0 +1,109 @@
+"""The per-lane history: one JSON line per event, beside the lock.
+
+Each event is one write() on an O_APPEND descriptor, so concurrent turns never interleave or lose a
+line (Linux appends a single write to a regular file atomically with respect to other appenders).
+Rotation renames the journal to NAME.1 and happens only while holding the lane, so two rotators can
+never race; an appender still holding the old descriptor simply lands its line in NAME.1.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+
+DEFAULT_MAX_BYTES = 1 << 20   # rotate past 1 MiB; one generation (.1) is kept
+MAX_LINE = 16 * 1024
+_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+class JournalError(OSError):
+    """An event could not be appended; the turn goes on and warns."""
+
+
+def append(dir_fd: int, name: str, event: dict) -> None:
+    line = json.dumps(event, ensure_ascii=True, sort_keys=True)
+    if len(line) >= MAX_LINE:
+        event = {k: v for k, v in event.items() if k not in ("argv", "holder")}
+        event["truncated"] = True
+        line = json.dumps(event, ensure_ascii=True, sort_keys=True)[:MAX_LINE - 2]
+    data = (line + "\n").encode()
+    fd = _open(dir_fd, name)
+    try:
+        written = os.write(fd, data)
+        if written != len(data):
+            raise JournalError(0, f"short write to {name} ({written} of {len(data)} bytes)")
+    except OSError as error:
+        if isinstance(error, JournalError):
+            raise
+        raise JournalError(error.errno, f"cannot append to {name}: {error.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def _open(dir_fd: int, name: str) -> int:
+    # Open an existing journal without O_CREAT: in a sticky directory protected_regular refuses
+    # O_CREAT on another user's file even when it is writable.
+    try:
+        fd = os.open(name, _FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        try:
+            fd = os.open(name, _FLAGS | os.O_CREAT | os.O_EXCL, 0o666, dir_fd=dir_fd)
+            os.fchmod(fd, 0o666)   # every local user appends to the same history
+        except FileExistsError:
+            return _open(dir_fd, name)
+        except OSError as error:
+            raise JournalError(error.errno, f"cannot create {name}: {error.strerror}") from None
+    except OSError as error:
+        reason = "is a symlink; not writing through it" if error.errno == errno.ELOOP else error.strerror
+        raise JournalError(error.errno, f"cannot open {name}: {reason}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise JournalError(0, f"{name} is not a regular file")
+    return fd
+
+
+def rotate_if_needed(dir_fd: int, name: str, max_bytes: int = DEFAULT_MAX_BYTES) -> bool:
+    """Call only while holding the lane. True when the journal was rotated."""
+    try:
+        st = os.lstat(name, dir_fd=dir_fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < max_bytes:
+            return False
+        os.rename(name, name + ".1", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        return True
+    except OSError:
+        return False
+
+
+def read(path: str, *, max_bytes: int = 64 << 20) -> tuple[list[dict], int]:
+    """(events, number of unreadable lines), oldest first, from PATH.1 then PATH. Never raises."""
+    events: list[dict] = []
+    bad = 0
+    for candidate in (path + ".1", path):
+        try:
+            fd = os.open(candidate, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            with os.fdopen(os.dup(fd), "rb") as handle:
+                raw = handle.read(max_bytes)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        for line in raw.splitlines():
+            if not line.strip():
+                continue
+            try:
+                event = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError, RecursionError):
+                bad += 1
+                continue
+            if isinstance(event, dict) and isinstance(event.get("event"), str):
+                events.append(event)
+            else:
+                bad += 1
+    return events, bad

@@ -1,0 +1,216 @@
+"""Backend string -> lane key.
+
+One lane per backend: every spelling of this machine (localhost, 127.0.0.0/8, ::1, 0.0.0.0, our
+hostname, our interface addresses) collapses to ``localhost:PORT`` so that all of them share one lock
+file. A LAN box keeps its own key. A public host is not a lane at all (the gate is skipped).
+
+Classification never touches DNS: a turn must not block on a slow resolver. Names are judged by their
+shape and by /etc/hosts, which is a local file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import re
+import socket
+from dataclasses import dataclass, field
+from urllib.parse import quote, urlsplit
+
+DEFAULT_BACKEND = "127.0.0.1:8080"
+LOCAL_HOST = "localhost"
+SCHEME_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+LAN_SUFFIXES = (".local", ".lan", ".home.arpa", ".internal")
+# RFC 6598 shared space; Tailscale hands out addresses from it.
+CGNAT = ipaddress.ip_network("100.64.0.0/10")
+_LABEL = re.compile(r"^[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
+_MAX_STEM = 180
+
+
+class BackendError(ValueError):
+    """A backend string that names no host:port. The CLI turns it into a usage error (exit 2)."""
+
+
+@dataclass(frozen=True)
+class Lane:
+    """A lane: what one lock file stands for."""
+
+    host: str                 # "localhost" for this machine, else the normalised host
+    port: int
+    scope: str                # "local", "lan" or "public"
+    model: str | None = None  # only with --key-by model
+    given: str = field(default="", compare=False)  # the backend as the user wrote it (no credentials)
+
+    @property
+    def gated(self) -> bool:
+        return self.scope != "public"
+
+    @property
+    def name(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        base = f"{host}:{self.port}"
+        return f"{base}#{self.model}" if self.model else base
+
+    @property
+    def stem(self) -> str:
+        """File name stem under the lock root: stable, reversible enough to read, no slashes."""
+        stem = f"{self.host.replace(':', '_')}-{self.port}"
+        if self.model:
+            stem += "~" + quote(self.model, safe="-._")
+        if len(stem) > _MAX_STEM:
+            digest = hashlib.sha256(stem.encode()).hexdigest()[:16]
+            stem = f"{stem[:_MAX_STEM - 17]}~{digest}"
+        return stem
+
+
+def split_backend(text: str) -> tuple[str, int, str]:
+    """Parse HOST:PORT, [V6]:PORT or a URL into (host, port, spelling without credentials)."""
+    text = (text or "").strip()
+    if not text:
+        raise BackendError("empty backend (expected HOST:PORT or a URL)")
+    if "://" in text:
+        return _split_url(text)
+    if text.startswith("["):
+        close = text.find("]")
+        if close < 0:
+            raise BackendError(f"backend {text!r}: unclosed '['")
+        host, rest = text[1:close], text[close + 1:]
+        if not rest.startswith(":"):
+            raise BackendError(f"backend {text!r} has no port (expected [ADDRESS]:PORT)")
+        return _check_host(host, text), _check_port(rest[1:], text), text
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        raise BackendError(f"backend {text!r} has no port (expected HOST:PORT or a URL)")
+    if ":" in host:
+        raise BackendError(f"backend {text!r}: an IPv6 address needs brackets, e.g. [::1]:8080")
+    return _check_host(host, text), _check_port(port, text), text
+
+
+def _split_url(text: str) -> tuple[str, int, str]:
+    parts = urlsplit(text)
+    scheme = parts.scheme.lower()
+    if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
+        raise BackendError(f"backend {text!r}: bad URL scheme")
+    host = parts.hostname or ""
+    try:
+        port = parts.port
+    except ValueError:
+        raise BackendError(f"backend {text!r}: port must be a number from 1 to 65535") from None
+    if port is None:
+        if scheme not in SCHEME_PORTS:
+            raise BackendError(f"backend {text!r}: no port and no default port for {scheme!r}")
+        port = SCHEME_PORTS[scheme]
+    if port == 0:
+        raise BackendError(f"backend {text!r}: port must be a number from 1 to 65535")
+    # Credentials in a URL must never reach the world-readable sidecar or journal.
+    netloc = parts.netloc.rpartition("@")[2]
+    spelled = f"{scheme}://{netloc}{parts.path}"
+    return _check_host(host, text), port, spelled
+
+
+def _check_port(port: str, text: str) -> int:
+    if not port:
+        raise BackendError(f"backend {text!r} has no port (expected HOST:PORT)")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise BackendError(f"backend {text!r}: port must be a number from 1 to 65535")
+    return int(port)
+
+
+def _check_host(host: str, text: str) -> str:
+    if not host:
+        raise BackendError(f"backend {text!r} has no host")
+    address = _address(host)
+    if address is not None:
+        return str(address)
+    name = host.lower().rstrip(".")
+    labels = name.split(".")
+    if len(name) > 253 or not all(_LABEL.match(label) for label in labels):
+        raise BackendError(f"backend {text!r}: {host!r} is not a host name or address")
+    return name
+
+
+def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])  # drop an IPv6 zone id
+    except ValueError:
+        return None
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped or address
+
+
+def lane_for(backend: str, *, model: str | None = None, key_by: str = "backend") -> Lane:
+    """The lane a backend (and, with key_by="model", a model) stands for."""
+    host, port, spelled = split_backend(backend)
+    if key_by not in ("backend", "model"):
+        raise BackendError(f"--key-by must be 'backend' or 'model', not {key_by!r}")
+    if key_by == "model":
+        model = (model or "").strip()
+        if not model:
+            raise BackendError("--key-by model needs a model (--model NAME or LANELOCK_MODEL)")
+    else:
+        model = None
+    scope = classify(host)
+    if scope == "local":
+        host = LOCAL_HOST
+    return Lane(host=host, port=port, scope=scope, model=model, given=spelled)
+
+
+def classify(host: str) -> str:
+    """'local' (this machine), 'lan' (private network) or 'public'."""
+    address = _address(host)
+    if address is None:
+        return _classify_name(host)
+    if address.is_loopback or address.is_unspecified:
+        return "local"
+    if str(address) in own_addresses():
+        return "local"
+    if address.is_private or address.is_link_local or address in CGNAT:
+        return "lan"
+    return "public"
+
+
+def _classify_name(name: str) -> str:
+    if name == LOCAL_HOST or name.endswith(".localhost"):
+        return "local"
+    own = socket.gethostname().lower().rstrip(".")
+    if name in (own, own.split(".", 1)[0]):
+        return "local"
+    mapped = hosts_file().get(name)
+    if mapped is not None:
+        return classify(mapped)
+    if "." not in name or name.endswith(LAN_SUFFIXES):
+        return "lan"
+    return "public"
+
+
+def own_addresses() -> frozenset[str]:
+    """Addresses of this machine's interfaces (psutil is imported only when an address needs it)."""
+    try:
+        import psutil
+
+        found = set()
+        for entries in psutil.net_if_addrs().values():
+            for entry in entries:
+                if entry.family in (socket.AF_INET, socket.AF_INET6):
+                    address = _address(entry.address)
+                    if address is not None:
+                        found.add(str(address))
+        return frozenset(found)
+    except (ImportError, OSError):
+        return frozenset()
+
+
+def hosts_file(path: str = "/etc/hosts") -> dict[str, str]:
+    """name -> first address in /etc/hosts; a missing or odd file is simply empty."""
+    table: dict[str, str] = {}
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            lines = handle.read(1 << 20).splitlines()
+    except OSError:
+        return table
+    for line in lines:
+        words = line.split("#", 1)[0].split()
+        if len(words) >= 2 and _address(words[0]) is not None:
+            for name in words[1:]:
+                table.setdefault(name.lower().rstrip("."), words[0])
+    return table

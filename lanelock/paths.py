@@ -1,0 +1,116 @@
+"""The canonical lock root: one gate, not two.
+
+Every process on the box must compute the same root whatever its HOME, XDG variables, cwd or user:
+an interactive shell, a cron job under ``env -i`` and an agent profile with its own HOME. So the
+default never looks at HOME or XDG_RUNTIME_DIR; it is chosen by the mode and owner of /run/lock, which
+every user sees alike (``access()`` would answer differently per user and split the gate).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass
+
+RUN_LOCK = "/run/lock"
+SHARED_ROOT = os.path.join(RUN_LOCK, "lanelock")
+TMP_ROOT = "/tmp/lanelock"
+ROOT_MODE = 0o1777  # sticky and world-writable, like /tmp: every local user shares the gate
+
+
+class GateUnavailable(Exception):
+    """The gate cannot be taken here; the turn runs without it (fail open)."""
+
+
+@dataclass(frozen=True)
+class Root:
+    path: str
+    source: str   # "flag", "env", "system-config", "default"
+    detail: str   # a sentence a person can read: why this root
+
+
+def default_root() -> Root:
+    try:
+        st = os.stat(RUN_LOCK)
+    except OSError as error:
+        return Root(TMP_ROOT, "default", f"{RUN_LOCK} unusable ({error.strerror}); using {TMP_ROOT}")
+    shared = stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and st.st_mode & ROOT_MODE == ROOT_MODE
+    if shared:
+        return Root(SHARED_ROOT, "default", f"{RUN_LOCK} is root-owned, sticky and world-writable")
+    return Root(TMP_ROOT, "default", f"{RUN_LOCK} is not sticky world-writable; using {TMP_ROOT}")
+
+
+def resolve_root(flag: str | None, system_lock_dir: tuple[str, str] | None) -> Root:
+    """--lock-dir, then LANELOCK_DIR, then the system config's lock_dir, then the default."""
+    if flag:
+        return Root(os.path.abspath(flag), "flag", "set by --lock-dir")
+    env = os.environ.get("LANELOCK_DIR")
+    if env:
+        return Root(os.path.abspath(env), "env", "set by LANELOCK_DIR")
+    if system_lock_dir:
+        value, origin = system_lock_dir
+        return Root(os.path.abspath(value), "system-config", f"set by lock_dir in {origin}")
+    return default_root()
+
+
+def open_root(root: Root, *, create: bool) -> int:
+    """An O_DIRECTORY fd on the root, never through a symlink; creates the last component if asked.
+
+    Raises GateUnavailable (or FileNotFoundError when create is False and it does not exist).
+    """
+    if create:
+        _make_root(root.path)
+    try:
+        fd = os.open(root.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if create:
+            raise GateUnavailable(f"lock root {root.path} is missing") from None
+        raise
+    except OSError as error:
+        raise GateUnavailable(_why(root.path, error)) from None
+    try:
+        _check_trust(root.path, os.fstat(fd))
+    except GateUnavailable:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _make_root(path: str) -> None:
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return
+    except OSError as error:
+        raise GateUnavailable(_why(path, error, creating=True)) from None
+    # mkdir obeys the umask; the shared mode must be set explicitly, and only on a directory we made.
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchmod(fd, ROOT_MODE)
+        finally:
+            os.close(fd)
+    except OSError as error:
+        raise GateUnavailable(_why(path, error, creating=True)) from None
+
+
+def _check_trust(path: str, st: os.stat_result) -> None:
+    """Refuse a root another user could swap lock files in: group/other-writable without sticky."""
+    if st.st_uid in (0, os.geteuid()):
+        return
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise GateUnavailable(
+            f"lock root {path} is owned by uid {st.st_uid} and writable by others without the "
+            "sticky bit; not trusting it")
+
+
+def _why(path: str, error: OSError, creating: bool = False) -> str:
+    if error.errno == errno.ELOOP:
+        return f"lock root {path} is a symlink"
+    if error.errno == errno.ENOTDIR:
+        if creating:
+            return f"cannot create lock root {path}: a parent is not a directory"
+        return f"lock root {path} is not a directory"
+    verb = "cannot create" if creating else "cannot open"
+    return f"{verb} lock root {path}: {error.strerror}"

@@ -1,0 +1,139 @@
+"""The holder record beside each lock: who claimed the lane, for `status` and deflection messages.
+
+Written only by the holder, while it holds the lock, so writers never race each other. Written to a
+temp file (O_EXCL, O_NOFOLLOW) and renamed into place: readers never see half a record, and nothing
+is ever written through a symlink planted at either name (filelock CVE-2025-68146); a planted sidecar
+symlink is refused with a warning. Reads are tolerant: any bytes yield a record or a reason, never an
+exception.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+
+SCHEMA = 1
+MAX_BYTES = 64 * 1024
+_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+class SidecarError(OSError):
+    """The record could not be written; the turn keeps its lock and warns."""
+
+
+def write(dir_fd: int, name: str, record: dict) -> None:
+    data = (json.dumps(record, ensure_ascii=True, sort_keys=True) + "\n").encode()
+    try:
+        st = os.lstat(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        st = None
+    except OSError as error:
+        raise SidecarError(error.errno, f"cannot inspect {name}: {error.strerror}") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+        raise SidecarError(errno.EPERM, f"{name} is {kind}; not writing through it")
+    temp = f".{name}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FLAGS, 0o644, dir_fd=dir_fd)
+    except FileExistsError:
+        # A leftover of a killed writer with our pid, or something planted: remove the name only.
+        _unlink(temp, dir_fd)
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FLAGS, 0o644, dir_fd=dir_fd)
+        except OSError as error:
+            raise SidecarError(error.errno, f"cannot write {temp}: {error.strerror}") from None
+    except OSError as error:
+        raise SidecarError(error.errno, f"cannot write {temp}: {error.strerror}") from None
+    try:
+        try:
+            os.fchmod(fd, 0o644)
+            _write_all(fd, data)
+        finally:
+            os.close(fd)
+        os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError as error:
+        _unlink(temp, dir_fd)
+        raise SidecarError(error.errno, f"cannot write {name}: {error.strerror}") from None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _unlink(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
+def read(path: str, dir_fd: int | None = None) -> tuple[dict | None, str | None]:
+    """(record, None) or (None, reason a person can read). Never raises."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None, "no sidecar yet"
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return None, "sidecar is a symlink; not following it"
+        return None, f"sidecar unreadable: {error.strerror}"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, "sidecar is not a regular file"
+        if st.st_size > MAX_BYTES:
+            return None, f"sidecar is {st.st_size} bytes, over the {MAX_BYTES} byte limit"
+        raw = os.read(fd, MAX_BYTES + 1)
+    except OSError as error:
+        return None, f"sidecar unreadable: {error.strerror}"
+    finally:
+        os.close(fd)
+    return parse(raw)
+
+
+def parse(raw: bytes) -> tuple[dict | None, str | None]:
+    if len(raw) > MAX_BYTES:
+        return None, f"sidecar is over the {MAX_BYTES} byte limit"
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None, "sidecar is not UTF-8 text"
+    except (ValueError, RecursionError):
+        return None, "sidecar is not valid JSON"
+    if not isinstance(record, dict):
+        return None, "sidecar is not a JSON object"
+    version = record.get("schema")
+    if not isinstance(version, int) or isinstance(version, bool):
+        return None, "sidecar has no schema version"
+    if version > SCHEMA:
+        return None, f"sidecar schema {version} is newer than this lanelock understands ({SCHEMA})"
+    return {key: value for key, value in record.items() if _plain(value)}, None
+
+
+def _plain(value: object, depth: int = 0) -> bool:
+    """Keep only shallow, sane values: a hostile record must not make renderers work hard."""
+    if value is None or isinstance(value, (bool, str)):
+        return not isinstance(value, str) or len(value) <= 8192
+    if isinstance(value, int):
+        return abs(value) < 1 << 63
+    if isinstance(value, float):
+        return value == value and abs(value) < 1e300
+    if isinstance(value, list) and depth < 1:
+        return len(value) <= 1024 and all(_plain(item, depth + 1) for item in value)
+    return False
+
+
+def field(record: dict | None, key: str, kind: type, default=None):
+    """record[key] if it has the expected type, else default (a lying sidecar cannot crash readers)."""
+    if not record:
+        return default
+    value = record.get(key, default)
+    if kind is int and isinstance(value, bool):
+        return default
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value if isinstance(value, kind) else default

@@ -1,0 +1,230 @@
+"""The flock(2) lane store: the only module that makes the lock call.
+
+Kept behind a small interface (open / try_lock / wait_lock / release / kernel) so another store
+(PostgreSQL advisory locks, for several hosts) can slot in without touching the gate or the CLI.
+
+Rules that matter here:
+- flock(2), not fcntl/lockf: a lock per open file description, dropped only when the last fd on it
+  closes, interoperable with flock(1) and lslocks (fasteners#93).
+- The lock file is opened with O_CLOEXEC, so a child never inherits it and a daemon it starts can
+  never keep the lane (ceph-qa-suite PR 583).
+- An existing lock file is opened without O_CREAT (protected_regular refuses O_CREAT on another
+  user's file in a sticky directory) and never through a symlink.
+- Lock files are never unlinked: waiters would lock different inodes (filelock#574).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import signal
+import stat
+from dataclasses import dataclass
+
+from . import holders
+from .paths import GateUnavailable, Root, open_root
+
+CONTENDED = frozenset({errno.EWOULDBLOCK, errno.EAGAIN})
+_OPEN = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a planted FIFO must not hang us
+
+
+class _Timeout(Exception):
+    pass
+
+
+@dataclass
+class Handle:
+    dir_fd: int
+    fd: int | None
+    name: str              # lock file name under the root
+    st: os.stat_result | None
+
+    def close(self) -> None:
+        for fd in (self.fd, self.dir_fd):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.fd = self.dir_fd = None
+
+
+class FlockStore:
+    kind = "flock"
+
+    def __init__(self, root: Root):
+        self.root = root
+
+    def names(self, stem: str) -> dict[str, str]:
+        return {"lock": f"{stem}.lock", "sidecar": f"{stem}.json", "journal": f"{stem}.journal"}
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root.path, name)
+
+    def open(self, stem: str, *, create: bool = True) -> Handle:
+        """A handle on the lane's lock file. Raises GateUnavailable; with create=False a missing
+        root or lock file gives a handle whose fd is None (nobody can hold what does not exist)."""
+        try:
+            dir_fd = open_root(self.root, create=create)
+        except FileNotFoundError:
+            return Handle(-1, None, self.names(stem)["lock"], None)
+        handle = Handle(dir_fd, None, self.names(stem)["lock"], None)
+        try:
+            handle.fd = _open_lock(dir_fd, handle.name, create)
+            if handle.fd is not None:
+                handle.st = os.fstat(handle.fd)
+                if not stat.S_ISREG(handle.st.st_mode):
+                    raise GateUnavailable(f"lock file {self.path(handle.name)} is not a regular file")
+        except GateUnavailable:
+            handle.close()
+            raise
+        except OSError as error:
+            handle.close()
+            raise GateUnavailable(f"cannot open {self.path(handle.name)}: {error.strerror}") from None
+        return handle
+
+    def try_lock(self, handle: Handle) -> bool:
+        try:
+            fcntl.flock(handle.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as error:
+            if error.errno in CONTENDED:
+                return False
+            raise GateUnavailable(f"flock failed on {self.path(handle.name)}: {error.strerror}") from None
+
+    def wait_lock(self, handle: Handle, timeout: float | None) -> bool:
+        """Block in the kernel until the lock is ours or timeout seconds pass (None: forever)."""
+        try:
+            if timeout is None:
+                fcntl.flock(handle.fd, fcntl.LOCK_EX)
+                return True
+            if timeout <= 0:
+                return self.try_lock(handle)
+            try:
+                return _wait_with_alarm(handle.fd, timeout)
+            except _NotMainThread:
+                return _wait_in_thread(handle, timeout)
+        except OSError as error:
+            if error.errno in CONTENDED:
+                return False
+            raise GateUnavailable(f"flock failed on {self.path(handle.name)}: {error.strerror}") from None
+
+    def still_current(self, handle: Handle) -> bool:
+        """False when the lock file was removed or replaced under us: our lock is on an orphan inode
+        and the next turn would open a different file, so the lock must be retaken."""
+        try:
+            now = os.lstat(handle.name, dir_fd=handle.dir_fd)
+        except OSError:
+            return False
+        return (now.st_dev, now.st_ino) == (handle.st.st_dev, handle.st.st_ino)
+
+    def kernel(self, handle: Handle) -> holders.KernelView | None:
+        return holders.kernel_view(handle.st) if handle.st is not None else None
+
+    def release(self, handle: Handle) -> None:
+        # Closing the last fd on the description drops the flock; the file itself stays.
+        handle.close()
+
+
+def _open_lock(dir_fd: int, name: str, create: bool) -> int | None:
+    for _ in range(8):
+        try:
+            return os.open(name, os.O_RDWR | _OPEN, dir_fd=dir_fd)
+        except FileNotFoundError:
+            if not create:
+                return None
+            try:
+                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, 0o644, dir_fd=dir_fd)
+            except FileExistsError:
+                continue  # another turn created it first: open theirs
+            # Readable by all is enough: flock(2) works on a read-only descriptor.
+            os.fchmod(fd, 0o644)
+            return fd
+        except PermissionError:
+            # Another user's 0644 lock file: a read-only descriptor locks it just as well.
+            return os.open(name, os.O_RDONLY | _OPEN, dir_fd=dir_fd)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise GateUnavailable(f"lock file {name} is a symlink; refusing to follow it") from None
+            raise
+    raise GateUnavailable(f"lock file {name} keeps vanishing")
+
+
+class _NotMainThread(Exception):
+    pass
+
+
+def _wait_with_alarm(fd: int, timeout: float) -> bool:
+    """A blocking flock with a timer whose handler raises: no polling, wakes the instant the holder
+    releases. Python retries a flock interrupted by a signal (PEP 475), so the handler must raise."""
+    armed = [True]
+
+    def on_alarm(signum, frame):
+        if armed[0]:
+            raise _Timeout
+
+    try:
+        previous = signal.signal(signal.SIGALRM, on_alarm)
+    except ValueError:  # signals belong to the main thread
+        raise _NotMainThread from None
+    try:
+        old_timer = signal.setitimer(signal.ITIMER_REAL, timeout)
+        if old_timer[0] > 0:   # someone else's timer: put it back and wait without signals
+            signal.setitimer(signal.ITIMER_REAL, *old_timer)
+            signal.signal(signal.SIGALRM, previous)
+            raise _NotMainThread
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except _Timeout:
+            pass
+        finally:
+            armed[0] = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _Timeout:
+        pass  # the alarm landed between flock's return and the disarm
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    # Either we already hold it (re-locking our own description is a no-op) or this is the last look.
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as error:
+        if error.errno in CONTENDED:
+            return False
+        raise
+
+
+def _wait_in_thread(handle: Handle, timeout: float) -> bool:
+    """Off the main thread there is no timer signal: a helper thread blocks in flock on its own open
+    file description; if it is too late, it releases the moment it gets the lock."""
+    import threading
+
+    fd2 = os.open(f"/proc/self/fd/{handle.fd}", os.O_RDONLY | os.O_CLOEXEC)
+    guard = threading.Lock()
+    done = threading.Event()
+    state = {"abandoned": False, "got": False}
+
+    def blocker():
+        try:
+            fcntl.flock(fd2, fcntl.LOCK_EX)
+        except OSError:
+            os.close(fd2)
+            done.set()
+            return
+        with guard:
+            if state["abandoned"]:
+                os.close(fd2)
+            else:
+                state["got"] = True
+        done.set()
+
+    threading.Thread(target=blocker, name="lanelock-wait", daemon=True).start()
+    done.wait(timeout)
+    with guard:
+        if state["got"]:
+            os.close(handle.fd)
+            handle.fd = fd2
+            return True
+        state["abandoned"] = True
+    return False

@@ -1,0 +1,147 @@
+"""`lanelock run`: one turn, from the gate to the exit status.
+
+Held, ungated or fail-open: run the command. Deflected: walk the fallback chain, or exit with the
+busy code (75, EX_TEMPFAIL) when no entry ran. The lane is released the moment the child ends,
+before anything else is done.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from . import exitcodes, runner
+from .chain import Entry
+from .gate import BUSY_WORDS, DEFLECTED, HELD, REASON_BUSY, Gate, Turn, holder_words
+
+
+@dataclass
+class Options:
+    session: str | None = None
+    model: str | None = None
+    wait: float | None = 0.0
+    fallbacks: list[Entry] = field(default_factory=list)
+    busy_exit_code: int = exitcodes.BUSY
+    kill_after: float | None = None
+    quiet: bool = False
+    verbose: bool = False
+    lock_dir: str | None = None     # passed on to the gates of fallback entries
+
+
+class Say:
+    """lanelock's own stderr lines: notes obey -q; errors always print."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+
+    def note(self, message: str) -> None:
+        if not self.quiet:
+            os.write(2, f"lanelock: {message}\n".encode("utf-8", "replace"))
+
+    def warn(self, message: str) -> None:
+        self.note(f"warning: {message}")
+
+    def error(self, message: str) -> None:
+        os.write(2, f"lanelock: {message}\n".encode("utf-8", "replace"))
+
+
+def run_turn(gate: Gate, argv: list[str], options: Options, say: Say) -> int:
+    turn = gate.turn(session=options.session, model=options.model, argv=argv,
+                     wait=options.wait).acquire()
+    if turn.state == DEFLECTED:
+        return _deflect(gate, turn, options, say)
+    if options.verbose:
+        _verbose(gate, turn, say)
+    outcome = _run(argv, child_env(turn), options, say, turn)
+    if outcome is None:
+        return exitcodes.CANNOT_EXECUTE
+    if outcome.error:
+        say.error(outcome.error)
+    runner.reraise_terminal_signal(outcome)
+    return outcome.exit_code
+
+
+def _run(argv, env, options: Options, say: Say, turn: Turn | None) -> runner.Outcome | None:
+    """Run and release; None when the process could not even be forked."""
+    outcome = None
+    try:
+        outcome = runner.run(argv, env, kill_after=options.kill_after)
+    except OSError as error:
+        say.error(f"cannot start {argv[0]}: {error.strerror}")
+    finally:
+        if turn is not None:
+            turn.release(outcome.exit_code if outcome else None)
+    return outcome
+
+
+def _verbose(gate: Gate, turn: Turn, say: Say) -> None:
+    if turn.state == HELD:
+        how = "nested in the holder's turn" if turn.nested else f"waited {turn.waited * 1000:.1f} ms"
+        say.note(f"lane {gate.lane.name} held ({how}; {gate.lock_path})")
+    elif turn.state == "ungated":
+        say.note(f"lane {gate.lane.name} ungated (not a local lane; no lock taken)")
+
+
+def _deflect(gate: Gate, turn: Turn, options: Options, say: Say) -> int:
+    who = holder_words(turn.holder)
+    waited = f", waited {turn.waited:.2f}s" if options.verbose or options.wait else ""
+    if not options.fallbacks:
+        say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}{waited}); no fallback, "
+                 f"exit {options.busy_exit_code}")
+        return options.busy_exit_code
+    for index, entry in enumerate(options.fallbacks, 1):
+        fallback_turn, skip = _fallback_gate(gate, entry, options)
+        if skip:
+            say.note(f"fallback {index} skipped: {skip}")
+            continue
+        say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}{waited}); deflecting to fallback "
+                 f"{index}: {entry.text}")
+        env = child_env(turn, fallback_turn, index)
+        outcome = _run(list(entry.argv), env, options, say, fallback_turn)
+        if outcome is None or outcome.error:
+            say.warn(f"fallback {index} did not start: "
+                     f"{outcome.error if outcome else 'fork failed'}")
+            continue
+        runner.reraise_terminal_signal(outcome)
+        return outcome.exit_code
+    say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}); no fallback could run, "
+             f"exit {options.busy_exit_code}")
+    return options.busy_exit_code
+
+
+def _fallback_gate(primary: Gate, entry: Entry, options: Options) -> tuple[Turn | None, str | None]:
+    """(turn held on the entry's own lane or None, reason to skip or None)."""
+    if entry.backend is None:
+        return None, None
+    gate = Gate(entry.backend, model=options.model, lock_dir=options.lock_dir,
+                warn=primary.warn)
+    if not gate.gated:
+        return None, None
+    if gate.lock_path == primary.lock_path:
+        return None, f"@{entry.backend} is the busy lane itself"
+    turn = gate.turn(session=options.session, model=options.model, argv=list(entry.argv),
+                     wait=0.0).acquire()
+    if turn.state == DEFLECTED:
+        return None, f"@{entry.backend} is a busy local lane ({holder_words(turn.holder)})"
+    return turn, None
+
+
+def child_env(turn: Turn, fallback_turn: Turn | None = None, index: int | None = None) -> dict:
+    """The child's environment: ours plus LANELOCK_* facts about its turn."""
+    env = dict(os.environ)
+    env["LANELOCK_STATE"] = turn.state or ""
+    env["LANELOCK_LANE"] = turn.lane
+    env["LANELOCK_LOCK_PATH"] = turn.lock_path
+    env["LANELOCK_SESSION"] = turn.session
+    if turn.model:
+        env["LANELOCK_MODEL"] = turn.model
+    env.pop("LANELOCK_FAILOVER_REASON", None)
+    if turn.state == DEFLECTED:
+        env["LANELOCK_FAILOVER_REASON"] = REASON_BUSY
+        env["LANELOCK_FALLBACK_INDEX"] = str(index or 0)
+    holding = fallback_turn if fallback_turn is not None and fallback_turn.held else turn
+    if holding.held and not holding.nested:
+        # Lets a nested `lanelock run` recognise its holder when /proc/locks is unreadable.
+        env["LANELOCK_HELD"] = holding.lock_path
+        env["LANELOCK_HOLDER_PID"] = str(os.getpid())
+    return env
