@@ -132,6 +132,70 @@ def where(backend, lock_dir, model, key_by, json_):
     return exitcodes.OK
 
 
+def _pairs(values: tuple[str, ...], option: str) -> dict[str, str]:
+    pairs = {}
+    for value in values:
+        name, sep, text = value.partition("=")
+        if not sep or not name:
+            raise click.UsageError(f"{option} takes KEY=VALUE, not {value!r}")
+        pairs[name] = text
+    return pairs
+
+
+@cli.command(context_settings={**CONTEXT, "allow_interspersed_args": False})
+@click.option("--backend", "-b", metavar="BACKEND", default=None, help="The lane to duel on.")
+@click.option("--lock-dir", metavar="DIR", default=None, help="Lock root for every turn.")
+@click.option("--hold", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              metavar="SECONDS", help="How long A keeps the lane busy (at least until B and C "
+                                      "have deflected).")
+@click.option("--fallback", metavar="CMD", default=None,
+              help="What B and C run when deflected (default: a stand-in that only reports).")
+@click.option("--users", metavar="U1,U2", default=None,
+              help="Run B and C as these users (root only): one gate across users.")
+@click.option("--profile-env", multiple=True, metavar="KEY=VALUE",
+              help="Extra environment for B, the profile-like session (repeatable).")
+@click.option("--cron-env", multiple=True, metavar="KEY=VALUE",
+              help="Extra environment for C, as a crontab would set it (repeatable).")
+@click.option("--json", "json_", is_flag=True, help="Print the report as JSON.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def duel(backend, lock_dir, hold, fallback, users, profile_env, cron_env, json_, command):
+    """Prove the gate with real processes: A holds, B and C (cron-like) deflect, the way back.
+
+    COMMAND, if given, is what A runs while it holds the lane (e.g. a curl to the backend).
+    Exit 0 PASS, 1 FAIL.
+    """
+    import os
+    import shlex
+
+    from . import render
+    from .duel import Duel
+
+    user_list = [name for name in (users or "").split(",") if name]
+    if user_list and os.geteuid() != 0:
+        raise click.UsageError("--users needs root (the duel switches to those users)")
+    if user_list:
+        import pwd
+
+        for name in user_list:
+            try:
+                pwd.getpwnam(name)
+            except KeyError:
+                raise click.UsageError(f"--users: no such user {name!r}") from None
+    gate = strict_gate(backend, lock_dir, None, None)
+    contest = Duel(gate, hold=hold, command=list(command), users=user_list, lock_dir=lock_dir,
+                   fallback=shlex.split(fallback) if fallback else [],
+                   profile_env=_pairs(profile_env, "--profile-env"),
+                   cron_env=_pairs(cron_env, "--cron-env"),
+                   on_step=None if json_ else render.duel_step)
+    try:
+        result = contest.run()
+    except KeyboardInterrupt:
+        contest.cleanup()
+        raise
+    render.duel(result, json_)
+    return exitcodes.OK if result["result"] == "PASS" else exitcodes.FAILED
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one-line `lanelock:` errors with documented codes, never a traceback."""
     try:
@@ -156,4 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         return exitcodes.SIGNAL_BASE + signal.SIGINT
     except BrokenPipeError:
         return exitcodes.OK
+    except Exception as error:  # a bug: one line, not a traceback, unless asked for
+        import os
+
+        if os.environ.get("LANELOCK_DEBUG"):
+            raise
+        sys.stderr.write(f"lanelock: internal error: {type(error).__name__}: {error} "
+                         "(LANELOCK_DEBUG=1 shows the traceback)\n")
+        return exitcodes.INTERNAL
     return result if isinstance(result, int) else exitcodes.OK

@@ -295,7 +295,9 @@ class Turn:
         }
 
     def _event(self, event: str, **extra) -> dict:
+        # "monotonic" is one system-wide clock: durations between turns survive wall-clock jumps.
         return {"event": event, "time": _utc_now(), "ts": round(time.time(), 6),
+                "monotonic": round(time.monotonic(), 6),
                 "lane": self.gate.lane.name, "pid": os.getpid(), "session": self.session,
                 "model": self.model, **extra}
 

@@ -50,3 +50,46 @@ def probe(result: dict, as_json: bool) -> None:
         sys.stdout.write(f"ungated: {result['lane']} is not a local lane\n")
     else:
         sys.stdout.write(f"free: {result['lane']}\n")
+
+
+def _console():
+    """A rich console on a terminal (NO_COLOR and TERM=dumb respected), else None for plain text."""
+    import os
+
+    if not sys.stdout.isatty() or os.environ.get("TERM") == "dumb":
+        return None
+    from rich.console import Console
+
+    return Console(highlight=False, no_color=bool(os.environ.get("NO_COLOR")))
+
+
+def duel_step(step: dict) -> None:
+    console = _console()
+    mark = "ok" if step["ok"] else "FAIL"
+    text = f"{step['step']:<18} {sanitize(step['detail'], 400)}"
+    if console is None:
+        sys.stdout.write(f"[{mark:>4}] {text}\n")
+        sys.stdout.flush()
+    else:
+        from rich.markup import escape
+
+        style = "green" if step["ok"] else "bold red"
+        console.print(f"[{style}]{'✓' if step['ok'] else '✗'}[/{style}] {escape(text)}")
+
+
+def duel(result: dict, as_json: bool) -> None:
+    if as_json:
+        return emit_json(result)
+    paths = {"duel": result["expected_lock_path"], **result["lock_paths"]}
+    sys.stdout.write("lock paths:\n")
+    for role, path in paths.items():
+        sys.stdout.write(f"  {role:<5} {path}\n")
+    verdict = result["result"] + (f": {result['reason']}" if result["reason"] else "")
+    console = _console()
+    if console is None:
+        sys.stdout.write(verdict + "\n")
+    else:
+        from rich.markup import escape
+
+        style = "bold green" if result["result"] == "PASS" else "bold red"
+        console.print(f"[{style}]{escape(verdict)}[/{style}]")
