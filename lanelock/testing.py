@@ -1,0 +1,148 @@
+"""A contention-detecting stand-in for a local model server, and a tiny client for it.
+
+    python -m lanelock.testing serve --port 0 --delay 0.2 --port-file PORTFILE
+    python -m lanelock.testing client http://127.0.0.1:PORT
+
+The server speaks just enough of the OpenAI API (/v1/chat/completions, /v1/completions, /health,
+/v1/models) for a client to get an answer. Each completion takes --delay seconds and the server
+records how many generations were in flight at once: GET /stats gives {"max_in_flight", "total",
+"in_flight"}, POST /stats/reset clears them. Loopback only, by design.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class Counter:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.in_flight = self.max_in_flight = self.total = 0
+
+    def enter(self) -> None:
+        with self.lock:
+            self.in_flight += 1
+            self.total += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+
+    def leave(self) -> None:
+        with self.lock:
+            self.in_flight -= 1
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {"max_in_flight": self.max_in_flight, "total": self.total,
+                    "in_flight": self.in_flight}
+
+    def reset(self) -> None:
+        with self.lock:
+            self.max_in_flight = self.in_flight
+            self.total = 0
+
+
+def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in") -> ThreadingHTTPServer:
+    counter = Counter()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):  # quiet: tests read stats, not logs
+            pass
+
+        def _send(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/stats":
+                return self._send(200, counter.snapshot())
+            if self.path == "/health":
+                return self._send(200, {"status": "ok"})
+            if self.path == "/v1/models":
+                return self._send(200, {"object": "list", "data": [{"id": name, "object": "model"}]})
+            return self._send(404, {"error": "not found"})
+
+        def do_POST(self):
+            length = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(min(length, 1 << 20))
+            if self.path == "/stats/reset":
+                counter.reset()
+                return self._send(200, counter.snapshot())
+            if self.path not in ("/v1/chat/completions", "/v1/completions"):
+                return self._send(404, {"error": "not found"})
+            counter.enter()
+            try:
+                time.sleep(delay)   # "generating"
+            finally:
+                counter.leave()
+            return self._send(200, {
+                "object": "chat.completion", "model": name,
+                "choices": [{"index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": f"answer from {name}"}}]})
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server.daemon_threads = True
+    server.counter = counter
+    return server
+
+
+def complete(url: str, prompt: str = "hello", timeout: float = 60.0) -> str:
+    """POST one chat completion; return the answer's text."""
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}]}).encode()
+    request = urllib.request.Request(url.rstrip("/") + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        answer = json.load(response)
+    return answer["choices"][0]["message"]["content"]
+
+
+def stats(url: str) -> dict:
+    with urllib.request.urlopen(url.rstrip("/") + "/stats", timeout=10) as response:
+        return json.load(response)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lanelock.testing")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the contention-detecting server")
+    serve.add_argument("--port", type=int, default=0)
+    serve.add_argument("--delay", type=float, default=0.1)
+    serve.add_argument("--name", default="stand-in")
+    serve.add_argument("--port-file", help="write the bound port here once listening")
+    client = commands.add_parser("client", help="ask the server for one completion")
+    client.add_argument("url")
+    client.add_argument("--prompt", default="hello")
+    args = parser.parse_args(argv)
+    if args.command == "client":
+        try:
+            print(complete(args.url, args.prompt))
+        except OSError as error:
+            print(f"lanelock.testing client: {error}", file=sys.stderr)
+            return 1
+        return 0
+    server = make_server(args.port, args.delay, args.name)
+    if args.port_file:
+        temp = args.port_file + ".tmp"
+        with open(temp, "w") as handle:
+            handle.write(str(server.server_address[1]))
+        os.replace(temp, args.port_file)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
