@@ -11,6 +11,26 @@ from . import __version__, exitcodes
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
+def complete_backend(ctx, param, incomplete):
+    """Offer the lanes that already exist under the lock root."""
+    from .paths import resolve_root
+    import os
+
+    try:
+        names = os.listdir(resolve_root(ctx.params.get("lock_dir"), None).path)
+    except OSError:
+        return []
+    lanes = []
+    for name in sorted(names):
+        if not name.endswith(".lock"):
+            continue
+        host, _, port = name[:-5].split("~", 1)[0].rpartition("-")
+        host = f"[{host.replace('_', ':')}]" if "_" in host else host
+        if port.isdigit() and f"{host}:{port}".startswith(incomplete):
+            lanes.append(f"{host}:{port}")
+    return lanes
+
+
 def lane_options(function):
     """The options every command uses to name a lane."""
     function = click.option("--key-by", type=click.Choice(["backend", "model"]), default=None,
@@ -20,7 +40,7 @@ def lane_options(function):
     function = click.option("--lock-dir", metavar="DIR", default=None,
                             help="Lock root (env LANELOCK_DIR; default /run/lock/lanelock).")(function)
     function = click.option("--backend", "-b", metavar="BACKEND", default=None,
-                            help="HOST:PORT, [V6]:PORT or URL (env LANELOCK_BACKEND; "
+                            shell_complete=complete_backend, help="HOST:PORT, [V6]:PORT or URL (env LANELOCK_BACKEND; "
                                  "default 127.0.0.1:8080).")(function)
     return function
 
