@@ -20,15 +20,10 @@ def complete_backend(ctx, param, incomplete):
         names = os.listdir(resolve_root(ctx.params.get("lock_dir"), None).path)
     except OSError:
         return []
-    lanes = []
-    for name in sorted(names):
-        if not name.endswith(".lock"):
-            continue
-        host, _, port = name[:-5].split("~", 1)[0].rpartition("-")
-        host = f"[{host.replace('_', ':')}]" if "_" in host else host
-        if port.isdigit() and f"{host}:{port}".startswith(incomplete):
-            lanes.append(f"{host}:{port}")
-    return lanes
+    from .key import name_from_stem
+
+    lanes = {name_from_stem(name[:-5].split("~", 1)[0]) for name in names if name.endswith(".lock")}
+    return sorted(lane for lane in lanes if lane and lane.startswith(incomplete))
 
 
 def lane_options(function):

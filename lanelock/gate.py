@@ -292,6 +292,8 @@ class Turn:
             "session": self.session, "model": self.model, "argv": self.argv,
             "user": user_name(), "uid": os.getuid(), "hostname": os.uname().nodename,
             "acquired_at": self._acquired_at, "acquired_monotonic": self._started,
+            # status compares it with the file at the path: a replaced lock file is two gates.
+            "lock_inode": self._handle.st.st_ino if self._handle and self._handle.st else None,
         }
 
     def _event(self, event: str, **extra) -> dict:

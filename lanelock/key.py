@@ -214,3 +214,15 @@ def hosts_file(path: str = "/etc/hosts") -> dict[str, str]:
             for name in words[1:]:
                 table.setdefault(name.lower().rstrip("."), words[0])
     return table
+
+
+def name_from_stem(stem: str) -> str | None:
+    """The lane name a lock file's stem stands for (None when the stem is not one of ours)."""
+    from urllib.parse import unquote
+
+    base, _, model = stem.partition("~")
+    host, _, port = base.rpartition("-")
+    if not host or not port.isdigit():
+        return None
+    host = f"[{host.replace('_', ':')}]" if "_" in host else host
+    return f"{host}:{port}" + (f"#{unquote(model)}" if model else "")

@@ -280,6 +280,7 @@ class Holder:
                                 stdout=subprocess.PIPE, stderr=self._stderr, cwd=cwd)
         self.pid = self.proc.pid
         self.child_pid: int | None = None
+        self.ready_line = ""
         self.returncode: int | None = None
 
     def wait_ready(self, timeout: float = TIMEOUT) -> "Holder":
@@ -288,6 +289,7 @@ class Holder:
             self.proc.wait(timeout=TIMEOUT)
             raise AssertionError(f"holder did not start holding: stdout {line!r}, "
                                  f"exit {self.proc.returncode}, stderr {self.stderr()!r}")
+        self.ready_line = line.strip()
         self.child_pid = int(line.split()[1])
         return self
 
@@ -307,7 +309,8 @@ class Holder:
         return self.returncode
 
     def stderr(self) -> str:
-        self._stderr.flush()
+        if not self._stderr.closed:
+            self._stderr.flush()
         return self.stderr_path.read_text()
 
 
