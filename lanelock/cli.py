@@ -147,6 +147,62 @@ def where(backend, lock_dir, model, key_by, json_):
     return exitcodes.OK
 
 
+@cli.command(context_settings=CONTEXT)
+@lane_options
+@click.option("--all", "all_lanes", is_flag=True, help="Every lane under the lock root.")
+@click.option("--json", "json_", is_flag=True, help="Print the facts as JSON.")
+@click.option("--watch", is_flag=True, help="Refresh a live view until ^C.")
+def status(backend, lock_dir, model, key_by, all_lanes, json_, watch):
+    """Who holds the lane, from the kernel's /proc/locks, cross-checked with the sidecar.
+
+    Never takes the lock. Exit 0 whatever the lane's state; 2 on a usage error.
+    """
+    from . import render
+    from .status import lane_stems, lane_status
+
+    if all_lanes and backend:
+        raise click.UsageError("--all and --backend exclude each other")
+    gate = strict_gate(backend, lock_dir, model, key_by)
+    root = gate.root.path
+    notes = list(gate.config.ignored)
+    if not gate.gated and not all_lanes:
+        notes.append(f"{gate.lane.name} is not a local lane: turns on it are never gated")
+
+    def fetch():
+        if all_lanes:
+            return [lane_status(root, stem) for stem in lane_stems(root)]
+        return [lane_status(root, gate.lane.stem, gate.lane.name)]
+
+    if watch and not json_:
+        try:
+            render.watch(fetch)
+        except KeyboardInterrupt:
+            return exitcodes.OK
+    render.status(fetch(), json_, notes=notes)
+    return exitcodes.OK
+
+
+@cli.command(context_settings=CONTEXT)
+@lane_options
+@click.option("--since", metavar="WHEN", default=None,
+              help="Only events since a duration ago (30m, 2h, 1d) or an ISO date.")
+@click.option("--json", "json_", is_flag=True, help="Print the events and summary as JSON.")
+def history(backend, lock_dir, model, key_by, since, json_):
+    """The lane's journal: local turns, deflections, waits, the way back."""
+    from . import history as lane_history
+    from . import render
+
+    gate = strict_gate(backend, lock_dir, model, key_by)
+    try:
+        cutoff = lane_history.parse_since(since)
+    except lane_history.SinceError as error:
+        raise click.UsageError(str(error)) from None
+    data = lane_history.load(gate.journal_path, cutoff)
+    rows = lane_history.timeline(data["events"]) if not json_ else []
+    render.history(data, gate.lane.name, json_, rows)
+    return exitcodes.OK
+
+
 def _pairs(values: tuple[str, ...], option: str) -> dict[str, str]:
     pairs = {}
     for value in values:

@@ -93,3 +93,106 @@ def duel(result: dict, as_json: bool) -> None:
 
         style = "bold green" if result["result"] == "PASS" else "bold red"
         console.print(f"[{style}]{escape(verdict)}[/{style}]")
+
+
+STATE_STYLE = {"held": "bold yellow", "free": "green", "unknown": "red"}
+
+
+def status(results: list[dict], as_json: bool, *, notes: list[str] | None = None) -> None:
+    for note in notes or []:
+        warn(note)
+    if as_json:
+        return emit_json({"lanes": results})
+    console = _console()
+    if console is None:
+        for result in results:
+            sys.stdout.write(_status_line(result) + "\n")
+        return
+    console.print(status_table(results))
+
+
+def _status_line(result: dict) -> str:
+    waiting = f" [{len(result['waiters'])} waiting]" if result["waiters"] else ""
+    source = " (probe: /proc/locks unreadable)" if result["kernel_source"] == "probe" else ""
+    return sanitize(f"{result['lane']}: {result['message']}{waiting}{source}", 2000)
+
+
+def status_table(results: list[dict]):
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(show_header=True, header_style="bold", expand=False)
+    for column in ("lane", "state", "what the kernel and the sidecar say", "waiting"):
+        table.add_column(column)
+    for result in results:
+        style = STATE_STYLE.get(result["state"], "")
+        table.add_row(escape(sanitize(result["lane"])), f"[{style}]{result['state']}[/{style}]",
+                      escape(sanitize(result["message"], 2000)),
+                      str(len(result["waiters"])) if result["waiters"] else "")
+    if not results:
+        table.add_row("-", "-", "no lanes under the lock root yet", "")
+    return table
+
+
+def watch(fetch, interval: float = 0.5) -> None:
+    """Refresh the status table until ^C (rich Live on a terminal; plain lines otherwise)."""
+    import time
+
+    console = _console()
+    if console is None:
+        while True:
+            for result in fetch():
+                sys.stdout.write(_status_line(result) + "\n")
+            sys.stdout.flush()
+            time.sleep(interval)
+    from rich.live import Live
+
+    with Live(status_table(fetch()), console=console, refresh_per_second=4) as live:
+        while True:
+            time.sleep(interval)
+            live.update(status_table(fetch()))
+
+
+CELL = {"local": ("█", "green"), "deflected": ("▒", "yellow"), "idle": ("·", "dim")}
+
+
+def history(data: dict, lane: str, as_json: bool, rows: list) -> None:
+    from .history import describe
+
+    if as_json:
+        return emit_json({"lane": lane, **data})
+    summary = data["summary"]
+    console = _console()
+    lines = []
+    for event in data["events"]:
+        stamp = str(event.get("time", "?"))[:23]
+        who = sanitize(f"{event.get('session') or '?'}", 40)
+        lines.append((stamp, event["event"], who, str(event.get("pid", "?")),
+                      sanitize(describe(event), 200)))
+    if console is None:
+        for line in lines:
+            sys.stdout.write("  ".join(f"{cell:<{width}}" for cell, width in
+                                       zip(line, (24, 10, 24, 8, 0))).rstrip() + "\n")
+    else:
+        from rich.markup import escape
+        from rich.table import Table
+
+        table = Table(show_header=True, header_style="bold")
+        for column in ("time (UTC)", "event", "session", "pid", "detail"):
+            table.add_column(column)
+        for line in lines:
+            table.add_row(*(escape(cell) for cell in line))
+        console.print(table)
+        for label, cells in rows:
+            bar = "".join(f"[{CELL[c][1]}]{CELL[c][0]}[/{CELL[c][1]}]" for c in cells)
+            console.print(f"{label}  {bar}")
+        if rows:
+            console.print("           █ local  ▒ deflected  · idle (one cell per minute)")
+    if data["unreadable_lines"]:
+        warn(f"{data['unreadable_lines']} journal line(s) could not be read and were skipped")
+    sys.stdout.write(
+        f"turns {summary['turns']} ({summary['local']} local, {summary['deflected']} deflected"
+        f"{', ' + str(summary['fail_open']) + ' fail-open' if summary['fail_open'] else ''}); "
+        f"deflection rate {summary['deflection_rate'] * 100:.0f}%; busy "
+        f"{summary['busy_fraction'] * 100:.0f}% of the span; longest hold "
+        f"{summary['longest_hold']:.1f}s; way back to local {summary['way_back']}x\n")

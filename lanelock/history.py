@@ -1,0 +1,149 @@
+"""`lanelock history`: the lane's night at a glance, from its journal.
+
+Turns are the journal's `acquired` (local) and `deflected` events; a local turn that follows a
+deflection is marked as the way back. The timeline divides each hour into 60 one-minute cells:
+local (held), deflected, or idle.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from . import journal
+
+LOCAL, DEFLECTED, IDLE = "local", "deflected", "idle"
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+class SinceError(ValueError):
+    pass
+
+
+def parse_since(text: str | None, now: float | None = None) -> float | None:
+    """'90s', '30m', '2h', '1d', '1w' ago, or an ISO date/time (UTC unless it says otherwise)."""
+    if not text:
+        return None
+    now = time.time() if now is None else now
+    match = _DURATION.match(text)
+    if match:
+        return now - float(match.group(1)) * _UNITS[match.group(2)]
+    from datetime import datetime, timezone
+
+    try:
+        moment = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise SinceError(f"--since {text!r}: expected a duration (30m, 2h, 1d) or an ISO date") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
+
+
+def load(journal_path: str, since: float | None = None) -> dict:
+    events, bad = journal.read(journal_path)
+    events = [e for e in events if _number(e.get("ts")) is not None]
+    events.sort(key=lambda e: e["ts"])
+    if since is not None:
+        events = [e for e in events if e["ts"] >= since]
+    _mark_way_back(events)
+    return {"events": events, "unreadable_lines": bad, "summary": summarise(events)}
+
+
+def _mark_way_back(events: list[dict]) -> None:
+    deflected_since_local = False
+    for event in events:
+        if event["event"] == "deflected":
+            deflected_since_local = True
+        elif event["event"] == "acquired":
+            event["way_back"] = deflected_since_local
+            deflected_since_local = False
+
+
+def holds(events: list[dict]) -> list[tuple[float, float, dict]]:
+    """(start, end, acquired event) for each local turn; an unfinished one ends at the last event."""
+    open_turns: dict[int, dict] = {}
+    spans = []
+    last = events[-1]["ts"] if events else 0.0
+    for event in events:
+        pid = event.get("pid")
+        if event["event"] == "acquired":
+            open_turns[pid] = event
+        elif event["event"] == "released" and pid in open_turns:
+            start = open_turns.pop(pid)
+            duration = _number(event.get("duration"))
+            end = start["ts"] + duration if duration is not None else event["ts"]
+            spans.append((start["ts"], end, start))
+    for start in open_turns.values():
+        spans.append((start["ts"], last, start))
+    return sorted(spans, key=lambda span: span[0])
+
+
+def summarise(events: list[dict]) -> dict:
+    local = sum(1 for e in events if e["event"] == "acquired")
+    deflected = sum(1 for e in events if e["event"] == "deflected")
+    fail_open = sum(1 for e in events if e["event"] == "fail-open")
+    spans = holds(events)
+    busy = sum(end - start for start, end, _ in spans)
+    window = (events[-1]["ts"] - events[0]["ts"]) if len(events) > 1 else 0.0
+    turns = local + deflected + fail_open
+    return {
+        "turns": turns, "local": local, "deflected": deflected, "fail_open": fail_open,
+        "deflection_rate": round(deflected / turns, 4) if turns else 0.0,
+        "busy_fraction": round(min(1.0, busy / window), 4) if window > 0 else (1.0 if spans else 0.0),
+        "longest_hold": round(max((end - start for start, end, _ in spans), default=0.0), 3),
+        "way_back": sum(1 for e in events if e.get("way_back")),
+        "first": events[0]["time"] if events else None,
+        "last": events[-1]["time"] if events else None,
+    }
+
+
+def timeline(events: list[dict]) -> list[tuple[str, list[str]]]:
+    """[(hour label, 60 cells)] from the first event's hour to the last's, local time."""
+    if not events:
+        return []
+    spans = holds(events)
+    first_hour = int(events[0]["ts"] // 3600) * 3600
+    last_hour = int(events[-1]["ts"] // 3600) * 3600
+    rows = []
+    for hour in range(first_hour, last_hour + 3600, 3600):
+        cells = [IDLE] * 60
+        for start, end, _ in spans:
+            for minute in range(60):
+                cell_start = hour + minute * 60
+                if start < cell_start + 60 and end >= cell_start:
+                    cells[minute] = LOCAL
+        for event in events:
+            if event["event"] == "deflected" and hour <= event["ts"] < hour + 3600:
+                # A deflection happens while someone holds the lane, so it outranks "local".
+                cells[int((event["ts"] - hour) // 60)] = DEFLECTED
+        label = time.strftime("%Y-%m-%d %H:00", time.localtime(hour))
+        rows.append((label, cells))
+        if len(rows) >= 48:   # two days of bars is a glance; --since narrows it
+            break
+    return rows
+
+
+def describe(event: dict) -> str:
+    kind = event["event"]
+    if kind == "released":
+        return f"held {_number(event.get('duration')) or 0:.1f}s, exit {event.get('exit_status')}"
+    if kind == "deflected":
+        holder = event.get("holder") if isinstance(event.get("holder"), dict) else {}
+        who = f"pid {holder.get('pid')}" + (f", session {holder['session']}" if holder.get("session") else "")
+        return f"{event.get('reason')}: held by {who}"
+    if kind == "waited":
+        return f"waited {_number(event.get('waited')) or 0:.2f}s"
+    if kind == "fail-open":
+        return str(event.get("reason"))[:120]
+    if kind == "acquired":
+        return "back on local after deflections" if event.get("way_back") else ""
+    return ""
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if value != value or abs(value) > 1e12:
+        return None
+    return float(value)
