@@ -203,6 +203,62 @@ def history(backend, lock_dir, model, key_by, since, json_):
     return exitcodes.OK
 
 
+@cli.group(context_settings=CONTEXT)
+def config():
+    """Show, set and locate the TOML configuration."""
+
+
+@config.command("show", context_settings=CONTEXT)
+@click.option("--json", "json_", is_flag=True, help="Print the settings as JSON.")
+def config_show(json_):
+    """The effective configuration and where each value came from."""
+    from . import config as settings
+    from . import render
+
+    try:
+        data = settings.effective()
+    except settings.ConfigError as error:
+        raise click.UsageError(str(error)) from None
+    render.config(data, json_)
+    return exitcodes.OK
+
+
+@config.command("set", context_settings=CONTEXT)
+@click.argument("key")
+@click.argument("value")
+@click.option("--system", is_flag=True, help="Write the system file (/etc/lanelock/config.toml).")
+def config_set(key, value, system):
+    """Validate KEY = VALUE (TOML syntax; bare words are strings) and write it."""
+    from . import config as settings
+
+    try:
+        path = settings.set_value(key, value, system=system)
+    except settings.ConfigError as error:
+        raise click.UsageError(str(error)) from None
+    click.echo(f"{key} set in {path}")
+    return exitcodes.OK
+
+
+@config.command("path", context_settings=CONTEXT)
+@click.option("--json", "json_", is_flag=True, help="Print the paths as JSON.")
+def config_path(json_):
+    """The system and per-user config files, and whether they exist."""
+    import os
+
+    from . import config as settings
+    from . import render
+
+    files = {"system": settings.system_file(), "user": settings.user_file()}
+    data = {name: {"path": path, "exists": bool(path) and os.path.exists(path)}
+            for name, path in files.items()}
+    if json_:
+        render.emit_json(data)
+    else:
+        for name, info in data.items():
+            click.echo(f"{name:<7} {info['path']}{'' if info['exists'] else ' (absent)'}")
+    return exitcodes.OK
+
+
 def _pairs(values: tuple[str, ...], option: str) -> dict[str, str]:
     pairs = {}
     for value in values:

@@ -156,3 +156,72 @@ def _line_of(raw: bytes, key: str) -> int:
         if stripped.startswith((key, f'"{key}"', f"[{key}", f"[[{key}")):
             return number
     return 1
+
+
+DEFAULTS = {
+    "backend": "127.0.0.1:8080", "key_by": "backend", "gate": "auto", "busy_exit_code": 75,
+    "grace": 0.05, "wait": 0, "journal_max_bytes": 1 << 20,
+}
+
+
+def effective() -> dict:
+    """Every setting with its value and where it came from (for `config show`)."""
+    config = load()
+    rows = {}
+    for key in SETTINGS:
+        if key in config.values:
+            rows[key] = {"value": config.values[key], "source": config.origins[key]}
+        elif key == "lock_dir":
+            from .paths import resolve_root
+
+            root = resolve_root(None, None)
+            rows[key] = {"value": root.path, "source": f"{root.source}: {root.detail}"}
+        elif key in DEFAULTS:
+            rows[key] = {"value": DEFAULTS[key], "source": "default"}
+        else:
+            rows[key] = {"value": None, "source": "unset"}
+    for name in ("LANELOCK_DIR", "LANELOCK_BACKEND", "LANELOCK_MODEL", "LANELOCK_SESSION"):
+        if os.environ.get(name):
+            key = {"LANELOCK_DIR": "lock_dir"}.get(name, name.removeprefix("LANELOCK_").lower())
+            rows[key] = {"value": os.environ[name], "source": f"env {name}"}
+    return {"settings": rows, "files": config.files, "ignored": config.ignored}
+
+
+def parse_value(text: str):
+    """A command-line value as TOML would read it (0.1, 75, true, [..], {..}); else a string."""
+    import tomllib
+
+    try:
+        return tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def set_value(key: str, text: str, *, system: bool) -> str:
+    """Validate and write one setting; the file is left untouched on any error. Returns the path."""
+    if key == "lock_dir" and not system:
+        raise ConfigError("lock_dir can only be set in the system file (--system): a per-user "
+                          "lock root would split the gate")
+    value = parse_value(text)
+    problem = validate(key, value)
+    if problem:
+        raise ConfigError(problem)
+    path = system_file() if system else user_file()
+    if not path:
+        raise ConfigError("no user config path: HOME and XDG_CONFIG_HOME are unset")
+    data = read_file(path) or {}
+    data[key] = value
+    import tomli_w
+
+    text_out = tomli_w.dumps(data)
+    directory = os.path.dirname(path) or "."
+    try:
+        os.makedirs(directory, exist_ok=True)
+        temp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text_out)
+        os.replace(temp, path)
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot write: {error.strerror}") from None
+    return path

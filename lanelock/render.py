@@ -196,3 +196,13 @@ def history(data: dict, lane: str, as_json: bool, rows: list) -> None:
         f"deflection rate {summary['deflection_rate'] * 100:.0f}%; busy "
         f"{summary['busy_fraction'] * 100:.0f}% of the span; longest hold "
         f"{summary['longest_hold']:.1f}s; way back to local {summary['way_back']}x\n")
+
+
+def config(data: dict, as_json: bool) -> None:
+    for note in data["ignored"]:
+        warn(note)
+    if as_json:
+        return emit_json(data)
+    for key, row in data["settings"].items():
+        value = json.dumps(row["value"]) if not isinstance(row["value"], str) else row["value"]
+        sys.stdout.write(f"{key:<18} {sanitize(value, 200):<40} # {sanitize(row['source'], 200)}\n")
