@@ -186,11 +186,14 @@ class Turn:
         for _ in range(3):
             self._handle = None
             handle = self._handle = store.open(gate.lane.stem)
+            if handle.caveat:
+                gate.warn(handle.caveat)
             ident = (handle.st.st_dev, handle.st.st_ino)
             owner = _HELD_HERE.get(ident)
             if owner and owner[0] == _thread.get_ident():
                 return self._nested(handle, ident)
             started = time.monotonic()
+            _debug_pause("before-acquire")
             got = store.try_lock(handle)
             if not got:
                 if self._ancestor_holds(store.kernel(handle)):
@@ -201,6 +204,9 @@ class Turn:
             if not got:
                 return self._deflect(handle)
             if store.still_current(handle):
+                orphan = self._orphan_holder(handle)
+                if orphan is not None:   # a live turn holds a removed/replaced lock file
+                    return self._deflect(handle, orphan)
                 return self._held(handle, ident)
             store.release(handle)   # the file was replaced while we waited: lock the new one
         raise GateUnavailable(f"lock file {gate.lock_path} keeps being replaced")
@@ -218,6 +224,26 @@ class Turn:
                 return False
         return bool(pids) and bool(pids & set(holders.ancestors()))
 
+    def _orphan_holder(self, handle: Handle) -> dict | None:
+        """The holder of a lock file that was removed or replaced while it held it, if still alive.
+
+        Its lock is on the old inode, ours on the new one: taking the lane now would make two
+        gates. The sidecar names it (pid, start time, lock_inode); the kernel confirms it."""
+        record, _ = sidecar.read(self.gate.names["sidecar"], dir_fd=handle.dir_fd)
+        inode = sidecar.field(record, "lock_inode", int)
+        pid = sidecar.field(record, "pid", int)
+        if record is None or "released_at" in record or inode is None or pid is None \
+                or inode == handle.st.st_ino or pid == os.getpid():
+            return None
+        if holders.start_ticks(pid) != sidecar.field(record, "start_ticks", int):
+            return None
+        if holders.holds_other_inode(pid, handle.st, inode) is None:
+            return None
+        return {"pid": pid, "session": sidecar.field(record, "session", str),
+                "model": sidecar.field(record, "model", str), "held_for": None, "lanelock": True,
+                "command": _argv_text(sidecar.field(record, "argv", list, [])),
+                "note": f"holds a removed or replaced lock file (inode {inode})"}
+
     def _nested(self, handle: Handle, ident) -> "Turn":
         self.gate.store.release(handle)
         self._handle = None
@@ -233,6 +259,7 @@ class Turn:
         _HELD_HERE[ident] = [_thread.get_ident(), 1]
         self._started = time.monotonic()
         self._acquired_at = _utc_now()
+        _debug_pause("after-acquire")
         journal.rotate_if_needed(handle.dir_fd, gate.names["journal"], gate.journal_max_bytes)
         self._write_sidecar(self._record())
         if self.waited >= 0.001 and self.wait != 0:
@@ -240,9 +267,9 @@ class Turn:
         self._log("acquired")
         return self
 
-    def _deflect(self, handle: Handle) -> "Turn":
+    def _deflect(self, handle: Handle, holder: dict | None = None) -> "Turn":
         self.state, self.reason = DEFLECTED, REASON_BUSY
-        self.holder = describe_holder(self.gate, handle)
+        self.holder = holder or describe_holder(self.gate, handle)
         self._log("deflected", reason=REASON_BUSY, holder=self.holder)
         self.gate.store.release(handle)
         self._handle = None
@@ -278,6 +305,7 @@ class Turn:
         record.update(released_at=_utc_now(), exit_status=exit_status, held_seconds=duration)
         self._write_sidecar(record)
         self._log("released", duration=duration, exit_status=exit_status)
+        _debug_pause("during-release")
         _HELD_HERE.pop(self._key, None)
         self.gate.store.release(handle)
         self._handle = None
@@ -317,6 +345,15 @@ class Turn:
                 self.gate.warn(f"journal not written: {error.strerror or error}")
 
 
+def _debug_pause(step: str) -> None:
+    """Fault-test hook: LANELOCK_DEBUG_PAUSE=STEP stops this process (SIGSTOP) at STEP, so a test
+    can SIGKILL it exactly there. Steps: before-acquire, after-acquire, during-release."""
+    if os.environ.get("LANELOCK_DEBUG_PAUSE") == step:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def describe_holder(gate: Gate, handle: Handle) -> dict:
     """Who holds the lane: the kernel's pid, labelled from the sidecar when the sidecar agrees."""
     view = gate.store.kernel(handle)
@@ -352,6 +389,8 @@ def holder_words(holder: dict | None) -> str:
         parts.append(f"held {holder['held_for']:.1f}s")
     if not holder.get("lanelock") and holder.get("command"):
         parts.append(f"not a lanelock turn: {holder['command']}")
+    elif holder.get("lanelock") and holder.get("note"):
+        parts.append(holder["note"])
     return sanitize(", ".join(parts))
 
 

@@ -20,29 +20,54 @@ class KernelView:
     waiters: tuple[int, ...]   # pids blocked in flock() on it
 
 
-def kernel_view(st: os.stat_result) -> KernelView | None:
-    """FLOCK entries for the file with this device and inode; None when /proc/locks is unreadable."""
+def flock_entries() -> list[tuple[int, str, int, bool]] | None:
+    """(pid, "maj:min", inode, blocked) for every FLOCK in /proc/locks; None when unreadable."""
     try:
         with open(PROC_LOCKS, "rb") as handle:
             text = handle.read().decode("ascii", "replace")
     except OSError:
         return None
-    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    holders, waiters = [], []
+    entries = []
     for line in text.splitlines():
         words = line.split()
         blocked = len(words) > 1 and words[1] == "->"
         if blocked:
             words = words[:1] + words[2:]
         # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:2146329 0 EOF"
-        if len(words) < 6 or words[1] != "FLOCK" or words[5] != want:
+        if len(words) < 6 or words[1] != "FLOCK":
             continue
+        device, _, inode = words[5].rpartition(":")
         try:
-            pid = int(words[4])
+            entries.append((int(words[4]), device, int(inode), blocked))
         except ValueError:
             continue
-        (waiters if blocked else holders).append(pid)
-    return KernelView(tuple(holders), tuple(waiters))
+    return entries
+
+
+def _device(st: os.stat_result) -> str:
+    return f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+
+
+def kernel_view(st: os.stat_result) -> KernelView | None:
+    """Holders and waiters of the file with st's device and inode; None when /proc/locks is unreadable."""
+    entries = flock_entries()
+    if entries is None:
+        return None
+    device = _device(st)
+    mine = [(pid, blocked) for pid, dev, ino, blocked in entries if dev == device and ino == st.st_ino]
+    return KernelView(tuple(pid for pid, blocked in mine if not blocked),
+                      tuple(pid for pid, blocked in mine if blocked))
+
+
+def holds_other_inode(pid: int, st: os.stat_result, inode: int | None = None) -> int | None:
+    """An inode on st's device, other than st's (or exactly `inode`), that pid holds an FLOCK on:
+    the sign of a lock file that was removed or replaced under a live holder."""
+    device = _device(st)
+    for holder, dev, ino, blocked in flock_entries() or ():
+        if holder == pid and dev == device and not blocked and ino != st.st_ino \
+                and (inode is None or ino == inode):
+            return ino
+    return None
 
 
 def proc_stat(pid: int) -> tuple[int, int] | None:

@@ -61,9 +61,16 @@ def lane_status(root: str, stem: str, lane: str | None = None) -> dict:
 
 
 def _judge(result: dict, st: os.stat_result, held: bool | None, record, problem) -> dict:
-    stale = _stale_reason(result, st, record)
     pid = sidecar.field(record, "pid", int)
     released = record is not None and "released_at" in record
+    replaced = _replaced_under(record, pid, st) if record is not None and not released else None
+    if replaced is not None:
+        result["holder"] = _summary(record)
+        return _verdict(result, "held", "lock-file-replaced",
+                        f"held by lanelock turn pid {pid} ({_who(record)}) on a removed or replaced "
+                        f"lock file (inode {replaced}; the file here is inode {st.st_ino}); new turns "
+                        "deflect until it ends")
+    stale = _stale_reason(result, st, record)
     if held is None:
         return _verdict(result, "unknown", "error", "cannot tell: /proc/locks unreadable and the probe failed")
     if held:
@@ -99,17 +106,21 @@ def _judge(result: dict, st: os.stat_result, held: bool | None, record, problem)
     result["last"] = _summary(record)
     alive = pid is not None and holders.start_ticks(pid) == sidecar.field(record, "start_ticks", int)
     if alive:
-        elsewhere = _locks_elsewhere(pid, st)
-        if elsewhere:
-            return _verdict(result, "free", "lock-file-replaced",
-                            f"free, but holder pid {pid} still holds a lock on a replaced lock file "
-                            f"(inode {elsewhere}, the file here is inode {st.st_ino}): two gates "
-                            "until that turn ends")
         return _verdict(result, "free", "releasing",
                         f"free; holder pid {pid} is alive and letting go (or lost the lock)")
     return _verdict(result, "free", "died",
                     f"free; last holder pid {pid} ({_who(record)}) died without releasing; "
                     "the kernel dropped the lock")
+
+
+def _replaced_under(record: dict, pid: int | None, st: os.stat_result) -> int | None:
+    """The old inode a live holder still locks after its lock file was removed or replaced."""
+    inode = sidecar.field(record, "lock_inode", int)
+    if pid is None or inode is None or inode == st.st_ino:
+        return None
+    if holders.start_ticks(pid) != sidecar.field(record, "start_ticks", int):
+        return None
+    return holders.holds_other_inode(pid, st, inode)
 
 
 def _stale_reason(result: dict, st: os.stat_result, record) -> str | None:
@@ -136,22 +147,6 @@ def _stale_reason(result: dict, st: os.stat_result, record) -> str | None:
         now_ticks = holders.start_ticks(pid)
         if now_ticks is not None and now_ticks != ticks:
             return f"pid {pid} was reused by another process (start time differs)"
-    return None
-
-
-def _locks_elsewhere(pid: int, st: os.stat_result) -> int | None:
-    """An inode on the same device other than st's that pid holds an FLOCK on."""
-    try:
-        with open(holders.PROC_LOCKS, "rb") as handle:
-            text = handle.read().decode("ascii", "replace")
-    except OSError:
-        return None
-    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:"
-    for line in text.splitlines():
-        words = line.split()
-        if len(words) >= 6 and words[1] == "FLOCK" and words[4] == str(pid) \
-                and words[5].startswith(device) and words[5] != f"{device}{st.st_ino}":
-            return int(words[5].rsplit(":", 1)[1])
     return None
 
 

@@ -39,6 +39,7 @@ class Handle:
     fd: int | None
     name: str              # lock file name under the root
     st: os.stat_result | None
+    caveat: str | None = None   # e.g. the root is on a network filesystem
 
     def close(self) -> None:
         for fd in (self.fd, self.dir_fd):
@@ -71,6 +72,7 @@ class FlockStore:
             return Handle(-1, None, self.names(stem)["lock"], None)
         handle = Handle(dir_fd, None, self.names(stem)["lock"], None)
         try:
+            handle.caveat = network_caveat(self.root.path, os.fstat(dir_fd))
             handle.fd = _open_lock(dir_fd, handle.name, create)
             if handle.fd is not None:
                 handle.st = os.fstat(handle.fd)
@@ -127,6 +129,33 @@ class FlockStore:
         handle.close()
 
 
+NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "9p",
+                        "fuse.sshfs", "afs", "lustre", "gpfs", "beegfs"})
+
+
+def network_caveat(path: str, st: os.stat_result) -> str | None:
+    """A warning when the root is on a network filesystem: flock there does not reliably exclude
+    processes on other machines (wake#593, portalocker#92). Local disks have a real device number
+    (major != 0), so only anonymous devices pay for a look at mountinfo."""
+    if os.major(st.st_dev) != 0:
+        return None
+    device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    try:
+        with open("/proc/self/mountinfo", "rb") as handle:
+            lines = handle.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 2 and fields[2] == device and " - " in line:
+            fstype = line.split(" - ", 1)[1].split()[0]
+            if fstype in NETWORK_FS:
+                return (f"lock root {path} is on {fstype}: flock there does not reliably exclude "
+                        "other machines; keep the root on a local disk")
+            return None
+    return None
+
+
 def _open_lock(dir_fd: int, name: str, create: bool) -> int | None:
     for _ in range(8):
         try:
@@ -141,10 +170,11 @@ def _open_lock(dir_fd: int, name: str, create: bool) -> int | None:
             # Readable by all is enough: flock(2) works on a read-only descriptor.
             os.fchmod(fd, 0o644)
             return fd
-        except PermissionError:
-            # Another user's 0644 lock file: a read-only descriptor locks it just as well.
-            return os.open(name, os.O_RDONLY | _OPEN, dir_fd=dir_fd)
         except OSError as error:
+            # Another user's 0644 lock file, or a read-only filesystem: a read-only descriptor
+            # locks it just as well.
+            if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                return os.open(name, os.O_RDONLY | _OPEN, dir_fd=dir_fd)
             if error.errno == errno.ELOOP:
                 raise GateUnavailable(f"lock file {name} is a symlink; refusing to follow it") from None
             raise

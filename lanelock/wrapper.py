@@ -136,6 +136,7 @@ def child_env(turn: Turn, fallback_turn: Turn | None = None, index: int | None =
     if turn.model:
         env["LANELOCK_MODEL"] = turn.model
     env.pop("LANELOCK_FAILOVER_REASON", None)
+    env.pop("LANELOCK_DEBUG_PAUSE", None)   # the hook is for this wrapper, not nested turns
     if turn.state == DEFLECTED:
         env["LANELOCK_FAILOVER_REASON"] = REASON_BUSY
         env["LANELOCK_FALLBACK_INDEX"] = str(index or 0)
