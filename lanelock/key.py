@@ -10,10 +10,9 @@ shape and by /etc/hosts, which is a local file.
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
+import os
 import re
-import socket
 from dataclasses import dataclass, field
 from urllib.parse import quote, urlsplit
 
@@ -58,6 +57,8 @@ class Lane:
         if self.model:
             stem += "~" + quote(self.model, safe="-._")
         if len(stem) > _MAX_STEM:
+            import hashlib
+
             digest = hashlib.sha256(stem.encode()).hexdigest()[:16]
             stem = f"{stem[:_MAX_STEM - 17]}~{digest}"
         return stem
@@ -172,7 +173,7 @@ def classify(host: str) -> str:
 def _classify_name(name: str) -> str:
     if name == LOCAL_HOST or name.endswith(".localhost"):
         return "local"
-    own = socket.gethostname().lower().rstrip(".")
+    own = os.uname().nodename.lower().rstrip(".")   # gethostname() without importing socket
     if name in (own, own.split(".", 1)[0]):
         return "local"
     mapped = hosts_file().get(name)
@@ -186,6 +187,8 @@ def _classify_name(name: str) -> str:
 def own_addresses() -> frozenset[str]:
     """Addresses of this machine's interfaces (psutil is imported only when an address needs it)."""
     try:
+        import socket
+
         import psutil
 
         found = set()

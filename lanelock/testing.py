@@ -73,6 +73,29 @@ def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in") -> Th
                 return self._send(200, {"object": "list", "data": [{"id": name, "object": "model"}]})
             return self._send(404, {"error": "not found"})
 
+        def _generate(self, seconds: float) -> bool:
+            """'Generate' for `seconds`, stopping early when the client hangs up, as llama-server
+            does: a killed turn must not keep counting as a generation in flight."""
+            import select
+            import socket
+
+            deadline = time.monotonic() + seconds
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return True
+                readable, _, _ = select.select([self.connection], [], [], min(remaining, 0.002))
+                if readable:
+                    try:
+                        if self.connection.recv(1, socket.MSG_PEEK) == b"":
+                            self.close_connection = True
+                            return False
+                        time.sleep(remaining)   # a pipelined request, not a hang-up
+                        return True
+                    except OSError:
+                        self.close_connection = True
+                        return False
+
         def do_POST(self):
             length = int(self.headers.get("Content-Length") or 0)
             self.rfile.read(min(length, 1 << 20))
@@ -83,9 +106,11 @@ def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in") -> Th
                 return self._send(404, {"error": "not found"})
             counter.enter()
             try:
-                time.sleep(delay)   # "generating"
+                finished = self._generate(delay)
             finally:
                 counter.leave()
+            if not finished:
+                return None
             return self._send(200, {
                 "object": "chat.completion", "model": name,
                 "choices": [{"index": 0, "finish_reason": "stop",

@@ -173,9 +173,10 @@ class Processes:
         for process in self.strays:
             try:
                 process.kill()   # psutil refuses if the pid now belongs to another process
-                process.wait(timeout=10)
-            except (psutil.NoSuchProcess, psutil.TimeoutExpired):
-                pass
+            except psutil.NoSuchProcess:
+                continue
+            # Not our child: whoever adopted it reaps it; a zombie no longer runs.
+            wait_for(lambda: not running(process), what=f"pid {process.pid} to die")
 
 
 @pytest.fixture
@@ -256,6 +257,14 @@ def wait_for(condition, timeout: float = 30.0, what: str = "condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.005)
+
+
+def running(process: psutil.Process) -> bool:
+    """Still this very process (not a reused pid), and not a zombie."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def pid_gone(pid: int) -> bool:

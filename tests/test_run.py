@@ -18,7 +18,7 @@ import pexpect
 import psutil
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, environ, is_waiting, pid_gone, read_line, wait_for
+from conftest import LANELOCK, TIMEOUT, environ, is_waiting, pid_gone, read_line, running, wait_for
 
 ENV_DUMP = [sys.executable, "-c",
             "import json, os; print(json.dumps({k: v for k, v in os.environ.items() "
@@ -534,7 +534,7 @@ def test_kill_9_of_the_wrapper_frees_the_lane_and_kills_the_child(holder, lanelo
     os.kill(held.pid, signal.SIGKILL)
     assert held.wait() == -signal.SIGKILL
     assert lanelock("probe").returncode == 0, "the lane outlived its wrapper"
-    wait_for(lambda: pid_gone(child.pid), what="the child to get its parent-death signal")
+    wait_for(lambda: not running(child), what="the child to get its parent-death signal")
 
 
 def test_kill_9_of_the_child_frees_the_lane_and_the_wrapper_exits_137(holder, lanelock, lock_dir):
@@ -796,3 +796,11 @@ def test_a_file_that_is_not_a_program_gives_126(lanelock, tmp_path):
     garbage.write_bytes(b"\x7fELF\x00\x01garbage")
     garbage.chmod(0o755)
     assert lanelock("run", "--", garbage).returncode == 126
+
+
+def test_the_lock_file_is_never_unlinked(lanelock, lock_dir):
+    assert lanelock("run", "--", "true").returncode == 0
+    inode = os.stat(lock_dir / "localhost-8080.lock").st_ino
+    assert lanelock("run", "--", "sh", "-c", "exit 1").returncode == 1
+    assert lanelock("run", "--", "no-such-command-lanelock-test").returncode == 127
+    assert os.stat(lock_dir / "localhost-8080.lock").st_ino == inode
