@@ -1,0 +1,173 @@
+"""TOML configuration: round trip, line-numbered errors, validation that leaves the file alone,
+and the JSON of every read command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+LANELOCK = [sys.executable, "-m", "lanelock"]
+
+
+@pytest.fixture(autouse=True)
+def files(tmp_path, monkeypatch):
+    system, user = tmp_path / "etc" / "config.toml", tmp_path / "home" / "config.toml"
+    monkeypatch.setenv("LANELOCK_DIR", str(tmp_path / "root"))
+    monkeypatch.setenv("LANELOCK_SYSTEM_CONFIG", str(system))
+    monkeypatch.setenv("LANELOCK_CONFIG", str(user))
+    for name in ("LANELOCK_BACKEND", "LANELOCK_SESSION", "LANELOCK_MODEL"):
+        monkeypatch.delenv(name, raising=False)
+    return system, user
+
+
+def lanelock(*args, env=None):
+    return subprocess.run(LANELOCK + list(args), capture_output=True, text=True, env=env, timeout=60)
+
+
+def show() -> dict:
+    done = lanelock("config", "show", "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)["settings"]
+
+
+@pytest.mark.parametrize("key,text,value", [
+    ("grace", "0.2", 0.2), ("busy_exit_code", "9", 9), ("backend", "localhost:8081", "localhost:8081"),
+    ("key_by", "model", "model"), ("gate", "never", "never"), ("wait", "5", 5),
+    ("journal_max_bytes", "65536", 65536), ("model", "qwen2.5:7b", "qwen2.5:7b"),
+    ("chains", '{cloud = [{command = "llm -m x"}, {backend = "127.0.0.1:8081", command = ["a", "b"]}]}',
+     {"cloud": [{"command": "llm -m x"}, {"backend": "127.0.0.1:8081", "command": ["a", "b"]}]}),
+])
+def test_set_then_show_round_trip(files, key, text, value):
+    _, user = files
+    done = lanelock("config", "set", key, text)
+    assert done.returncode == 0, done.stderr
+    assert show()[key] == {"value": value, "source": str(user)}
+
+
+@pytest.mark.parametrize("key,text", [("grace", "-1"), ("busy_exit_code", "256"), ("bogus", "1"),
+                                      ("key_by", "host"), ("chains", "[1, 2]"), ("gate", "maybe")])
+def test_bad_set_is_a_usage_error_and_leaves_the_file_untouched(files, key, text):
+    _, user = files
+    user.parent.mkdir(parents=True)
+    user.write_text("# mine\ngrace = 0.1\n")
+    before = user.read_bytes()
+    done = lanelock("config", "set", key, text)
+    assert done.returncode == 2
+    assert done.stderr.startswith("lanelock: ") and len(done.stderr.strip().splitlines()) == 1
+    assert user.read_bytes() == before
+
+
+def test_user_file_cannot_set_the_lock_root(files, tmp_path):
+    system, user = files
+    assert lanelock("config", "set", "lock_dir", str(tmp_path / "mine")).returncode == 2
+    user.parent.mkdir(parents=True)
+    user.write_text(f'lock_dir = "{tmp_path / "mine"}"\n')
+    where = lanelock("where", "--json", env={k: v for k, v in os.environ.items() if k != "LANELOCK_DIR"})
+    info = json.loads(where.stdout)
+    assert info["root_source"] != "user-config" and str(tmp_path / "mine") not in info["lock_path"]
+    assert "IGNORED" in where.stderr and str(user) in where.stderr
+    assert lanelock("config", "set", "lock_dir", str(tmp_path / "sys"), "--system").returncode == 0
+    where = lanelock("where", "--json", env={k: v for k, v in os.environ.items() if k != "LANELOCK_DIR"})
+    assert json.loads(where.stdout)["root"] == str(tmp_path / "sys")
+    assert json.loads(where.stdout)["root_source"] == "system-config"
+
+
+def test_invalid_config_reports_file_and_line(files):
+    system, _ = files
+    system.parent.mkdir(parents=True)
+    system.write_text('backend = "localhost:8080"\n\ngrace = "soon"\n')
+    done = lanelock("where")
+    assert done.returncode == 2
+    assert f"{system}: line 3:" in done.stderr
+    system.write_text('backend = "localhost:8080"\ngrace = \n')
+    done = lanelock("status")
+    assert done.returncode == 2 and str(system) in done.stderr and "line 2" in done.stderr
+
+
+def test_config_values_take_effect(files, tmp_path):
+    system, user = files
+    user.parent.mkdir(parents=True)
+    user.write_text('busy_exit_code = 9\n[[chains.cloud]]\ncommand = "echo from-chain"\n')
+    marker = tmp_path / "ready"
+    holder = subprocess.Popen(LANELOCK + ["run", "--", "sh", "-c", f"touch {marker}; sleep 60"])
+    try:
+        import time
+        deadline = time.monotonic() + 20
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lanelock("run", "--", "true").returncode == 9
+        chained = lanelock("run", "--chain", "cloud", "--", "true")
+        assert chained.returncode == 0 and chained.stdout.strip() == "from-chain"
+        assert lanelock("run", "--chain", "nope", "--", "true").returncode == 2
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_config_path(files):
+    system, user = files
+    data = json.loads(lanelock("config", "path", "--json").stdout)
+    assert data == {"system": {"path": str(system), "exists": False},
+                    "user": {"path": str(user), "exists": False}}
+
+
+# Every read command's --json keys: documented in README, stable.
+READ_COMMANDS = {
+    ("where",): {"lane", "backend", "scope", "gated", "store", "root", "root_source", "root_detail",
+                 "lock_path", "sidecar_path", "journal_path", "config_files", "warnings"},
+    ("probe",): {"lane", "lock_path", "gated", "state"},
+    ("status",): {"lanes"},
+    ("history",): {"lane", "events", "summary", "unreadable_lines"},
+    ("config", "show"): {"settings", "files", "ignored"},
+    ("config", "path"): {"system", "user"},
+}
+
+
+@pytest.mark.parametrize("command", sorted(READ_COMMANDS), ids=" ".join)
+def test_json_keys_are_stable_and_documented(command):
+    assert lanelock("run", "--", "true").returncode == 0
+    done = lanelock(*command, "--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert READ_COMMANDS[command] <= set(data)
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for key in READ_COMMANDS[command]:
+        assert f"`{key}`" in readme, f"{key} of {' '.join(command)} --json is not in README.md"
+    if command == ("status",):
+        lane_keys = {"lane", "lock_path", "state", "verdict", "message", "holders", "waiters",
+                     "kernel_source", "holder", "last", "sidecar_problem", "exists", "sidecar_path"}
+        assert lane_keys <= set(data["lanes"][0])
+        for key in lane_keys:
+            assert f"`{key}`" in readme
+    if command == ("history",):
+        for key in ("turns", "local", "deflected", "fail_open", "deflection_rate", "busy_fraction",
+                    "longest_hold", "way_back"):
+            assert key in data["summary"] and f"`{key}`" in readme
+
+
+def test_no_color_and_dumb_terminal_give_plain_text():
+    import pexpect
+
+    lanelock("run", "--", "true")
+    for extra in ({"NO_COLOR": "1"}, {"TERM": "dumb"}):
+        env = dict(os.environ, **extra)
+        child = pexpect.spawn(sys.executable, ["-m", "lanelock", "status"], env=env, timeout=30)
+        child.expect(pexpect.EOF)
+        output = child.before.decode()
+        child.close()
+        import re
+
+        colours = re.findall(r"\x1b\[[0-9;]*(?:3[0-9]|9[0-7]|38;)[0-9;]*m", output)
+        assert colours == [], (extra, repr(output))
+        if extra.get("TERM") == "dumb":
+            assert "\x1b[" not in output
+
+
+def test_version():
+    done = lanelock("--version")
+    assert done.returncode == 0 and done.stdout.startswith("lanelock, version ")
