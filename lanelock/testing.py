@@ -124,12 +124,26 @@ def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in") -> Th
 
 def complete(url: str, prompt: str = "hello", timeout: float = 60.0) -> str:
     """POST one chat completion; return the answer's text."""
-    body = json.dumps({"messages": [{"role": "user", "content": prompt}]}).encode()
-    request = urllib.request.Request(url.rstrip("/") + "/v1/chat/completions", data=body,
+    return ask(url, prompt, timeout=timeout)["content"]
+
+
+def ask(url: str, prompt: str = "hello", *, max_tokens: int | None = None,
+        timeout: float = 300.0) -> dict:
+    """One chat completion with its facts: content, the server's timings (llama-server sends
+    them), and this process's monotonic start and end (one clock for every process)."""
+    payload = {"messages": [{"role": "user", "content": prompt}]}
+    if max_tokens:
+        payload.update(max_tokens=max_tokens, temperature=0, seed=1)
+    request = urllib.request.Request(url.rstrip("/") + "/v1/chat/completions",
+                                     data=json.dumps(payload).encode(),
                                      headers={"Content-Type": "application/json"})
+    started = time.monotonic()
     with urllib.request.urlopen(request, timeout=timeout) as response:
         answer = json.load(response)
-    return answer["choices"][0]["message"]["content"]
+    ended = time.monotonic()
+    return {"content": answer["choices"][0]["message"]["content"], "started": started,
+            "ended": ended, "timings": answer.get("timings"), "usage": answer.get("usage"),
+            "url": url}
 
 
 def stats(url: str) -> dict:
@@ -148,11 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     client = commands.add_parser("client", help="ask the server for one completion")
     client.add_argument("url")
     client.add_argument("--prompt", default="hello")
+    client.add_argument("--max-tokens", type=int)
+    client.add_argument("--json", action="store_true", help="print the answer with its timings")
     args = parser.parse_args(argv)
     if args.command == "client":
         try:
-            print(complete(args.url, args.prompt))
-        except OSError as error:
+            answer = ask(args.url, args.prompt, max_tokens=args.max_tokens)
+            print(json.dumps(answer) if args.json else answer["content"])
+        except (OSError, ValueError, KeyError) as error:
             print(f"lanelock.testing client: {error}", file=sys.stderr)
             return 1
         return 0
