@@ -28,6 +28,9 @@ def complete_backend(ctx, param, incomplete):
 
 def lane_options(function):
     """The options every command uses to name a lane."""
+    function = click.option("--store", metavar="URL", default=None,
+                            help="postgresql://... lane store for several hosts (env "
+                                 "LANELOCK_STORE; default: flock under the lock root).")(function)
     function = click.option("--key-by", type=click.Choice(["backend", "model"]), default=None,
                             help="Key the lane on the backend (default) or backend+model.")(function)
     function = click.option("--model", "-m", metavar="NAME", default=None,
@@ -40,14 +43,14 @@ def lane_options(function):
     return function
 
 
-def make_gate(backend, lock_dir, model, key_by, gate=None, grace=None, warn=None):
+def make_gate(backend, lock_dir, model, key_by, gate=None, grace=None, warn=None, store=None):
     from .gate import Gate
     from .key import BackendError
 
     try:
         kwargs = {"warn": warn} if warn else {}
         return Gate(backend, model=model, key_by=key_by, lock_dir=lock_dir, gate=gate,
-                    grace=grace, **kwargs)
+                    grace=grace, store=store, **kwargs)
     except BackendError as error:
         raise click.UsageError(str(error)) from None
 
@@ -92,14 +95,15 @@ def cli():
 @click.option("--quiet", "-q", is_flag=True, help="No notes or warnings from lanelock.")
 @click.option("--verbose", "-v", is_flag=True, help="Report the wait time and the lock path.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(backend, lock_dir, model, key_by, session, fallbacks, chain, wait, busy_exit_code, grace,
+def run(backend, lock_dir, model, key_by, store, session, fallbacks, chain, wait, busy_exit_code, grace,
         kill_after, gate_override, quiet, verbose, command):
     """Run COMMAND holding the backend's lane; deflect to a fallback when it is busy."""
     from . import chain as chains
     from .wrapper import Options, Say, run_turn
 
     say = Say(quiet)
-    gate = make_gate(backend, lock_dir, model, key_by, gate_override, grace, warn=say.warn)
+    gate = make_gate(backend, lock_dir, model, key_by, gate_override, grace, warn=say.warn,
+                     store=store)
     settings = gate.config
     try:
         entries = [chains.parse(text) for text in fallbacks]
@@ -111,7 +115,7 @@ def run(backend, lock_dir, model, key_by, session, fallbacks, chain, wait, busy_
         wait = float(settings.get("wait"))
     options = Options(
         session=session, model=model, wait=None if wait == float("inf") else (wait or 0.0),
-        fallbacks=entries, quiet=quiet, verbose=verbose, lock_dir=lock_dir,
+        fallbacks=entries, quiet=quiet, verbose=verbose, lock_dir=lock_dir, store=store,
         busy_exit_code=busy_exit_code if busy_exit_code is not None
         else settings.get("busy_exit_code", exitcodes.BUSY),
         kill_after=kill_after if kill_after is not None else settings.get("kill_after"))
@@ -121,12 +125,12 @@ def run(backend, lock_dir, model, key_by, session, fallbacks, chain, wait, busy_
 @cli.command(context_settings=CONTEXT)
 @lane_options
 @click.option("--json", "json_", is_flag=True, help="Print the result as JSON.")
-def probe(backend, lock_dir, model, key_by, json_):
+def probe(backend, lock_dir, model, key_by, store, json_):
     """Is the lane free? Exit 0 free, 1 busy, 2 error. Takes and drops the lock at once."""
     from . import render
     from .paths import GateUnavailable
 
-    gate = strict_gate(backend, lock_dir, model, key_by)
+    gate = strict_gate(backend, lock_dir, model, key_by, store=store)
     try:
         result = gate.probe()
     except GateUnavailable as error:
@@ -139,11 +143,11 @@ def probe(backend, lock_dir, model, key_by, json_):
 @cli.command(context_settings=CONTEXT)
 @lane_options
 @click.option("--json", "json_", is_flag=True, help="Print the paths as JSON.")
-def where(backend, lock_dir, model, key_by, json_):
+def where(backend, lock_dir, model, key_by, store, json_):
     """Print the lock file, the sidecar and how the lock root was chosen."""
     from . import render
 
-    render.where(strict_gate(backend, lock_dir, model, key_by).where(), json_)
+    render.where(strict_gate(backend, lock_dir, model, key_by, store=store).where(), json_)
     return exitcodes.OK
 
 
@@ -152,7 +156,7 @@ def where(backend, lock_dir, model, key_by, json_):
 @click.option("--all", "all_lanes", is_flag=True, help="Every lane under the lock root.")
 @click.option("--json", "json_", is_flag=True, help="Print the facts as JSON.")
 @click.option("--watch", is_flag=True, help="Refresh a live view until ^C.")
-def status(backend, lock_dir, model, key_by, all_lanes, json_, watch):
+def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
     """Who holds the lane, from the kernel's /proc/locks, cross-checked with the sidecar.
 
     Never takes the lock. Exit 0 whatever the lane's state; 2 on a usage error.
@@ -162,13 +166,15 @@ def status(backend, lock_dir, model, key_by, all_lanes, json_, watch):
 
     if all_lanes and backend:
         raise click.UsageError("--all and --backend exclude each other")
-    gate = strict_gate(backend, lock_dir, model, key_by)
+    gate = strict_gate(backend, lock_dir, model, key_by, store=store)
     root = gate.root.path
     notes = list(gate.config.ignored)
     if not gate.gated and not all_lanes:
         notes.append(f"{gate.lane.name} is not a local lane: turns on it are never gated")
 
     def fetch():
+        if gate.store.kind == "postgresql":
+            return gate.store.lane_statuses(None if all_lanes else gate.lane.name)
         if all_lanes:
             return [lane_status(root, stem) for stem in lane_stems(root)]
         return [lane_status(root, gate.lane.stem, gate.lane.name)]
@@ -187,17 +193,26 @@ def status(backend, lock_dir, model, key_by, all_lanes, json_, watch):
 @click.option("--since", metavar="WHEN", default=None,
               help="Only events since a duration ago (30m, 2h, 1d) or an ISO date.")
 @click.option("--json", "json_", is_flag=True, help="Print the events and summary as JSON.")
-def history(backend, lock_dir, model, key_by, since, json_):
+def history(backend, lock_dir, model, key_by, store, since, json_):
     """The lane's journal: local turns, deflections, waits, the way back."""
     from . import history as lane_history
     from . import render
 
-    gate = strict_gate(backend, lock_dir, model, key_by)
+    from .paths import GateUnavailable
+
+    gate = strict_gate(backend, lock_dir, model, key_by, store=store)
     try:
         cutoff = lane_history.parse_since(since)
     except lane_history.SinceError as error:
         raise click.UsageError(str(error)) from None
-    data = lane_history.load(gate.journal_path, cutoff)
+    if gate.store.kind == "postgresql":
+        try:
+            data = lane_history.from_events(gate.store.events(gate.lane.name, cutoff), 0)
+        except GateUnavailable as error:
+            render.fail(str(error))
+            return exitcodes.USAGE
+    else:
+        data = lane_history.load(gate.journal_path, cutoff)
     rows = lane_history.timeline(data["events"]) if not json_ else []
     render.history(data, gate.lane.name, json_, rows)
     return exitcodes.OK
@@ -272,6 +287,7 @@ def _pairs(values: tuple[str, ...], option: str) -> dict[str, str]:
 @cli.command(context_settings={**CONTEXT, "allow_interspersed_args": False})
 @click.option("--backend", "-b", metavar="BACKEND", default=None, help="The lane to duel on.")
 @click.option("--lock-dir", metavar="DIR", default=None, help="Lock root for every turn.")
+@click.option("--store", metavar="URL", default=None, help="Duel on a postgresql:// lane store.")
 @click.option("--hold", type=click.FloatRange(min=0), default=1.0, show_default=True,
               metavar="SECONDS", help="How long A keeps the lane busy (at least until B and C "
                                       "have deflected).")
@@ -285,7 +301,7 @@ def _pairs(values: tuple[str, ...], option: str) -> dict[str, str]:
               help="Extra environment for C, as a crontab would set it (repeatable).")
 @click.option("--json", "json_", is_flag=True, help="Print the report as JSON.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def duel(backend, lock_dir, hold, fallback, users, profile_env, cron_env, json_, command):
+def duel(backend, lock_dir, store, hold, fallback, users, profile_env, cron_env, json_, command):
     """Prove the gate with real processes: A holds, B and C (cron-like) deflect, the way back.
 
     COMMAND, if given, is what A runs while it holds the lane (e.g. a curl to the backend).
@@ -308,8 +324,9 @@ def duel(backend, lock_dir, hold, fallback, users, profile_env, cron_env, json_,
                 pwd.getpwnam(name)
             except KeyError:
                 raise click.UsageError(f"--users: no such user {name!r}") from None
-    gate = strict_gate(backend, lock_dir, None, None)
+    gate = strict_gate(backend, lock_dir, None, None, store=store)
     contest = Duel(gate, hold=hold, command=list(command), users=user_list, lock_dir=lock_dir,
+                   store=store,
                    fallback=shlex.split(fallback) if fallback else [],
                    profile_env=_pairs(profile_env, "--profile-env"),
                    cron_env=_pairs(cron_env, "--cron-env"),

@@ -62,6 +62,8 @@ SETTINGS = {
     "kill_after": (_non_negative, "seconds after a forwarded signal before SIGKILL"),
     "journal_max_bytes": (lambda v: isinstance(v, int) and not isinstance(v, bool)
                           and 4096 <= v <= 1 << 34, "rotate the journal past this size"),
+    "store": (lambda v: _text(v) and v.startswith(("postgresql://", "postgres://")),
+              "a postgresql:// URL for the several-hosts lane store"),
     "chains": (_chains, "named fallback chains: [[chains.NAME]] backend=..., command=..."),
 }
 

@@ -40,6 +40,7 @@ class Duel:
     profile_env: dict[str, str] = field(default_factory=dict)
     cron_env: dict[str, str] = field(default_factory=dict)
     lock_dir: str | None = None
+    store: str | None = None
     on_step: object = None                     # callable(step dict), for live output
     steps: list[dict] = field(default_factory=list)
     children: list[subprocess.Popen] = field(default_factory=list)
@@ -185,6 +186,8 @@ class Duel:
             argv += ["--backend", self.gate.lane.given]
         if self.lock_dir:
             argv += ["--lock-dir", self.lock_dir]
+        if self.store:
+            argv += ["--store", self.store]
         return argv
 
     def _duelist(self, role: str, report_fd: int) -> list[str]:
@@ -219,7 +222,7 @@ class Duel:
                "LOGNAME": "cron"}
         if os.environ.get("LANELOCK_DIR"):  # a crontab that sets it, as the user's does
             env["LANELOCK_DIR"] = os.environ["LANELOCK_DIR"]
-        for name in ("LANELOCK_BACKEND", "LANELOCK_SYSTEM_CONFIG"):
+        for name in ("LANELOCK_BACKEND", "LANELOCK_SYSTEM_CONFIG", "LANELOCK_STORE"):
             if os.environ.get(name):
                 env[name] = os.environ[name]
         env.update(self.cron_env)
@@ -286,7 +289,13 @@ class Duel:
 
     def _handoff_ms(self, a_pid: int, d_pid: int) -> float | None:
         """A's release to D's acquire, from both turns' journal lines (one monotonic clock)."""
-        events, _ = journal.read(self.gate.journal_path)
+        if self.gate.store.kind == "postgresql":
+            try:
+                events = self.gate.store.events(self.gate.lane.name, None)
+            except Exception:  # noqa: BLE001 - the hand-off figure is a nicety, not the proof
+                return None
+        else:
+            events, _ = journal.read(self.gate.journal_path)
         released = [e for e in events if e.get("event") == "released" and e.get("pid") == a_pid]
         acquired = [e for e in events if e.get("event") == "acquired" and e.get("pid") == d_pid]
         if not released or not acquired:

@@ -19,17 +19,21 @@ import time
 
 from . import config as config_module
 from . import holders, journal, key, sidecar
+from .facts import argv_text, boot_id, default_session, holder_words, hostname, own_start_ticks
+from .facts import sanitize, user_name, utc_now
 from .paths import GateUnavailable, Root, resolve_root
 from .store import FlockStore, Handle
+
+__all__ = ["Gate", "Turn", "holder_words", "sanitize", "describe_holder"]
 
 HELD, DEFLECTED, UNGATED, FAIL_OPEN = "held", "deflected", "ungated", "fail-open"
 REASON_BUSY = "local_backend_busy"
 BUSY_WORDS = "local model in use by another session"
 DEFAULT_GRACE = 0.05   # seconds: long enough to ride out a probe, short enough to be invisible
 
-# In-process reentrancy: (dev, ino) -> [thread ident, depth]. flock conflicts between two open
+# In-process reentrancy: store ident -> [thread ident, depth]. flock conflicts between two open
 # file descriptions even inside one process, so the same thread nesting turns must not re-lock.
-_HELD_HERE: dict[tuple[int, int], list[int]] = {}
+_HELD_HERE: dict[tuple, list[int]] = {}
 
 
 def _stderr_warning(message: str) -> None:
@@ -41,7 +45,7 @@ class Gate:
 
     def __init__(self, backend: str | None = None, *, model: str | None = None,
                  key_by: str | None = None, lock_dir: str | None = None, gate: bool | None = None,
-                 grace: float | None = None, warn=_stderr_warning):
+                 grace: float | None = None, store: str | None = None, warn=_stderr_warning):
         self.warn = warn
         self.config_error: str | None = None
         try:
@@ -65,20 +69,29 @@ class Gate:
         if "lock_dir" in settings.values:
             system = (settings.values["lock_dir"], settings.origins["lock_dir"])
         self.root: Root = resolve_root(lock_dir, system)
-        self.store = FlockStore(self.root)
+        dsn = store or os.environ.get("LANELOCK_STORE") or settings.get("store")
+        if dsn:
+            from .pgstore import PgStore
+
+            self.store = PgStore(dsn)
+            if self.lane.scope == "local":
+                # "localhost" is a different machine on every host sharing the store.
+                self.lane = key.qualified(self.lane, hostname())
+        else:
+            self.store = FlockStore(self.root)
         self.names = self.store.names(self.lane.stem)
 
     @property
     def lock_path(self) -> str:
-        return self.store.path(self.names["lock"])
+        return self.store.locator(self.lane)
 
     @property
-    def sidecar_path(self) -> str:
-        return self.store.path(self.names["sidecar"])
+    def sidecar_path(self) -> str | None:
+        return self.store.path(self.names["sidecar"]) if self.names else None
 
     @property
-    def journal_path(self) -> str:
-        return self.store.path(self.names["journal"])
+    def journal_path(self) -> str | None:
+        return self.store.path(self.names["journal"]) if self.names else None
 
     def where(self) -> dict:
         return {
@@ -102,7 +115,7 @@ class Gate:
         if not self.gated:
             return False
         try:
-            handle = self.store.open(self.lane.stem, create=False)
+            handle = self.store.open(self.lane, create=False)
         except GateUnavailable:
             return False
         try:
@@ -121,7 +134,7 @@ class Gate:
         result = {"lane": self.lane.name, "lock_path": self.lock_path, "gated": self.gated}
         if not self.gated:
             return {**result, "state": "ungated"}
-        handle = self.store.open(self.lane.stem, create=False)  # GateUnavailable: caller's error
+        handle = self.store.open(self.lane, create=False)  # GateUnavailable: caller's error
         try:
             if handle.fd is None:
                 return {**result, "state": "free", "note": "no lock file yet"}
@@ -144,9 +157,10 @@ class Turn:
         self.reason: str | None = None
         self.holder: dict | None = None
         self.nested = False
+        self.lost = False      # the store took the lane away mid-turn (PostgreSQL session ended)
         self.waited = 0.0
         self._handle: Handle | None = None
-        self._key: tuple[int, int] | None = None
+        self._key: tuple | None = None
         self._started = 0.0
         self._acquired_at = ""
 
@@ -161,6 +175,10 @@ class Turn:
     @property
     def lock_path(self) -> str:
         return self.gate.lock_path
+
+    @property
+    def handle(self):
+        return self._handle
 
     def __enter__(self) -> "Turn":
         return self.acquire()
@@ -185,10 +203,10 @@ class Turn:
         gate, store = self.gate, self.gate.store
         for _ in range(3):
             self._handle = None
-            handle = self._handle = store.open(gate.lane.stem)
+            handle = self._handle = store.open(gate.lane)
             if handle.caveat:
                 gate.warn(handle.caveat)
-            ident = (handle.st.st_dev, handle.st.st_ino)
+            ident = store.ident(handle)
             owner = _HELD_HERE.get(ident)
             if owner and owner[0] == _thread.get_ident():
                 return self._nested(handle, ident)
@@ -196,7 +214,7 @@ class Turn:
             _debug_pause("before-acquire")
             got = store.try_lock(handle)
             if not got:
-                if self._ancestor_holds(store.kernel(handle)):
+                if self._ancestor_holds(store.holder_pids_here(handle, store.kernel(handle))):
                     return self._nested(handle, None)
                 timeout = None if self.wait is None else max(self.wait, gate.grace)
                 got = store.wait_lock(handle, timeout)
@@ -204,45 +222,23 @@ class Turn:
             if not got:
                 return self._deflect(handle)
             if store.still_current(handle):
-                orphan = self._orphan_holder(handle)
+                orphan = store.orphan_holder(handle)
                 if orphan is not None:   # a live turn holds a removed/replaced lock file
                     return self._deflect(handle, orphan)
                 return self._held(handle, ident)
             store.release(handle)   # the file was replaced while we waited: lock the new one
         raise GateUnavailable(f"lock file {gate.lock_path} keeps being replaced")
 
-    def _ancestor_holds(self, view: holders.KernelView | None) -> bool:
+    def _ancestor_holds(self, pids: set[int]) -> bool:
         """True when a process up our own tree holds the lane: we are part of its turn."""
-        if view is not None:
-            pids = set(view.holders)
-        else:  # no /proc/locks: trust the holder named in our environment, if it is an ancestor
+        if not pids:  # no kernel view: trust the holder named in our environment, if an ancestor
             if os.environ.get("LANELOCK_HELD") != self.gate.lock_path:
                 return False
             try:
                 pids = {int(os.environ.get("LANELOCK_HOLDER_PID", ""))}
             except ValueError:
                 return False
-        return bool(pids) and bool(pids & set(holders.ancestors()))
-
-    def _orphan_holder(self, handle: Handle) -> dict | None:
-        """The holder of a lock file that was removed or replaced while it held it, if still alive.
-
-        Its lock is on the old inode, ours on the new one: taking the lane now would make two
-        gates. The sidecar names it (pid, start time, lock_inode); the kernel confirms it."""
-        record, _ = sidecar.read(self.gate.names["sidecar"], dir_fd=handle.dir_fd)
-        inode = sidecar.field(record, "lock_inode", int)
-        pid = sidecar.field(record, "pid", int)
-        if record is None or "released_at" in record or inode is None or pid is None \
-                or inode == handle.st.st_ino or pid == os.getpid():
-            return None
-        if holders.start_ticks(pid) != sidecar.field(record, "start_ticks", int):
-            return None
-        if holders.holds_other_inode(pid, handle.st, inode) is None:
-            return None
-        return {"pid": pid, "session": sidecar.field(record, "session", str),
-                "model": sidecar.field(record, "model", str), "held_for": None, "lanelock": True,
-                "command": _argv_text(sidecar.field(record, "argv", list, [])),
-                "note": f"holds a removed or replaced lock file (inode {inode})"}
+        return bool(pids & set(holders.ancestors()))
 
     def _nested(self, handle: Handle, ident) -> "Turn":
         self.gate.store.release(handle)
@@ -258,9 +254,9 @@ class Turn:
         self.state, self._key = HELD, ident
         _HELD_HERE[ident] = [_thread.get_ident(), 1]
         self._started = time.monotonic()
-        self._acquired_at = _utc_now()
+        self._acquired_at = utc_now()
         _debug_pause("after-acquire")
-        journal.rotate_if_needed(handle.dir_fd, gate.names["journal"], gate.journal_max_bytes)
+        gate.store.rotate(handle, gate.journal_max_bytes)
         self._write_sidecar(self._record())
         if self.waited >= 0.001 and self.wait != 0:
             self._log("waited", waited=round(self.waited, 6))
@@ -278,12 +274,13 @@ class Turn:
     def _fail_open(self, why: str, handle: Handle | None) -> "Turn":
         self.state, self.reason = FAIL_OPEN, why
         self.gate.warn(f"gate unavailable ({why}); running without it")
-        if handle is not None and handle.dir_fd is not None and handle.dir_fd >= 0:
+        if handle is None and not self.gate.config_error:
+            handle = self.gate.store.event_handle(self.gate.lane)
+        if handle is not None:
             try:
-                journal.append(handle.dir_fd, self.gate.names["journal"],
-                               self._event("fail-open", reason=why))
-            except OSError:
-                pass  # the one warning above is all a failing gate may say
+                self.gate.store.append_event(handle, self._event("fail-open", reason=why))
+            except Exception:  # noqa: BLE001 - the one warning above is all a failing gate may say
+                pass
             self.gate.store.release(handle)
         self._handle = None
         return self
@@ -300,11 +297,12 @@ class Turn:
             return
         handle = self._handle
         duration = round(time.monotonic() - self._started, 6)
-        # Update the record while still holding the lock: after unlock it belongs to the next turn.
-        record = self._record()
-        record.update(released_at=_utc_now(), exit_status=exit_status, held_seconds=duration)
-        self._write_sidecar(record)
-        self._log("released", duration=duration, exit_status=exit_status)
+        if not self.lost:   # a lost lane already belongs to someone else: leave its record alone
+            # Update the record while still holding the lock: after unlock it is the next turn's.
+            record = self._record()
+            record.update(released_at=utc_now(), exit_status=exit_status, held_seconds=duration)
+            self._write_sidecar(record)
+            self._log("released", duration=duration, exit_status=exit_status)
         _debug_pause("during-release")
         _HELD_HERE.pop(self._key, None)
         self.gate.store.release(handle)
@@ -313,33 +311,33 @@ class Turn:
 
     # -- records ---------------------------------------------------------------------------------
     def _record(self) -> dict:
-        pid = os.getpid()
-        return {
+        record = {
             "schema": sidecar.SCHEMA, "lane": self.gate.lane.name, "backend": self.gate.lane.given,
-            "pid": pid, "start_ticks": holders.start_ticks(pid), "boot_id": boot_id(),
+            "pid": os.getpid(), "start_ticks": own_start_ticks(), "boot_id": boot_id(),
             "session": self.session, "model": self.model, "argv": self.argv,
-            "user": user_name(), "uid": os.getuid(), "hostname": os.uname().nodename,
+            "user": user_name(), "uid": os.getuid(), "hostname": hostname(),
             "acquired_at": self._acquired_at, "acquired_monotonic": self._started,
-            # status compares it with the file at the path: a replaced lock file is two gates.
-            "lock_inode": self._handle.st.st_ino if self._handle and self._handle.st else None,
         }
+        if self._handle is not None:
+            record.update(self.gate.store.record_extra(self._handle))
+        return record
 
     def _event(self, event: str, **extra) -> dict:
         # "monotonic" is one system-wide clock: durations between turns survive wall-clock jumps.
-        return {"event": event, "time": _utc_now(), "ts": round(time.time(), 6),
+        return {"event": event, "time": utc_now(), "ts": round(time.time(), 6),
                 "monotonic": round(time.monotonic(), 6),
                 "lane": self.gate.lane.name, "pid": os.getpid(), "session": self.session,
                 "model": self.model, **extra}
 
     def _write_sidecar(self, record: dict) -> None:
         try:
-            sidecar.write(self._handle.dir_fd, self.gate.names["sidecar"], record)
+            self.gate.store.write_holder(self._handle, record)
         except OSError as error:
             self.gate.warn(f"lane held, but the sidecar was not written: {error.strerror or error}")
 
     def _log(self, event: str, **extra) -> None:
         try:
-            journal.append(self._handle.dir_fd, self.gate.names["journal"], self._event(event, **extra))
+            self.gate.store.append_event(self._handle, self._event(event, **extra))
         except OSError as error:
             if self.state == HELD or event == "released":
                 self.gate.warn(f"journal not written: {error.strerror or error}")
@@ -354,95 +352,23 @@ def _debug_pause(step: str) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def describe_holder(gate: Gate, handle: Handle) -> dict:
-    """Who holds the lane: the kernel's pid, labelled from the sidecar when the sidecar agrees."""
-    view = gate.store.kernel(handle)
-    record, problem = sidecar.read(gate.names["sidecar"], dir_fd=handle.dir_fd)
-    kernel_pids = list(view.holders) if view else []
-    pid = sidecar.field(record, "pid", int)
-    agrees = (record is not None and "released_at" not in record
-              and (view is None or pid in kernel_pids)
-              and sidecar.field(record, "start_ticks", int) in (None, holders.start_ticks(pid or -1)))
-    if agrees:
+def describe_holder(gate: Gate, handle) -> dict:
+    """Who holds the lane: the kernel's (or server's) holder, labelled from the holder record when
+    the record agrees with it."""
+    store = gate.store
+    view = store.kernel(handle)
+    record, problem = store.read_holder(handle)
+    if record is not None and "released_at" not in record and store.holder_agrees(record, view):
+        here = record.get("hostname") == hostname()
         since = sidecar.field(record, "acquired_monotonic", float)
-        held_for = time.monotonic() - since if since and record.get("boot_id") == boot_id() else None
-        return {"pid": pid, "session": sidecar.field(record, "session", str),
+        same_clock = here and since and record.get("boot_id") == boot_id()
+        held_for = time.monotonic() - since if same_clock else None
+        return {"pid": sidecar.field(record, "pid", int), "host": None if here else
+                sidecar.field(record, "hostname", str),
+                "session": sidecar.field(record, "session", str),
                 "model": sidecar.field(record, "model", str),
                 "held_for": round(held_for, 3) if held_for is not None else None,
-                "lanelock": True, "command": _argv_text(sidecar.field(record, "argv", list, []))}
-    holder = kernel_pids[0] if kernel_pids else None
-    return {"pid": holder, "session": None, "model": None, "held_for": None, "lanelock": False,
-            "command": holders.command_line(holder) if holder else None,
-            "note": problem or "sidecar does not match the kernel's holder"}
-
-
-def holder_words(holder: dict | None) -> str:
-    """'pid 42, session alice@pts/1, model qwen, held 12.3s' for one stderr line."""
-    if not holder:
-        return "holder unknown"
-    parts = [f"pid {holder['pid']}" if holder.get("pid") else "pid ?"]
-    if holder.get("session"):
-        parts.append(f"session {holder['session']}")
-    if holder.get("model"):
-        parts.append(f"model {holder['model']}")
-    if holder.get("held_for") is not None:
-        parts.append(f"held {holder['held_for']:.1f}s")
-    if not holder.get("lanelock") and holder.get("command"):
-        parts.append(f"not a lanelock turn: {holder['command']}")
-    elif holder.get("lanelock") and holder.get("note"):
-        parts.append(holder["note"])
-    return sanitize(", ".join(parts))
-
-
-def sanitize(text: str, limit: int = 300) -> str:
-    """One printable line: labels may carry newlines or ANSI escapes."""
-    clean = "".join(ch if ch.isprintable() else "?" for ch in str(text))
-    return clean if len(clean) <= limit else clean[:limit] + "…"
-
-
-def _argv_text(argv: list) -> str:
-    import shlex
-
-    return shlex.join(str(word) for word in argv)[:500]
-
-
-def _utc_now() -> str:
-    # time.strftime, not datetime: the run path pays for every import.
-    now = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
-
-
-_BOOT_ID: list[str] = []
-
-
-def boot_id() -> str | None:
-    if not _BOOT_ID:
-        try:
-            with open("/proc/sys/kernel/random/boot_id") as handle:
-                _BOOT_ID.append(handle.read().strip())
-        except OSError:
-            _BOOT_ID.append("")
-    return _BOOT_ID[0] or None
-
-
-def user_name() -> str:
-    try:
-        import pwd
-
-        return pwd.getpwuid(os.getuid()).pw_name
-    except (KeyError, ImportError):
-        return str(os.getuid())
-
-
-def default_session() -> str:
-    """user@tty for a person at a terminal; user@cron when there is no controlling terminal."""
-    for fd in (0, 1, 2):
-        try:
-            return f"{user_name()}@{os.ttyname(fd).removeprefix('/dev/')}"
-        except OSError:
-            continue
-    try:
-        os.close(os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY | os.O_CLOEXEC))
-        return f"{user_name()}@tty"
-    except OSError:
-        return f"{user_name()}@cron"
+                "lanelock": True, "command": argv_text(sidecar.field(record, "argv", list, []))}
+    pid, command = store.unlabelled(view)
+    return {"pid": pid, "session": None, "model": None, "held_for": None, "lanelock": False,
+            "command": command, "note": problem or "the holder record does not match the holder"}

@@ -42,10 +42,15 @@ def parse_since(text: str | None, now: float | None = None) -> float | None:
 
 def load(journal_path: str, since: float | None = None) -> dict:
     events, bad = journal.read(journal_path)
-    events = [e for e in events if _number(e.get("ts")) is not None]
-    events.sort(key=lambda e: e["ts"])
     if since is not None:
-        events = [e for e in events if e["ts"] >= since]
+        events = [e for e in events if (_number(e.get("ts")) or 0) >= since]
+    return from_events(events, bad)
+
+
+def from_events(events: list[dict], bad: int) -> dict:
+    """The history view of events from any store (journal lines or the events table)."""
+    events = [e for e in events if isinstance(e.get("event"), str) and _number(e.get("ts")) is not None]
+    events.sort(key=lambda e: e["ts"])
     _mark_way_back(events)
     return {"events": events, "unreadable_lines": bad, "summary": summarise(events)}
 
@@ -66,7 +71,9 @@ def holds(events: list[dict]) -> list[tuple[float, float, dict]]:
     spans = []
     last = events[-1]["ts"] if events else 0.0
     for event in events:
-        pid = event.get("pid")
+        pid = event.get("pid") if isinstance(event.get("pid"), int) else None
+        if pid is None:
+            continue
         if event["event"] == "acquired":
             open_turns[pid] = event
         elif event["event"] == "released" and pid in open_turns:
@@ -93,8 +100,8 @@ def summarise(events: list[dict]) -> dict:
         "busy_fraction": round(min(1.0, busy / window), 4) if window > 0 else (1.0 if spans else 0.0),
         "longest_hold": round(max((end - start for start, end, _ in spans), default=0.0), 3),
         "way_back": sum(1 for e in events if e.get("way_back")),
-        "first": events[0]["time"] if events else None,
-        "last": events[-1]["time"] if events else None,
+        "first": events[0].get("time") if events else None,
+        "last": events[-1].get("time") if events else None,
     }
 
 

@@ -39,6 +39,7 @@ class Lane:
     scope: str                # "local", "lan" or "public"
     model: str | None = None  # only with --key-by model
     given: str = field(default="", compare=False)  # the backend as the user wrote it (no credentials)
+    machine: str | None = None  # a network store qualifies "localhost" with the host it is on
 
     @property
     def gated(self) -> bool:
@@ -48,6 +49,8 @@ class Lane:
     def name(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         base = f"{host}:{self.port}"
+        if self.machine:
+            base += f"@{self.machine}"
         return f"{base}#{self.model}" if self.model else base
 
     @property
@@ -154,6 +157,13 @@ def lane_for(backend: str, *, model: str | None = None, key_by: str = "backend")
     if scope == "local":
         host = LOCAL_HOST
     return Lane(host=host, port=port, scope=scope, model=model, given=spelled)
+
+
+def qualified(lane: Lane, machine: str) -> Lane:
+    """The same lane, named with the machine it is on (for a store shared by several hosts)."""
+    from dataclasses import replace
+
+    return replace(lane, machine=machine)
 
 
 def classify(host: str) -> str:

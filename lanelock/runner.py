@@ -36,8 +36,11 @@ class Outcome:
     error: str | None = None           # why the command could not be started
 
 
-def run(argv: list[str], env: dict[str, str], *, kill_after: float | None = None) -> Outcome:
-    """Run argv to completion. Returns the child's exit status mapped to the shell's convention."""
+def run(argv: list[str], env: dict[str, str], *, kill_after: float | None = None,
+        on_spawn=None) -> Outcome:
+    """Run argv to completion. Returns the child's exit status mapped to the shell's convention.
+    on_spawn() runs in the wrapper once the child exists, with our signals blocked, so a thread it
+    starts inherits the block and can never swallow the SIGCHLD we wait for."""
     libc_prctl = _prctl()
     watched = {signal.SIGCHLD, *FORWARDED}
     # An inherited SIGCHLD=SIG_IGN would make the kernel reap the child behind our back.
@@ -56,6 +59,8 @@ def run(argv: list[str], env: dict[str, str], *, kill_after: float | None = None
         if failure:
             os.waitpid(pid, 0)
             return _spawn_failure(argv[0], int(failure or b"0"))
+        if on_spawn is not None:
+            on_spawn()
         return _supervise(pid, watched, kill_after)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)

@@ -13,7 +13,7 @@ import stat
 import time
 
 from . import holders, sidecar
-from .gate import boot_id
+from .facts import boot_id
 
 FUTURE_SLACK = 300.0   # seconds a sidecar's clock may run ahead before it counts as "from the future"
 
@@ -96,6 +96,8 @@ def _judge(result: dict, st: os.stat_result, held: bool | None, record, problem)
                         message)
     if stale:
         return _verdict(result, "free", "sidecar-stale", f"free; sidecar is stale: {stale}")
+    if pid is None:
+        return _verdict(result, "free", "sidecar-bad", "free; the sidecar names no usable pid")
     if released:
         result["last"] = _summary(record)
         status = record.get("exit_status")

@@ -22,7 +22,8 @@ import signal
 import stat
 from dataclasses import dataclass
 
-from . import holders
+from . import holders, journal, sidecar
+from .facts import argv_text
 from .paths import GateUnavailable, Root, open_root
 
 CONTENDED = frozenset({errno.EWOULDBLOCK, errno.EAGAIN})
@@ -40,6 +41,7 @@ class Handle:
     name: str              # lock file name under the root
     st: os.stat_result | None
     caveat: str | None = None   # e.g. the root is on a network filesystem
+    stem: str = ""
 
     def close(self) -> None:
         for fd in (self.fd, self.dir_fd):
@@ -63,14 +65,19 @@ class FlockStore:
     def path(self, name: str) -> str:
         return os.path.join(self.root.path, name)
 
-    def open(self, stem: str, *, create: bool = True) -> Handle:
+    def locator(self, lane) -> str:
+        """Where the lane lives, as `where` and the duel report it: the lock file's path."""
+        return self.path(self.names(lane.stem)["lock"])
+
+    def open(self, lane, *, create: bool = True) -> Handle:
         """A handle on the lane's lock file. Raises GateUnavailable; with create=False a missing
         root or lock file gives a handle whose fd is None (nobody can hold what does not exist)."""
+        stem = lane.stem
         try:
             dir_fd = open_root(self.root, create=create)
         except FileNotFoundError:
-            return Handle(-1, None, self.names(stem)["lock"], None)
-        handle = Handle(dir_fd, None, self.names(stem)["lock"], None)
+            return Handle(-1, None, self.names(stem)["lock"], None, stem=stem)
+        handle = Handle(dir_fd, None, self.names(stem)["lock"], None, stem=stem)
         try:
             handle.caveat = network_caveat(self.root.path, os.fstat(dir_fd))
             handle.fd = _open_lock(dir_fd, handle.name, create)
@@ -127,6 +134,77 @@ class FlockStore:
     def release(self, handle: Handle) -> None:
         # Closing the last fd on the description drops the flock; the file itself stays.
         handle.close()
+
+    def ident(self, handle: Handle) -> tuple:
+        """What in-process reentrancy keys on: the inode, which every spelling of the lane shares."""
+        return ("flock", handle.st.st_dev, handle.st.st_ino)
+
+    # -- the holder record (sidecar) and events (journal) ------------------------------------------
+    def read_holder(self, handle: Handle) -> tuple[dict | None, str | None]:
+        if handle.dir_fd is None or handle.dir_fd < 0:
+            return None, "no sidecar yet"
+        return sidecar.read(self.names(handle.stem)["sidecar"], dir_fd=handle.dir_fd)
+
+    def write_holder(self, handle: Handle, record: dict) -> None:
+        sidecar.write(handle.dir_fd, self.names(handle.stem)["sidecar"], record)
+
+    def append_event(self, handle: Handle, event: dict) -> None:
+        if handle.dir_fd is None or handle.dir_fd < 0:
+            return
+        journal.append(handle.dir_fd, self.names(handle.stem)["journal"], event)
+
+    def rotate(self, handle: Handle, max_bytes: int) -> None:
+        journal.rotate_if_needed(handle.dir_fd, self.names(handle.stem)["journal"], max_bytes)
+
+    def record_extra(self, handle: Handle) -> dict:
+        # status compares it with the file at the path: a replaced lock file is two gates.
+        return {"lock_inode": handle.st.st_ino if handle.st else None}
+
+    def holder_agrees(self, record: dict, view: holders.KernelView | None) -> bool:
+        """Does the sidecar name the process the kernel says holds the lock (pid AND start time)?"""
+        pid = sidecar.field(record, "pid", int)
+        if view is not None and pid not in view.holders:
+            return False
+        return sidecar.field(record, "start_ticks", int) in (None, holders.start_ticks(pid or -1))
+
+    def holder_pids_here(self, handle: Handle, view: holders.KernelView | None) -> set[int]:
+        """Pids on this machine that hold the lane (to recognise a nested turn)."""
+        return set(view.holders) if view else set()
+
+    def unlabelled(self, view: holders.KernelView | None) -> tuple[int | None, str | None]:
+        pid = view.holders[0] if view and view.holders else None
+        return pid, holders.command_line(pid) if pid else None
+
+    def orphan_holder(self, handle: Handle) -> dict | None:
+        """The holder of a lock file that was removed or replaced while it held it, if alive.
+
+        Its lock is on the old inode, ours on the new one: taking the lane now would make two
+        gates. The sidecar names it (pid, start time, lock_inode); the kernel confirms it."""
+        record, _ = self.read_holder(handle)
+        inode = sidecar.field(record, "lock_inode", int)
+        pid = sidecar.field(record, "pid", int)
+        if record is None or "released_at" in record or inode is None or pid is None \
+                or inode == handle.st.st_ino or pid == os.getpid():
+            return None
+        if holders.start_ticks(pid) != sidecar.field(record, "start_ticks", int):
+            return None
+        if holders.holds_other_inode(pid, handle.st, inode) is None:
+            return None
+        return {"pid": pid, "session": sidecar.field(record, "session", str),
+                "model": sidecar.field(record, "model", str), "held_for": None, "lanelock": True,
+                "command": argv_text(sidecar.field(record, "argv", list, [])),
+                "note": f"holds a removed or replaced lock file (inode {inode})"}
+
+    def watch_fd(self, handle: Handle) -> int | None:
+        return None   # a flock cannot be taken away from its holder
+
+    def event_handle(self, lane) -> Handle | None:
+        """Somewhere to record a fail-open turn when the lock file itself could not be opened."""
+        try:
+            dir_fd = open_root(self.root, create=False)
+        except (OSError, GateUnavailable):
+            return None
+        return Handle(dir_fd, None, self.names(lane.stem)["lock"], None, stem=lane.stem)
 
 
 NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "9p",

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from . import exitcodes, runner
 from .chain import Entry
-from .gate import BUSY_WORDS, DEFLECTED, HELD, REASON_BUSY, Gate, Turn, holder_words
+from .facts import holder_words
+from .gate import BUSY_WORDS, DEFLECTED, HELD, REASON_BUSY, Gate, Turn
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Options:
     quiet: bool = False
     verbose: bool = False
     lock_dir: str | None = None     # passed on to the gates of fallback entries
+    store: str | None = None
 
 
 class Say:
@@ -64,14 +66,59 @@ def run_turn(gate: Gate, argv: list[str], options: Options, say: Say) -> int:
 def _run(argv, env, options: Options, say: Say, turn: Turn | None) -> runner.Outcome | None:
     """Run and release; None when the process could not even be forked."""
     outcome = None
+    watch = LaneWatch(turn, say) if turn is not None and turn.held and not turn.nested else None
     try:
-        outcome = runner.run(argv, env, kill_after=options.kill_after)
+        outcome = runner.run(argv, env, kill_after=options.kill_after,
+                             on_spawn=watch.start if watch else None)
     except OSError as error:
         say.error(f"cannot start {argv[0]}: {error.strerror}")
     finally:
+        if watch:
+            watch.stop()
         if turn is not None:
             turn.release(outcome.exit_code if outcome else None)
     return outcome
+
+
+class LaneWatch:
+    """For a store that can take the lane away (a PostgreSQL session can be terminated), notice
+    it while the child runs and say so once. A flock store has nothing to watch."""
+
+    def __init__(self, turn: Turn, say: Say):
+        self.turn, self.say = turn, say
+        self.fd = turn.gate.store.watch_fd(turn.handle) if turn.handle is not None else None
+        self.thread = None
+        self.stop_read = self.stop_write = -1
+
+    def start(self) -> None:
+        if self.fd is None:
+            return
+        import threading
+
+        self.stop_read, self.stop_write = os.pipe()
+        self.thread = threading.Thread(target=self._watch, name="lanelock-watch", daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        import select
+
+        while True:
+            ready, _, _ = select.select([self.fd, self.stop_read], [], [])
+            if self.stop_read in ready:
+                return
+            if self.turn.gate.store.lost(self.turn.handle):
+                self.turn.lost = True
+                self.say.warn(f"lane {self.turn.lane} lost: the lane store ended this turn's "
+                              "session; the command goes on, no longer gated")
+                return
+
+    def stop(self) -> None:
+        if self.thread is None:
+            return
+        os.write(self.stop_write, b"x")
+        self.thread.join()
+        os.close(self.stop_read)
+        os.close(self.stop_write)
 
 
 def _verbose(gate: Gate, turn: Turn, say: Say) -> None:
@@ -114,7 +161,7 @@ def _fallback_gate(primary: Gate, entry: Entry, options: Options) -> tuple[Turn 
     if entry.backend is None:
         return None, None
     gate = Gate(entry.backend, model=options.model, lock_dir=options.lock_dir,
-                warn=primary.warn)
+                store=options.store, warn=primary.warn)
     if not gate.gated:
         return None, None
     if gate.lock_path == primary.lock_path:

@@ -11,6 +11,8 @@ holds the lane until the test writes to (or closes) its stdin.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import ipaddress
 import os
 import select
@@ -28,7 +30,8 @@ LANELOCK = [sys.executable, "-m", "lanelock"]
 TIMEOUT = 60.0          # no single process a test starts may run longer than this
 CLEARED = ("LANELOCK_BACKEND", "LANELOCK_SESSION", "LANELOCK_MODEL", "LANELOCK_HELD",
            "LANELOCK_HOLDER_PID", "LANELOCK_STATE", "LANELOCK_LANE", "LANELOCK_LOCK_PATH",
-           "LANELOCK_FAILOVER_REASON", "LANELOCK_FALLBACK_INDEX", "LANELOCK_DEBUG")
+           "LANELOCK_FAILOVER_REASON", "LANELOCK_FALLBACK_INDEX", "LANELOCK_DEBUG",
+           "LANELOCK_STORE")
 
 # The held child: say so on stdout (the test reads it), then hold until the test writes a line or
 # closes our stdin; the line, if a number, is the exit status.
@@ -83,6 +86,19 @@ def backend_of_stem(stem: str) -> list[str] | None:
     return args
 
 
+def probe_in_process(args) -> subprocess.CompletedProcess:
+    """`lanelock probe ARGS` through the CLI's own entry point, without a process start per test
+    (the suite pays for that ~150 times). It opens its own descriptor, so a lane this very process
+    still holds (a leaked API turn) shows as busy as it would to anyone else."""
+    from lanelock.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(["probe", *args])
+    return subprocess.CompletedProcess(["lanelock", "probe", *args], status, out.getvalue(),
+                                       err.getvalue())
+
+
 @pytest.fixture(autouse=True)
 def lanes_free_at_teardown(isolated):
     """After the test (and after its processes are killed): every lane under the test's root is
@@ -100,8 +116,7 @@ def lanes_free_at_teardown(isolated):
                                    capture_output=True, text=True, timeout=TIMEOUT)
             free = check.returncode == 0
         else:
-            check = subprocess.run(LANELOCK + ["probe", *args], capture_output=True, text=True,
-                                   timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+            check = probe_in_process(args)
             free = check.returncode == 0
         if not free:
             held.append(f"{lock}: {check.stdout.strip()} {check.stderr.strip()}")
@@ -312,7 +327,7 @@ class Holder:
                 pass
         return self.wait()
 
-    def wait(self, timeout: float = TIMEOUT) -> int:
+    def wait(self, timeout: float = 30.0) -> int:
         self.returncode = self.proc.wait(timeout=timeout)
         self._stderr.close()
         return self.returncode

@@ -338,3 +338,14 @@ def test_a_turn_is_on_the_same_lock_as_the_cli(holder):
     with Gate("http://localhost:8080/v1").turn(wait=0) as turn:
         assert turn.state == "deflected"
     assert held.release() == 0
+
+
+def test_a_broken_config_fails_open_with_one_warning(monkeypatch, tmp_path, lock_dir):
+    config = tmp_path / "config.toml"
+    config.write_text("grace = 'not a number'\n")
+    monkeypatch.setenv("LANELOCK_CONFIG", str(config))
+    warnings = []
+    with Gate("127.0.0.1:8080", warn=warnings.append).turn() as turn:
+        assert turn.state == "fail-open" and str(config) in turn.reason
+    assert len(warnings) == 1 and warnings[0].startswith("gate unavailable (")
+    assert not (lock_dir / "localhost-8080.lock").exists()

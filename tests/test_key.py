@@ -364,7 +364,8 @@ def test_local_spellings_give_one_key_per_port(port):
 
 
 @PROPERTY
-@given(one=ports, other=ports, host=st.sampled_from(LOCAL_HOSTS), other_host=st.sampled_from(LOCAL_HOSTS))
+@given(one=ports, other=ports, host=st.sampled_from(LOCAL_HOSTS),
+       other_host=st.sampled_from(LOCAL_HOSTS))
 def test_different_local_ports_never_share_a_key(one, other, host, other_host):
     first, second = lane_for(f"{host}:{one}"), lane_for(f"{other_host}:{other}")
     assert (first.stem == second.stem) == (one == other)
@@ -375,8 +376,8 @@ def test_different_local_ports_never_share_a_key(one, other, host, other_host):
     st.builds(lambda a, b, p: f"[fd{a:02x}::{b:x}]:{p}", st.integers(0, 255),
               st.integers(0, 0xffff), ports),
     st.builds(lambda a, b, p: f"10.0.{a}.{b}:{p}", st.integers(0, 255), st.integers(0, 255), ports),
-    st.builds(lambda name, p: f"{name}.lan:{p}", st.from_regex(r"[a-z]([a-z0-9-]{0,9}[a-z0-9])?", fullmatch=True),
-              ports),
+    st.builds(lambda name, p: f"{name}.lan:{p}",
+              st.from_regex(r"[a-z]([a-z0-9-]{0,9}[a-z0-9])?", fullmatch=True), ports),
 ), min_size=2, max_size=6))
 def test_distinct_gated_lanes_get_distinct_lock_files(backends):
     lanes = {lane_for(backend) for backend in backends}

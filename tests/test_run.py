@@ -106,18 +106,27 @@ def test_a_missing_command_releases_the_lane(lanelock):
     assert lanelock("probe").returncode == 0
 
 
-@pytest.mark.parametrize("args", [
-    ["run", "--no-such-flag", "--", "true"], ["run"], ["run", "--busy-exit-code", "300", "--", "true"],
-    ["run", "--wait", "-1", "--", "true"], ["run", "--key-by", "colour", "--", "true"],
-    ["run", "--fallback", "'unclosed", "--", "true"], ["run", "--fallback", "@", "--", "true"],
-    ["no-such-subcommand"],
-])
-def test_bad_usage_gives_2_with_one_line(args, lanelock, tmp_path):
-    result = lanelock(*args)
-    assert result.returncode == 2, result.stderr
+def assert_one_usage_line(result) -> None:
+    assert result.returncode == 2, (result.returncode, result.stderr)
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("lanelock:"), result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("flags", [
+    ["--no-such-flag"], ["--busy-exit-code", "300"], ["--wait", "-1"], ["--key-by", "colour"],
+    ["--fallback", "'unclosed"], ["--fallback", "@"], ["--fallback", ""], ["--grace", "soon"],
+    ["--chain", "undefined"],
+])
+def test_bad_flags_give_2_with_one_line_and_nothing_runs(flags, lanelock, tmp_path):
+    marker = tmp_path / "ran"
+    assert_one_usage_line(lanelock("run", *flags, "--", "touch", marker))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("args", [["run"], ["run", "--"], ["no-such-subcommand"]])
+def test_a_missing_command_or_subcommand_gives_2(args, lanelock):
+    assert_one_usage_line(lanelock(*args))
 
 
 # -- the child's argv passes through untouched -------------------------------------------------
@@ -250,6 +259,25 @@ def test_fallback_bound_to_a_public_backend_runs_ungated(holder, lanelock, lock_
     assert held.release() == 0
 
 
+@pytest.mark.xfail(reason="BUG: chain.parse does not validate an entry's @BACKEND: a malformed "
+                          "one is accepted and the command runs (no usage error)", strict=True)
+def test_a_malformed_fallback_backend_is_a_usage_error_and_nothing_runs(lanelock, tmp_path):
+    marker = tmp_path / "ran"
+    result = lanelock("run", "-f", "@host: true", "--", "touch", marker)
+    assert result.returncode == 2 and not marker.exists()
+
+
+@pytest.mark.xfail(reason="BUG: wrapper._fallback_gate: Gate(entry.backend) raises BackendError "
+                          "when the lane is busy; the turn dies with exit 70 'internal error'",
+                   strict=True)
+def test_a_malformed_fallback_backend_when_busy_is_a_usage_error(holder, lanelock, tmp_path):
+    held = holder()
+    result = lanelock("run", "-f", "@host:abc true", "-f", "true", "--", "true")
+    assert result.returncode == 2, result.stderr
+    assert "internal error" not in result.stderr
+    assert held.release() == 0
+
+
 def test_a_fallback_that_cannot_start_is_skipped(holder, lanelock, tmp_path):
     held = holder()
     ran = tmp_path / "ran"
@@ -277,8 +305,7 @@ def test_public_backend_runs_at_once_while_the_local_lane_is_held(holder, lanelo
     held = holder()
     result = lanelock("run", "-b", "api.openai.com:443", "--", "printenv", "LANELOCK_STATE")
     assert (result.returncode, result.stdout.strip(), result.stderr) == (0, "ungated", "")
-    assert sorted(path.name for path in lock_dir.iterdir()) == \
-        ["localhost-8080.journal", "localhost-8080.json", "localhost-8080.lock"]
+    assert not [path for path in lock_dir.iterdir() if "openai" in path.name]
     assert held.release() == 0
 
 
@@ -346,25 +373,66 @@ def test_fail_open_when_the_lock_path_is_not_a_regular_file(kind, lanelock, lock
 
 
 @pytest.fixture
-def read_only_mount(tmp_path):
-    """An empty read-only tmpfs (as root, permission bits stop nothing; a read-only mount does)."""
-    mount_point = tmp_path / "ro"
-    mount_point.mkdir()
-    try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount_point)],
-                              capture_output=True, text=True, timeout=TIMEOUT)
-    except FileNotFoundError:
-        pytest.skip("no mount(8) here")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.strip()}")
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=TIMEOUT)
+def tmpfs(tmp_path):
+    """mount(options) -> a fresh tmpfs mounted with those options (skips when mounting is not
+    possible here); unmounted at teardown. As root, permission bits stop nothing: a read-only or
+    full file system does."""
+    mounted = []
+
+    def mount(options: str) -> Path:
+        mount_point = tmp_path / f"mnt{len(mounted)}"
+        mount_point.mkdir()
+        try:
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)],
+                                  capture_output=True, text=True, timeout=TIMEOUT)
+        except FileNotFoundError:
+            pytest.skip("no mount(8) here")
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs ({options}) here: {done.stderr.strip()}")
+        mounted.append(mount_point)
+        return mount_point
+
+    yield mount
+    for mount_point in reversed(mounted):
+        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=TIMEOUT)
+
+
+@pytest.fixture
+def read_only_mount(tmpfs):
+    return tmpfs("ro,size=64k")
 
 
 @pytest.mark.parametrize("under", [".", "locks"])
 def test_fail_open_on_a_read_only_mount(under, read_only_mount, lanelock, tmp_path):
     marker = tmp_path / "ran"
     assert_failed_open(fail_open_run(lanelock, marker, read_only_mount / under), marker)
+
+
+def test_fail_open_when_no_lock_file_can_be_created_enospc(tmpfs, lanelock, tmp_path):
+    root = tmpfs("size=64k,nr_inodes=2") / "locks"   # the mount's root and this dir: no inode left
+    root.mkdir()
+    marker = tmp_path / "ran"
+    assert_failed_open(fail_open_run(lanelock, marker, root), marker)
+
+
+def test_a_full_disk_once_held_is_only_a_warning(tmpfs, lanelock):
+    mount_point = tmpfs("size=4k")
+    root = mount_point / "locks"
+    root.mkdir()
+    fd = os.open(mount_point / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            while True:
+                os.write(fd, b"\0" * 4096)
+    finally:
+        os.close(fd)
+    inner = f"{sys.executable} -m lanelock probe >/dev/null; echo probe=$?; exit 3"
+    result = lanelock("run", "--", "sh", "-c", inner, env={"LANELOCK_DIR": root})
+    assert result.returncode == 3
+    assert result.stdout.strip() == "probe=1", "the lane was not held while the disk was full"
+    assert "gate unavailable" not in result.stderr
+    assert result.stderr and all(line.startswith("lanelock: warning:")
+                                 for line in result.stderr.splitlines()), result.stderr
 
 
 def test_quiet_silences_the_fail_open_warning(lanelock, tmp_path):
@@ -698,7 +766,8 @@ def test_the_child_starts_with_default_sigpipe(run_cmd):
 
 def test_an_ignored_sigint_stays_ignored_for_the_child(procs):
     """`cmd &` in a script starts cmd with SIGINT ignored; under lanelock it must stay so."""
-    probe = [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"]
+    probe = [sys.executable, "-c",
+             "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"]
     proc = procs.start([*LANELOCK, "run", "--", *probe], stdout=subprocess.PIPE, text=True,
                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     out, _ = proc.communicate(timeout=TIMEOUT)

@@ -1,0 +1,376 @@
+"""The PostgreSQL lane store: one gate for agents on several hosts sharing one GPU box.
+
+A session-level advisory lock has the kernel's promise: held until released or until the session
+ends, so a dead holder releases it with no heartbeat and no reaper. One dedicated connection per
+turn, held for the turn's lifetime; never through a transaction-mode pooler (session locks would
+leak across clients), which is detected: the backend pid must stay the same.
+
+Lane -> advisory key (two-int form): key1 = NAMESPACE (0x4C4E4C4B, "LNLK"), key2 = the first four
+bytes of sha256(lane name) as a signed int. The holder row records the full lane name, so a hash
+collision between two lanes is reported, never silent.
+
+A vanished holder host: TCP keepalives (idle 5 s, interval 2 s, 3 probes) and tcp_user_timeout 10 s
+make the server drop its session, and so the lock, within about 15 s (target <= 30 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+
+from .holders import KernelView
+from .paths import GateUnavailable
+
+NAMESPACE = 0x4C4E4C4B
+CONNECT_TIMEOUT = 2
+KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
+              "keepalives_count": 3, "tcp_user_timeout": 10000}
+SCHEMA_SQL = """
+CREATE TABLE IF NOT EXISTS lanelock_holders (
+    key2 integer PRIMARY KEY, lane text NOT NULL, record jsonb NOT NULL,
+    backend_pid integer NOT NULL, updated_at timestamptz NOT NULL DEFAULT now());
+CREATE TABLE IF NOT EXISTS lanelock_events (
+    id bigserial PRIMARY KEY, lane text NOT NULL, ts double precision NOT NULL, event jsonb NOT NULL);
+CREATE INDEX IF NOT EXISTS lanelock_events_lane_ts ON lanelock_events (lane, ts);
+"""
+MISSING_DRIVER = "the PostgreSQL store needs psycopg: pip install 'lanelock[postgres]'"
+
+
+def lane_key(lane_name: str) -> tuple[int, int]:
+    """The documented advisory key of a lane: (NAMESPACE, signed int32 of sha256(name)[:4])."""
+    return NAMESPACE, int.from_bytes(hashlib.sha256(lane_name.encode()).digest()[:4], "big",
+                                     signed=True)
+
+
+def _driver():
+    try:
+        import psycopg
+    except ImportError:
+        raise GateUnavailable(MISSING_DRIVER) from None
+    return psycopg
+
+
+def redact(dsn: str) -> str:
+    """The DSN without its password, for messages and `where`."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(dsn)
+    if parts.password is None:
+        return dsn
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+@dataclass
+class PgHandle:
+    conn: object
+    lane: str
+    key: tuple[int, int]
+    backend_pid: int
+    fd: int | None = None          # the connection's socket (never None for a live handle)
+    caveat: str | None = None
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except Exception:  # closing a broken connection: nothing left to do
+            pass
+
+
+class PgStore:
+    kind = "postgresql"
+
+    def __init__(self, dsn: str):
+        self.dsn = dsn
+
+    def where(self) -> str:
+        return redact(self.dsn)
+
+    def names(self, stem: str) -> None:
+        return None   # no files: the holder record and the events live in tables
+
+    def locator(self, lane) -> str:
+        key = lane_key(lane.name)
+        return f"{redact(self.dsn)}#advisory({key[0]},{key[1]})"
+
+    def connect(self, application_name: str):
+        psycopg = _driver()
+        try:
+            return psycopg.connect(self.dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT,
+                                   application_name=application_name[:63], **KEEPALIVES)
+        except psycopg.Error as error:
+            raise GateUnavailable(f"cannot reach the lane store {redact(self.dsn)}: "
+                                  f"{_first_line(error)}") from None
+
+    def open(self, lane_obj, *, create: bool = True) -> PgHandle:
+        lane = lane_obj.name
+        conn = self.connect(f"lanelock {lane}")
+        psycopg = _driver()
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(SCHEMA_SQL)
+                cursor.execute("SELECT pg_backend_pid()")
+                backend = cursor.fetchone()[0]
+        except psycopg.Error as error:
+            conn.close()
+            raise GateUnavailable(f"lane store {redact(self.dsn)}: {_first_line(error)}") from None
+        return PgHandle(conn, lane, lane_key(lane), backend, fd=_socket(conn))
+
+    def ident(self, handle: PgHandle) -> tuple:
+        return ("pg", self.dsn, handle.key)
+
+    def rotate(self, handle: PgHandle, max_bytes: int) -> None:
+        pass   # a table needs no rotation at these volumes
+
+    def record_extra(self, handle: PgHandle) -> dict:
+        return {"store_key": list(handle.key)}
+
+    def holder_agrees(self, record: dict, view: KernelView | None) -> bool:
+        backend = record.get("backend_pid")
+        return view is None or backend in view.holders
+
+    def holder_pids_here(self, handle: PgHandle, view: KernelView | None) -> set[int]:
+        """Client pids on this host that hold the lane (the server knows only its backend pids)."""
+        from .facts import hostname
+
+        record, _ = self.read_holder(handle)
+        if not record or record.get("hostname") != hostname() or "released_at" in record:
+            return set()
+        if view is not None and record.get("backend_pid") not in view.holders:
+            return set()
+        pid = record.get("pid")
+        return {pid} if isinstance(pid, int) else set()
+
+    def unlabelled(self, view: KernelView | None) -> tuple[int | None, str | None]:
+        pid = view.holders[0] if view and view.holders else None
+        return pid, (f"PostgreSQL backend {pid} (not a lanelock turn)" if pid else None)
+
+    def orphan_holder(self, handle: PgHandle) -> None:
+        return None   # an advisory lock has no file to remove
+
+    def watch_fd(self, handle: PgHandle) -> int | None:
+        return handle.fd
+
+    def event_handle(self, lane) -> None:
+        return None   # the store could not be reached: there is nowhere to record it
+
+    def try_lock(self, handle: PgHandle) -> bool:
+        return self._call(handle, "SELECT pg_try_advisory_lock(%s, %s)", handle.key)
+
+    def wait_lock(self, handle: PgHandle, timeout: float | None) -> bool:
+        """A blocking lock with a server-side timeout: the server wakes us, no polling."""
+        psycopg = _driver()
+        millis = 0 if timeout is None else max(1, int(timeout * 1000))
+        try:
+            with handle.conn.cursor() as cursor:
+                cursor.execute(f"SET lock_timeout = {millis}")
+                try:
+                    cursor.execute("SELECT pg_advisory_lock(%s, %s)", handle.key)
+                    return True
+                except psycopg.errors.LockNotAvailable:
+                    return self.try_lock(handle)
+                finally:
+                    cursor.execute("SET lock_timeout = 0")
+        except psycopg.Error as error:
+            raise GateUnavailable(f"lane store: {_first_line(error)}") from None
+
+    def still_current(self, handle: PgHandle) -> bool:
+        """The session (and so the lock) is ours: a transaction-mode pooler would hand later
+        statements to another backend, where the session lock does not live."""
+        backend = self._call(handle, "SELECT pg_backend_pid()", ())
+        if backend != handle.backend_pid:
+            raise GateUnavailable("the lane store connection goes through a transaction-mode "
+                                  "pooler (backend pid changed); connect to PostgreSQL directly")
+        return True
+
+    def kernel(self, handle: PgHandle) -> KernelView | None:
+        return self.lock_view(handle.conn, handle.key)
+
+    def lock_view(self, conn, key: tuple[int, int]) -> KernelView | None:
+        """Holders and waiters from pg_locks: the server's truth, like /proc/locks."""
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(
+                    "SELECT pid, granted FROM pg_locks WHERE locktype = 'advisory' "
+                    "AND classid = %s AND objid = %s AND objsubid = 2",
+                    (key[0] & 0xFFFFFFFF, key[1] & 0xFFFFFFFF))
+                rows = cursor.fetchall()
+        except Exception:
+            return None
+        return KernelView(tuple(pid for pid, granted in rows if granted),
+                          tuple(pid for pid, granted in rows if not granted))
+
+    def release(self, handle: PgHandle) -> None:
+        try:
+            self._call(handle, "SELECT pg_advisory_unlock(%s, %s)", handle.key)
+        except GateUnavailable:
+            pass   # the session is gone, and the lock with it
+        handle.close()
+
+    # -- holder record and events ------------------------------------------------------------
+    def write_holder(self, handle: PgHandle, record: dict) -> None:
+        record = dict(record, backend_pid=handle.backend_pid)
+        try:
+            self._call(handle,
+                       "INSERT INTO lanelock_holders (key2, lane, record, backend_pid, updated_at) "
+                       "VALUES (%s, %s, %s, %s, now()) ON CONFLICT (key2) DO UPDATE SET "
+                       "lane = EXCLUDED.lane, record = EXCLUDED.record, "
+                       "backend_pid = EXCLUDED.backend_pid, updated_at = now()",
+                       (handle.key[1], handle.lane, json.dumps(record), handle.backend_pid),
+                       fetch=False)
+        except GateUnavailable as error:
+            raise OSError(0, str(error)) from None
+
+    def read_holder(self, handle: PgHandle) -> tuple[dict | None, str | None]:
+        return self.holder_row(handle.conn, handle.key, handle.lane)
+
+    def holder_row(self, conn, key, lane) -> tuple[dict | None, str | None]:
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute("SELECT lane, record, backend_pid FROM lanelock_holders "
+                               "WHERE key2 = %s", (key[1],))
+                row = cursor.fetchone()
+        except Exception as error:
+            return None, f"holder row unreadable: {_first_line(error)}"
+        if row is None:
+            return None, "no holder row yet"
+        row_lane, record, backend = row
+        if row_lane != lane:
+            return None, (f"advisory key collision: lane {lane!r} and lane {row_lane!r} hash to "
+                          f"the same key {key}; one of them must change its name")
+        if not isinstance(record, dict):
+            return None, "holder row is not a JSON object"
+        record = dict(record, backend_pid=backend)
+        return record, None
+
+    def append_event(self, handle: PgHandle, event: dict) -> None:
+        try:
+            self._call(handle, "INSERT INTO lanelock_events (lane, ts, event) VALUES (%s, %s, %s)",
+                       (handle.lane, event.get("ts", time.time()), json.dumps(event)), fetch=False)
+        except GateUnavailable as error:
+            raise OSError(0, str(error)) from None
+
+    def events(self, lane: str, since: float | None) -> list[dict]:
+        conn = self.connect(f"lanelock history {lane}")
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(SCHEMA_SQL)
+                cursor.execute("SELECT event FROM lanelock_events WHERE lane = %s AND ts >= %s "
+                               "ORDER BY ts, id", (lane, since if since is not None else 0.0))
+                return [row[0] for row in cursor.fetchall() if isinstance(row[0], dict)]
+        finally:
+            conn.close()
+
+    def lane_statuses(self, lane: str | None) -> list[dict]:
+        """status for one lane (or every lane the store knows): pg_locks joined with
+        pg_stat_activity is the truth; the holder row only labels it."""
+        conn = self.connect("lanelock status")
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(SCHEMA_SQL)
+                if lane is None:
+                    cursor.execute("SELECT lane FROM lanelock_holders ORDER BY lane")
+                    lanes = [row[0] for row in cursor.fetchall()]
+                else:
+                    lanes = [lane]
+            return [self._status(conn, name) for name in lanes]
+        finally:
+            conn.close()
+
+    def _status(self, conn, lane: str) -> dict:
+        key = lane_key(lane)
+        result = {"lane": lane, "lock_path": f"{redact(self.dsn)}#advisory({key[0]},{key[1]})",
+                  "sidecar_path": None, "exists": True, "state": "free", "verdict": "never-used",
+                  "message": "", "holders": [], "waiters": [], "kernel_source": "pg_locks",
+                  "holder": None, "last": None, "sidecar_problem": None}
+        with conn.cursor() as cursor:
+            cursor.execute(
+                "SELECT l.pid, l.granted, a.application_name, host(a.client_addr) FROM pg_locks l "
+                "LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
+                "AND l.classid = %s AND l.objid = %s AND l.objsubid = 2",
+                (key[0] & 0xFFFFFFFF, key[1] & 0xFFFFFFFF))
+            rows = cursor.fetchall()
+        for pid, granted, app, addr in rows:
+            entry = {"pid": pid, "command": f"{app or '?'} from {addr or 'local socket'}",
+                     "lanelock": bool(app and app.startswith("lanelock"))}
+            (result["holders"] if granted else result["waiters"]).append(entry)
+        record, problem = self.holder_row(conn, key, lane)
+        result["sidecar_problem"] = problem
+        summary = _summary(record)
+        if result["holders"]:
+            holder = result["holders"][0]
+            if record and "released_at" not in record and record.get("backend_pid") == holder["pid"]:
+                result.update(state="held", verdict="held", holder=summary,
+                              message=f"held by lanelock turn {pid_host(record)} (session "
+                                      f"{record.get('session')}), since {record.get('acquired_at')}")
+            else:
+                kind = "held-unlabelled" if holder["lanelock"] else "held-foreign"
+                result.update(state="held", verdict=kind,
+                              message=f"held by PostgreSQL backend {holder['pid']} "
+                                      f"({holder['command']}); {problem or 'the holder row is stale'}")
+        elif problem and "collision" in problem:
+            result.update(verdict="collision", message=f"free; {problem}")
+        elif record is None:
+            result["message"] = "free; no turn has used this lane yet"
+        elif "released_at" in record:
+            result.update(verdict="released", last=summary,
+                          message=f"free; last holder {pid_host(record)} released cleanly at "
+                                  f"{record.get('released_at')} (exit {record.get('exit_status')})")
+        else:
+            result.update(verdict="died", last=summary,
+                          message=f"free; last holder {pid_host(record)} ended without releasing "
+                                  "(its session closed; the server dropped the lock)")
+        return result
+
+    def lost(self, handle: PgHandle) -> bool:
+        """Has the server ended our session (pg_terminate_backend, restart)? Then the lane is gone."""
+        try:
+            self._call(handle, "SELECT 1", ())
+            return False
+        except GateUnavailable:
+            return True
+
+
+    def _call(self, handle: PgHandle, sql: str, params, fetch: bool = True):
+        psycopg = _driver()
+        try:
+            with handle.conn.cursor() as cursor:
+                cursor.execute(sql, params)
+                return cursor.fetchone()[0] if fetch else None
+        except psycopg.Error as error:
+            raise GateUnavailable(f"lane store: {_first_line(error)}") from None
+
+
+def _socket(conn) -> int | None:
+    try:
+        return conn.pgconn.socket
+    except Exception:  # psycopg internals: without the socket we only cannot watch for loss
+        return None
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0][:300]
+
+
+def _summary(record: dict | None) -> dict | None:
+    if not record:
+        return None
+    keys = ("pid", "hostname", "session", "model", "user", "acquired_at", "released_at",
+            "exit_status", "held_seconds", "backend", "backend_pid")
+    summary = {key: record.get(key) for key in keys}
+    summary["command"] = " ".join(str(word) for word in record.get("argv") or [])[:300]
+    return summary
+
+
+def pid_host(record: dict | None) -> str:
+    if not record:
+        return "?"
+    return f"pid {record.get('pid')} on {record.get('hostname') or '?'}"
+
+
+def default_dsn() -> str | None:
+    return os.environ.get("LANELOCK_STORE") or None

@@ -1,0 +1,81 @@
+"""A real PostgreSQL server on loopback for the lane-store tests (Debian's postgresql package).
+
+Started as the `postgres` user (the server refuses to run as root) in a temp directory, trust auth
+on 127.0.0.1 only, stopped and removed at teardown.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+
+def binaries() -> str | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/postgres"))
+    return os.path.dirname(found[-1]) if found else (
+        os.path.dirname(shutil.which("postgres")) if shutil.which("postgres") else None)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    def __init__(self):
+        self.bindir = binaries()
+        if self.bindir is None:
+            raise RuntimeError("no PostgreSQL server binaries (apt-get install postgresql)")
+        self.user = "postgres" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
+        self.dir = tempfile.mkdtemp(prefix="lanelock-pg-")
+        os.chmod(self.dir, 0o755)
+        self.data = os.path.join(self.dir, "data")
+        self.port = _free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def dsn(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _as_user(self, argv: list[str]) -> list[str]:
+        return ["runuser", "-u", self.user, "--"] + argv if os.geteuid() == 0 else argv
+
+    def start(self) -> "Server":
+        if os.geteuid() == 0:
+            entry = pwd.getpwnam(self.user)
+            os.chown(self.dir, entry.pw_uid, entry.pw_gid)
+        subprocess.run(self._as_user([os.path.join(self.bindir, "initdb"), "-D", self.data,
+                                      "-U", "postgres", "--auth=trust", "-E", "UTF8"]),
+                       check=True, capture_output=True)
+        self.proc = subprocess.Popen(self._as_user([
+            os.path.join(self.bindir, "postgres"), "-D", self.data, "-p", str(self.port),
+            "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={self.dir}",
+            "-c", "fsync=off", "-c", "max_connections=60"]),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("postgres exited during startup")
+            ready = subprocess.run([os.path.join(self.bindir, "pg_isready"), "-h", "127.0.0.1",
+                                    "-p", str(self.port)], capture_output=True)
+            if ready.returncode == 0:
+                return self
+            time.sleep(0.1)
+        raise RuntimeError("postgres did not become ready")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)

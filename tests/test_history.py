@@ -1,0 +1,523 @@
+"""`lanelock history`: the per-lane journal, from real turns: concurrent appends that never tear or
+lose a line, the way back to local, --since, the summary, garbage lines and rotation.
+
+Synchronisation is never a sleep: a holder's child prints "ready PID" on a pipe and holds until the
+test writes its exit status to its stdin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from lanelock import holders
+
+LANELOCK = [sys.executable, "-m", "lanelock"]
+TIMEOUT = 60.0
+LANE = "localhost:8080"
+STEM = "localhost-8080"
+HOLD_SCRIPT = 'echo "ready $$"; read code; exit "${code:-0}"'
+BUSY = 75
+
+
+# -- isolation and processes -----------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def root(request, tmp_path, monkeypatch) -> Path:
+    """A fresh lock root (not created: the first turn makes it) and no configuration files."""
+    if "isolated" in request.fixturenames:   # a shared conftest isolation runs first; ours wins
+        request.getfixturevalue("isolated")
+    for name in list(os.environ):
+        if name.startswith("LANELOCK_"):
+            monkeypatch.delenv(name)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    lock_root = tmp_path / "root"
+    monkeypatch.setenv("LANELOCK_DIR", str(lock_root))
+    monkeypatch.setenv("LANELOCK_SYSTEM_CONFIG", str(tmp_path / "no-such-system.toml"))
+    monkeypatch.setenv("LANELOCK_CONFIG", str(tmp_path / "no-such-user.toml"))
+    return lock_root
+
+
+class Processes:
+    """Every process a test starts, each in its own session; killed by pid and group at teardown."""
+
+    def __init__(self):
+        self.popens: list[subprocess.Popen] = []
+
+    def start(self, argv, **kwargs) -> subprocess.Popen:
+        kwargs.setdefault("stdin", subprocess.DEVNULL)
+        proc = subprocess.Popen([str(word) for word in argv], start_new_session=True, **kwargs)
+        self.popens.append(proc)
+        return proc
+
+    def cleanup(self) -> None:
+        for proc in self.popens:
+            if proc.returncode is None and proc.poll() is None:
+                for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
+                    try:
+                        kill()
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                try:
+                    proc.wait(timeout=TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    pass
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    try:
+                        stream.close()
+                    except OSError:
+                        pass
+
+
+@pytest.fixture
+def procs(root):
+    """The registry; after the test everything it started is killed, then no lane may be held
+    (asked of /proc/locks: the check itself never takes a lock)."""
+    registry = Processes()
+    yield registry
+    registry.cleanup()
+    held = []
+    for lock in sorted(root.glob("*.lock")) if root.is_dir() else []:
+        if lock.is_symlink() or not lock.is_file():
+            continue
+        view = holders.kernel_view(os.stat(lock))
+        if view is not None and view.holders:
+            held.append(f"{lock.name}: held by {view.holders}")
+    assert not held, f"lanes left held at teardown: {held}"
+
+
+@pytest.fixture
+def lanelock(procs):
+    """lanelock(*args, env=None, timeout=60) -> CompletedProcess of `python -m lanelock ARGS`."""
+
+    def run(*args, env=None, timeout=TIMEOUT):
+        argv = [*LANELOCK, *map(str, args)]
+        proc = procs.start(argv, env={**os.environ, **(env or {})}, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"{argv} did not finish in {timeout}s (hang?)\nstdout {out!r}\nstderr {err!r}")
+        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+    return run
+
+
+def read_line(stream, timeout: float = TIMEOUT) -> str:
+    """One line from a binary pipe within timeout seconds; '' at EOF."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    while not data.endswith(b"\n"):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"no line within {timeout}s (got {data!r})")
+        if select.select([stream.fileno()], [], [], remaining)[0]:
+            byte = os.read(stream.fileno(), 1)
+            if not byte:
+                break
+            data += byte
+    return data.decode()
+
+
+def wait_for(condition, what: str, timeout: float = 30.0):
+    """Last resort when no process can tell us: re-check a condition until a deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+
+
+class Holder:
+    """`lanelock run ARGS -- sh -c HOLD_SCRIPT`: pid is the wrapper (the lock holder)."""
+
+    def __init__(self, procs: Processes, args):
+        argv = [*LANELOCK, "run", *args, "--", "sh", "-c", HOLD_SCRIPT]
+        self.proc = procs.start(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        self.pid = self.proc.pid
+        line = read_line(self.proc.stdout)
+        if not line.startswith("ready "):
+            self.proc.kill()
+            raise AssertionError(f"holder did not start holding: {line!r} "
+                                 f"{self.proc.stderr.read().decode()!r}")
+
+    def release(self, exit_status: int = 0) -> int:
+        self.proc.stdin.write(f"{exit_status}\n".encode())
+        self.proc.stdin.close()
+        return self.proc.wait(timeout=TIMEOUT)
+
+
+@pytest.fixture
+def holder(procs):
+    """holder(*run_args) -> Holder already holding its lane; released at teardown if still held."""
+    started: list[Holder] = []
+
+    def start(*args) -> Holder:
+        held = Holder(procs, [str(arg) for arg in args])
+        started.append(held)
+        return held
+
+    yield start
+    for held in started:
+        if held.proc.poll() is None:
+            try:
+                held.release()
+            except (OSError, subprocess.TimeoutExpired):
+                pass   # procs kills it
+
+
+# -- looking -----------------------------------------------------------------------------------------
+def journal(root: Path) -> Path:
+    return root / f"{STEM}.journal"
+
+
+def journal_lines(path: Path) -> list[dict]:
+    """Every line of one journal file, each parsed (a torn or merged line fails here)."""
+    if not path.exists():
+        return []
+    raw = path.read_bytes()
+    assert raw == b"" or raw.endswith(b"\n"), "the journal ends in a partial line"
+    return [json.loads(line) for line in raw.decode("utf-8").split("\n")[:-1]]
+
+
+def history_json(lanelock, *args) -> dict:
+    done = lanelock("history", "--json", *args)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    return json.loads(done.stdout)
+
+
+def turn(lanelock, *command: str, expect: int = 0) -> subprocess.CompletedProcess:
+    done = lanelock("run", "--", *(command or ("true",)))
+    assert done.returncode == expect, done.stderr
+    return done
+
+
+# -- concurrent appends ------------------------------------------------------------------------------
+@pytest.mark.parametrize("processes, turns", [
+    (8, 25),                                              # 200 turns: ~30 s on two busy cores
+    pytest.param(8, 50, marks=pytest.mark.slow),          # the issue's 400: ~65 s there
+])
+def test_concurrent_turns_leave_exactly_the_right_journal_lines(lanelock, procs, root, tmp_path,
+                                                                processes, turns):
+    loop = 'read go; for i in $(seq "$1"); do "$0" -m lanelock run -- true; echo "rc $?"; done'
+    shells = [procs.start(["sh", "-c", loop, sys.executable, turns], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=open(tmp_path / f"loop-{n}.stderr", "wb"))
+              for n in range(processes)]
+    for shell in shells:            # start line: all loops begin together
+        shell.stdin.close()
+        shell.stdin = None
+    codes = []
+    for shell in shells:
+        out, _ = shell.communicate(timeout=240)
+        assert shell.returncode == 0
+        codes += out.decode().split()[1::2]
+    total = processes * turns
+    assert len(codes) == total
+    assert set(codes) <= {"0", str(BUSY)}, sorted(set(codes))
+
+    events = journal_lines(journal(root))             # every line parses as JSON
+    assert not Path(f"{journal(root)}.1").exists()    # far below the rotation size
+    kinds = [event["event"] for event in events]
+    acquired, deflected, released = (kinds.count(kind) for kind in ("acquired", "deflected", "released"))
+    assert acquired + deflected == total
+    assert released == acquired
+    assert len(events) == 2 * acquired + deflected    # nothing else was written, nothing lost
+    assert acquired == codes.count("0") and deflected == codes.count(str(BUSY))
+    by_pid: dict[int, list[str]] = {}
+    for event in events:
+        by_pid.setdefault(event["pid"], []).append(event["event"])
+    for pid, sequence in by_pid.items():              # each turn: acquired then released, or deflected
+        local = [kind for kind in sequence if kind != "deflected"]
+        assert local == ["acquired", "released"] * (len(local) // 2), (pid, sequence)
+
+    summary = history_json(lanelock)["summary"]
+    assert (summary["turns"], summary["local"], summary["deflected"]) == (total, acquired, deflected)
+
+
+# -- the way back ------------------------------------------------------------------------------------
+def test_a_deflection_then_a_local_turn_is_the_way_back(lanelock, holder, root):
+    held = holder("--session", "holder")
+    deflected = lanelock("run", "--session", "cron", "--", "true")
+    assert deflected.returncode == BUSY and "local_backend_busy" in deflected.stderr
+    assert held.release() == 0
+    turn(lanelock)
+    turn(lanelock)   # a second local turn in a row is not another way back
+
+    data = history_json(lanelock)
+    assert [e["event"] for e in data["events"]] == [
+        "acquired", "deflected", "released", "acquired", "released", "acquired", "released"]
+    assert [e["way_back"] for e in data["events"] if e["event"] == "acquired"] == [False, True, False]
+    deflection = data["events"][1]
+    assert deflection["reason"] == "local_backend_busy" and deflection["holder"]["pid"] == held.pid
+    assert data["summary"]["way_back"] == 1 and data["summary"]["deflected"] == 1
+    assert data["lane"] == LANE and data["unreadable_lines"] == 0
+
+    done = lanelock("history")
+    assert done.returncode == 0 and "\x1b" not in done.stdout
+    lines = done.stdout.splitlines()
+    assert sum("back on local" in line for line in lines) == 1
+    deflection_lines = [line for line in lines if line.split()[1:2] == ["deflected"]]
+    assert len(deflection_lines) == 1 and f"held by pid {held.pid}" in deflection_lines[0]
+    assert "way back to local 1x" in lines[-1]
+
+
+def test_a_waiting_turn_logs_how_long_it_waited(lanelock, holder, procs, root):
+    held = holder()
+    waiter = procs.start([*LANELOCK, "run", "--wait", "--", "true"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE)
+    lock = root / f"{STEM}.lock"
+    wait_for(lambda: waiter.pid in holders.kernel_view(os.stat(lock)).waiters,
+             "the --wait turn to block in flock()")
+    assert held.release() == 0
+    _, err = waiter.communicate(timeout=TIMEOUT)
+    assert waiter.returncode == 0, err
+
+    data = history_json(lanelock)
+    mine = [e for e in data["events"] if e["pid"] == waiter.pid]
+    assert [e["event"] for e in mine] == ["waited", "acquired", "released"]
+    assert mine[0]["waited"] > 0
+    assert mine[1]["way_back"] is False   # waiting is not a deflection
+    summary = data["summary"]
+    assert (summary["turns"], summary["local"], summary["deflected"], summary["way_back"]) == (2, 2, 0, 0)
+    done = lanelock("history")
+    assert done.returncode == 0
+    assert any(line.split()[1:2] == ["waited"] and "waited " in line for line in done.stdout.splitlines())
+
+
+# -- --since -----------------------------------------------------------------------------------------
+def _age(events: list[dict], hours: float) -> list[dict]:
+    old = []
+    for event in events:
+        moment = event["ts"] - hours * 3600
+        stamp = datetime.fromtimestamp(moment, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.000Z")
+        old.append({**event, "ts": moment, "time": stamp})
+    return old
+
+
+def _iso(hours_ago: float, offset_hours: int = 0) -> str:
+    zone = timezone(timedelta(hours=offset_hours))
+    return (datetime.now(timezone.utc) - timedelta(hours=hours_ago)).astimezone(zone).isoformat()
+
+
+def test_since_takes_durations_and_iso_dates(lanelock, root):
+    turn(lanelock)
+    recent = journal_lines(journal(root))
+    old = _age(recent, 3)                        # the same turn, three hours earlier
+    journal(root).write_text("".join(json.dumps(e) + "\n" for e in old + recent))
+
+    def count(*since):
+        return len(history_json(lanelock, *since)["events"])
+
+    assert count() == 4
+    assert count("--since", "1h") == 2 == count("--since", "90m") == count("--since", "3600s")
+    assert count("--since", "4h") == 4 == count("--since", "1d") == count("--since", "1w")
+    assert count("--since", _iso(2)) == 2                        # offset-aware, UTC
+    assert count("--since", _iso(2, offset_hours=5)) == 2        # the same instant, another zone
+    assert count("--since", _iso(4, offset_hours=-7)) == 4
+    assert count("--since", "2000-01-01") == 4                   # a plain date
+    assert count("--since", (datetime.now(timezone.utc) + timedelta(days=2)).date().isoformat()) == 0
+    assert history_json(lanelock, "--since", "1h")["summary"]["turns"] == 1
+
+
+@pytest.mark.parametrize("since", ["yesterdayish", "2 hours", "1y", "1e3h", "2026-13-45", "h"])
+def test_since_garbage_is_a_usage_error_in_one_line(lanelock, root, since):
+    turn(lanelock)
+    done = lanelock("history", "--since", since)
+    assert done.returncode == 2 and done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lanelock:") and "--since" in lines[0], done.stderr
+
+
+# -- the summary -------------------------------------------------------------------------------------
+def test_summary_fields_match_the_journal(lanelock, holder, root):
+    held = holder()
+    assert lanelock("run", "--", "true").returncode == BUSY
+    assert held.release(0) == 0
+    turn(lanelock, "sh", "-c", "exit 4", expect=4)
+
+    lines = journal_lines(journal(root))
+    durations = [e["duration"] for e in lines if e["event"] == "released"]
+    window = lines[-1]["ts"] - lines[0]["ts"]
+    summary = history_json(lanelock)["summary"]
+    assert (summary["turns"], summary["local"], summary["deflected"], summary["fail_open"]) == (3, 2, 1, 0)
+    assert summary["deflection_rate"] == pytest.approx(1 / 3, abs=1e-4)
+    assert summary["longest_hold"] == pytest.approx(max(durations), abs=1e-3)
+    assert summary["busy_fraction"] == pytest.approx(min(1.0, sum(durations) / window), abs=2e-3)
+    assert 0 < summary["busy_fraction"] <= 1
+    assert summary["first"] == lines[0]["time"] and summary["last"] == lines[-1]["time"]
+    assert [e["exit_status"] for e in lines if e["event"] == "released"] == [0, 4]
+
+    done = lanelock("history")
+    assert done.returncode == 0
+    last = done.stdout.splitlines()[-1]
+    assert last.startswith("turns 3 (2 local, 1 deflected); deflection rate 33%; busy ")
+    assert f"longest hold {summary['longest_hold']:.1f}s" in last
+
+
+def test_history_of_a_lane_without_a_journal(lanelock, root):
+    data = history_json(lanelock)
+    assert data["events"] == [] and data["unreadable_lines"] == 0
+    assert (data["summary"]["turns"], data["summary"]["busy_fraction"]) == (0, 0.0)
+    done = lanelock("history")
+    assert done.returncode == 0 and done.stdout.startswith("turns 0 ")
+    assert not root.exists()   # reading creates nothing
+
+
+def test_a_fail_open_turn_is_in_the_journal(lanelock, root, tmp_path):
+    turn(lanelock)
+    lock = root / f"{STEM}.lock"
+    lock.unlink()
+    lock.symlink_to(tmp_path / "elsewhere.lock")
+    done = turn(lanelock)
+    assert "running without it" in done.stderr
+    assert [e["event"] for e in journal_lines(journal(root))][-1] == "fail-open"
+    assert history_json(lanelock)["summary"]["fail_open"] == 1
+
+
+# -- garbage and rotation ----------------------------------------------------------------------------
+def _noise(seed: int) -> bytes:
+    data = bytes(b for b in random.Random(seed).randbytes(600) if b not in b"\r\n")
+    return data if data.strip() else b"x"
+
+
+GARBAGE = [
+    b"not json at all",
+    _noise(1),
+    _noise(2),
+    b'{"event": "acquired", "ts": 17\xff\xfe',
+    b"\xff\xfe\xfd",
+    b"[1, 2, 3]",
+    b'"a string"',
+    b"null",
+    b'{"event": 5, "ts": 1}',
+    b'{"no_event": true}',
+    b'{"event": "acquired", "ts": ',            # a torn line
+    b"[" * 100000,
+    b'{"event": "acquired", "ts": ' + b"9" * 5000 + b"}",
+]
+
+
+def test_garbage_lines_are_counted_and_skipped(lanelock, root):
+    turn(lanelock)
+    with open(journal(root), "ab") as handle:
+        handle.write(b"".join(line + b"\n" for line in GARBAGE) + b"   \n\n")
+    turn(lanelock)
+
+    data = history_json(lanelock)
+    assert data["unreadable_lines"] == len(GARBAGE)
+    assert [e["event"] for e in data["events"]] == ["acquired", "released"] * 2
+    assert data["summary"]["turns"] == 2
+
+    done = lanelock("history")
+    assert done.returncode == 0 and "Traceback" not in done.stderr
+    assert f"{len(GARBAGE)} journal line(s) could not be read" in done.stderr
+    assert done.stdout.splitlines()[-1].startswith("turns 2 (2 local, 0 deflected)")
+
+
+MALFORMED = {
+    "no-time": {"event": "acquired", "ts": 1.0},
+    "list-pid": {"event": "acquired", "pid": [1], "time": "2026-01-01T00:00:00.000Z"},
+    "dict-pid-release": {"event": "released", "pid": {"a": 1}, "time": "2026-01-01T00:00:00.000Z"},
+}
+MALFORMED_BUGS = {  # each once crashed history (fixed); kept as regressions
+    "no-time": "BUG: history.summarise reads events[0]['time'] / events[-1]['time'] with [] : a "
+               "journal object with an event and a ts but no time crashes history (KeyError, exit 70)",
+    "list-pid": "BUG: history.holds keys open turns by event['pid']: an unhashable pid (a list) "
+                "crashes history (TypeError, exit 70)",
+    "dict-pid-release": "BUG: history.holds tests `pid in open_turns` with an unhashable pid (a "
+                        "dict) on a released event: TypeError, exit 70",
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED_BUGS))
+@pytest.mark.parametrize("as_json", [True, False], ids=["json", "human"])
+def test_parseable_but_malformed_events_do_not_crash_history(lanelock, root, name, as_json):
+    turn(lanelock)
+    real = journal_lines(journal(root))
+    event = dict(MALFORMED[name])
+    event.setdefault("ts", real[0]["ts"] - 1)
+    with open(journal(root), "a") as handle:
+        handle.write(json.dumps(event) + "\n")
+    done = lanelock("history", *(["--json"] if as_json else []))
+    assert done.returncode == 0, done.stderr
+    assert "internal error" not in done.stderr
+
+
+def _journal_fifo(path: Path, tmp_path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _journal_symlink(path: Path, tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere.journal"
+    target.write_text('{"event": "acquired", "ts": 1.0, "time": "x"}\n')
+    path.symlink_to(target)
+
+
+def _journal_sparse(path: Path, tmp_path: Path) -> None:
+    with open(path, "wb") as handle:
+        handle.truncate(50 * 1024 * 1024)
+
+
+def _journal_directory(path: Path, tmp_path: Path) -> None:
+    path.mkdir()
+
+
+@pytest.mark.parametrize("plant", [_journal_fifo, _journal_symlink, _journal_directory, _journal_sparse],
+                         ids=["fifo", "symlink", "directory", "50-megabytes-of-nul"])
+@pytest.mark.parametrize("generation", ["", ".1"], ids=["journal", "journal.1"])
+def test_a_hostile_journal_file_never_hangs_or_crashes_history(lanelock, root, tmp_path, plant,
+                                                             generation):
+    root.mkdir()
+    path = Path(f"{journal(root)}{generation}")
+    plant(path, tmp_path)
+    for args in (["--json"], []):
+        done = lanelock("history", *args, timeout=30)   # a FIFO must not block the read
+        assert done.returncode == 0, done.stderr
+        assert "Traceback" not in done.stderr and "internal error" not in done.stderr
+        if args:
+            assert json.loads(done.stdout)["summary"]["turns"] == 0
+
+
+def test_rotation_keeps_every_line_across_both_files(lanelock, root, tmp_path, monkeypatch):
+    config = tmp_path / "system.toml"
+    config.write_text("journal_max_bytes = 4096\n")
+    monkeypatch.setenv("LANELOCK_SYSTEM_CONFIG", str(config))
+    rotated = Path(f"{journal(root)}.1")
+    turns = 0
+    while not rotated.exists():
+        assert turns < 40, "the journal never rotated past 4096 bytes"
+        turn(lanelock)
+        turns += 1
+    for _ in range(3):
+        turn(lanelock)
+        turns += 1
+
+    older, newer = journal_lines(rotated), journal_lines(journal(root))
+    assert rotated.stat().st_size >= 4096
+    assert not Path(f"{journal(root)}.2").exists()
+    assert len(older) + len(newer) == 2 * turns
+    assert newer[0]["event"] == "acquired" and older[-1]["event"] == "released"
+    events = older + newer
+    assert [e["event"] for e in events] == ["acquired", "released"] * turns
+    assert [e["monotonic"] for e in events] == sorted(e["monotonic"] for e in events)
+
+    data = history_json(lanelock)
+    assert len(data["events"]) == 2 * turns and data["unreadable_lines"] == 0
+    assert data["summary"]["turns"] == turns == data["summary"]["local"]

@@ -1,0 +1,699 @@
+"""`lanelock status`: the kernel's truth about a lane, cross-checked with the sidecar, with real
+processes (lanelock turns, a plain flock(1), a kill -9, a reused pid) and hostile sidecars.
+
+Synchronisation is never a sleep: a holder's child prints "ready PID" on a pipe and holds until the
+test writes its exit status to its stdin; where no process can tell us (a flock(1) holder, a waiter
+blocked in the kernel), /proc/locks itself is polled with a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lanelock import holders
+
+LANELOCK = [sys.executable, "-m", "lanelock"]
+TIMEOUT = 60.0
+LANE = "localhost:8080"
+STEM = "localhost-8080"
+HOLD_SCRIPT = 'echo "ready $$"; read code; exit "${code:-0}"'
+ESCAPE = "\x1b"
+
+
+# -- isolation and processes -----------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def root(request, tmp_path, monkeypatch) -> Path:
+    """A fresh lock root (not created: the first turn makes it) and no configuration files."""
+    if "isolated" in request.fixturenames:   # a shared conftest isolation runs first; ours wins
+        request.getfixturevalue("isolated")
+    for name in list(os.environ):
+        if name.startswith("LANELOCK_"):
+            monkeypatch.delenv(name)
+    for name in ("NO_COLOR", "FORCE_COLOR", "CLICOLOR_FORCE"):
+        monkeypatch.delenv(name, raising=False)
+    lock_root = tmp_path / "root"
+    monkeypatch.setenv("LANELOCK_DIR", str(lock_root))
+    monkeypatch.setenv("LANELOCK_SYSTEM_CONFIG", str(tmp_path / "no-such-system.toml"))
+    monkeypatch.setenv("LANELOCK_CONFIG", str(tmp_path / "no-such-user.toml"))
+    return lock_root
+
+
+class Processes:
+    """Every process a test starts, each in its own session; killed by pid and group at teardown."""
+
+    def __init__(self):
+        self.popens: list[subprocess.Popen] = []
+        self.spawns: list = []
+
+    def start(self, argv, **kwargs) -> subprocess.Popen:
+        kwargs.setdefault("stdin", subprocess.DEVNULL)
+        proc = subprocess.Popen([str(word) for word in argv], start_new_session=True, **kwargs)
+        self.popens.append(proc)
+        return proc
+
+    def cleanup(self) -> None:
+        for proc in self.popens:
+            if proc.returncode is None and proc.poll() is None:
+                for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
+                    try:
+                        kill()
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                try:
+                    proc.wait(timeout=TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    pass
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    try:
+                        stream.close()
+                    except OSError:
+                        pass
+        for child in self.spawns:
+            if child.isalive():
+                try:
+                    os.killpg(child.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            child.close(force=True)
+
+
+@pytest.fixture
+def procs(root):
+    """The registry; after the test everything it started is killed, then no lane may be held
+    (asked of /proc/locks: the check itself never takes a lock)."""
+    registry = Processes()
+    yield registry
+    registry.cleanup()
+    held = []
+    for lock in sorted(root.glob("*.lock")) if root.is_dir() else []:
+        if lock.is_symlink() or not lock.is_file():
+            continue
+        view = holders.kernel_view(os.stat(lock))
+        if view is not None and view.holders:
+            held.append(f"{lock.name}: held by {view.holders}")
+    assert not held, f"lanes left held at teardown: {held}"
+
+
+@pytest.fixture
+def run(procs):
+    """run(*argv, env=None, input=None, timeout=60) -> CompletedProcess (text), with .pid."""
+
+    def run_argv(*argv, env=None, input=None, timeout=TIMEOUT):
+        merged = {**os.environ, **(env or {})}
+        proc = procs.start(argv, env=merged, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE,
+                           stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL)
+        try:
+            out, err = proc.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"{argv} did not finish in {timeout}s (hang?)\nstdout {out!r}\nstderr {err!r}")
+        done = subprocess.CompletedProcess(argv, proc.returncode, out, err)
+        done.pid = proc.pid
+        return done
+
+    return run_argv
+
+
+@pytest.fixture
+def lanelock(run):
+    """lanelock(*args, **kw): `python -m lanelock ARGS` to completion."""
+    return lambda *args, **kwargs: run(*LANELOCK, *args, **kwargs)
+
+
+def read_line(stream, timeout: float = TIMEOUT) -> str:
+    """One line from a binary pipe within timeout seconds; '' at EOF."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    while not data.endswith(b"\n"):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"no line within {timeout}s (got {data!r})")
+        if select.select([stream.fileno()], [], [], remaining)[0]:
+            byte = os.read(stream.fileno(), 1)
+            if not byte:
+                break
+            data += byte
+    return data.decode()
+
+
+def wait_for(condition, what: str, timeout: float = 30.0):
+    """Last resort when no process can tell us: re-check a condition until a deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+
+
+class Holder:
+    """`lanelock run ARGS -- sh -c HOLD_SCRIPT`: pid is the wrapper (the lock holder)."""
+
+    def __init__(self, procs: Processes, args):
+        argv = [*LANELOCK, "run", *args, "--", "sh", "-c", HOLD_SCRIPT]
+        self.proc = procs.start(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        self.pid = self.proc.pid
+        line = read_line(self.proc.stdout)
+        if not line.startswith("ready "):
+            self.proc.kill()
+            raise AssertionError(f"holder did not start holding: {line!r} "
+                                 f"{self.proc.stderr.read().decode()!r}")
+        self.child_pid = int(line.split()[1])
+
+    def release(self, exit_status: int = 0) -> int:
+        self.proc.stdin.write(f"{exit_status}\n".encode())
+        self.proc.stdin.close()
+        return self.proc.wait(timeout=TIMEOUT)
+
+
+@pytest.fixture
+def holder(procs):
+    """holder(*run_args) -> Holder already holding its lane; released at teardown if still held."""
+    started: list[Holder] = []
+
+    def start(*args) -> Holder:
+        held = Holder(procs, [str(arg) for arg in args])
+        started.append(held)
+        return held
+
+    yield start
+    for held in started:
+        if held.proc.poll() is None:
+            try:
+                held.release()
+            except (OSError, subprocess.TimeoutExpired):
+                pass   # procs kills it
+
+
+# -- looking -----------------------------------------------------------------------------------------
+def kernel(lock_path) -> holders.KernelView:
+    view = holders.kernel_view(os.stat(lock_path))
+    assert view is not None, "/proc/locks is unreadable here"
+    return view
+
+
+def status_json(lanelock, *args) -> list[dict]:
+    done = lanelock("status", "--json", *args, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    return json.loads(done.stdout)["lanes"]
+
+
+def one_lane(lanelock, *args) -> dict:
+    lanes = status_json(lanelock, *args)
+    assert len(lanes) == 1, lanes
+    return lanes[0]
+
+
+def status_line(lanelock, *args, env=None) -> str:
+    """The piped human view: exactly one plain line for the lane."""
+    done = lanelock("status", *args, env=env, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    assert ESCAPE not in done.stdout
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1 and done.stdout.endswith("\n"), done.stdout
+    assert lines[0].startswith(f"{LANE}: "), lines
+    return lines[0]
+
+
+def one_turn(lanelock, root: Path) -> subprocess.CompletedProcess:
+    """One finished turn: the lock file, a released sidecar and two journal lines exist."""
+    done = lanelock("run", "--", "true")
+    assert done.returncode == 0 and (root / f"{STEM}.lock").is_file(), done.stderr
+    return done
+
+
+def sidecar_path(root: Path) -> Path:
+    return root / f"{STEM}.json"
+
+
+# -- held, foreign, died, released -------------------------------------------------------------------
+def test_held_by_a_lanelock_turn_names_the_wrapper_and_the_sidecar_labels(lanelock, holder, root):
+    held = holder("--session", "night-shift", "--model", "qwen-7b")
+    lane = one_lane(lanelock)
+    assert (lane["state"], lane["verdict"]) == ("held", "held")
+    assert [h["pid"] for h in lane["holders"]] == [held.pid]
+    assert lane["holders"][0]["lanelock"] is True
+    assert lane["holder"]["pid"] == held.pid
+    assert lane["holder"]["session"] == "night-shift"
+    assert lane["holder"]["model"] == "qwen-7b"
+    assert lane["holder"]["command"] == f"sh -c {HOLD_SCRIPT}"
+    assert isinstance(lane["holder"]["held_for"], (int, float)) and lane["holder"]["held_for"] >= 0
+    assert lane["waiters"] == [] and lane["kernel_source"] == "proc-locks"
+    assert lane["lock_path"] == str(root / f"{STEM}.lock")
+
+    line = status_line(lanelock)
+    assert f"held by lanelock turn pid {held.pid}" in line
+    assert "session night-shift" in line and "model qwen-7b" in line
+    assert held.release() == 0
+
+
+def test_held_by_plain_flock_is_reported_as_not_lanelock(lanelock, procs, root):
+    one_turn(lanelock, root)
+    lock = root / f"{STEM}.lock"
+    flock = procs.start(["flock", lock, "sleep", "60"])
+    wait_for(lambda: flock.pid in kernel(lock).holders, "flock(1) to hold the lane")
+
+    lane = one_lane(lanelock)
+    assert (lane["state"], lane["verdict"]) == ("held", "held-foreign")
+    first = lane["holders"][0]
+    assert first["pid"] == flock.pid and first["lanelock"] is False
+    assert first["command"] == f"flock {lock} sleep 60"
+    assert lane["holder"] is None
+    line = status_line(lanelock)
+    assert "not lanelock" in line and f"pid {flock.pid}" in line and f"flock {lock} sleep 60" in line
+
+    os.killpg(flock.pid, signal.SIGKILL)   # flock and the sleep that inherited its descriptor
+    flock.wait(timeout=TIMEOUT)
+
+
+def test_holder_killed_with_sigkill_died_without_releasing(lanelock, holder, root):
+    held = holder()
+    os.kill(held.pid, signal.SIGKILL)
+    assert held.proc.wait(timeout=TIMEOUT) == -signal.SIGKILL
+    # The child got the parent-death signal: nothing is left holding or generating.
+    wait_for(lambda: _gone(held.child_pid), "the held child to die with its wrapper")
+    assert kernel(root / f"{STEM}.lock").holders == ()
+
+    lane = one_lane(lanelock)
+    assert (lane["state"], lane["verdict"]) == ("free", "died")
+    assert lane["last"]["pid"] == held.pid
+    line = status_line(lanelock)
+    assert "died without releasing" in line and f"pid {held.pid}" in line
+    assert lanelock("run", "--", "true").returncode == 0   # the lane is usable again
+
+
+def test_killed_holder_not_yet_reaped_still_died(lanelock, holder, root):
+    held = holder()
+    os.kill(held.pid, signal.SIGKILL)   # not reaped: the test (its parent) waits only afterwards
+    wait_for(lambda: _state(held.pid) == "Z", "the killed wrapper to become a zombie")
+    assert kernel(root / f"{STEM}.lock").holders == ()
+    try:
+        lane = one_lane(lanelock)
+        assert lane["verdict"] == "died", lane["message"]
+    finally:
+        held.proc.wait(timeout=TIMEOUT)
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            data = handle.read()
+    except OSError:
+        return None
+    return data[data.rfind(b")") + 2:].split()[0].decode()
+
+
+def _gone(pid: int) -> bool:
+    return _state(pid) in (None, "Z")
+
+
+def test_released_cleanly_reports_the_exit_status(lanelock, holder):
+    held = holder("--session", "tidy")
+    assert held.release(3) == 3
+    lane = one_lane(lanelock)
+    assert (lane["state"], lane["verdict"]) == ("free", "released")
+    last = lane["last"]
+    assert last["pid"] == held.pid and last["exit_status"] == 3 and last["session"] == "tidy"
+    assert isinstance(last["held_seconds"], (int, float)) and last["held_seconds"] >= 0
+    assert isinstance(last["released_at"], str) and last["released_at"]
+    assert lane["holders"] == [] and lane["holder"] is None
+    line = status_line(lanelock)
+    assert "released cleanly" in line and "exit 3" in line and f"pid {held.pid}" in line
+
+
+def test_a_lane_no_turn_has_used(lanelock, root):
+    lane = one_lane(lanelock)
+    assert (lane["state"], lane["verdict"], lane["exists"]) == ("free", "never-used", False)
+    assert "no turn" in status_line(lanelock)
+    assert not root.exists()   # status creates nothing
+
+
+# -- stale sidecars: pid reuse, another lane, the future, a previous boot ---------------------------
+def _unreleased(record: dict) -> dict:
+    for key in ("released_at", "exit_status", "held_seconds"):
+        record.pop(key, None)
+    return record
+
+
+def _edit_sidecar(root: Path, change) -> None:
+    path = sidecar_path(root)
+    record = _unreleased(json.loads(path.read_text()))
+    change(record)
+    path.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("whose", ["the test itself", "a sleep the test started"])
+def test_a_live_pid_with_another_start_time_is_pid_reuse(lanelock, procs, root, whose):
+    one_turn(lanelock, root)
+    if whose == "the test itself":
+        pid = os.getpid()
+    else:
+        pid = procs.start(["sleep", "60"]).pid
+    ticks = holders.start_ticks(pid)
+    assert ticks is not None
+
+    def reuse(record):
+        record.update(pid=pid, start_ticks=ticks + 12345)
+
+    _edit_sidecar(root, reuse)
+    lane = one_lane(lanelock)
+    assert (lane["state"], lane["verdict"]) == ("free", "sidecar-stale")
+    assert "reused" in lane["message"] and str(pid) in lane["message"]
+    assert "reused" in status_line(lanelock)
+
+
+def test_the_same_pid_and_start_time_alive_is_not_pid_reuse(lanelock, procs, root):
+    """The control for the test above: the true start time of a live pid is no reuse (and that
+    process does not hold the lock, so the turn is letting go, not stale)."""
+    one_turn(lanelock, root)
+    pid = procs.start(["sleep", "60"]).pid
+    _edit_sidecar(root, lambda record: record.update(pid=pid, start_ticks=holders.start_ticks(pid)))
+    lane = one_lane(lanelock)
+    assert lane["verdict"] == "releasing" and "reused" not in lane["message"]
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda record: record.update(lane="localhost:9999"), "another lane"),
+    (lambda record: record.update(acquired_at="2999-01-01T00:00:00.000Z"), "future"),
+    (lambda record: record.update(boot_id="00000000-0000-4000-8000-000000000000"), "previous boot"),
+], ids=["another-lane", "future", "previous-boot"])
+def test_a_stale_sidecar_is_reported_in_plain_words(lanelock, root, change, words):
+    one_turn(lanelock, root)
+    _edit_sidecar(root, change)
+    lane = one_lane(lanelock)
+    assert (lane["state"], lane["verdict"]) == ("free", "sidecar-stale")
+    assert words in lane["message"]
+    assert words in status_line(lanelock)
+
+
+def test_a_stale_sidecar_while_held_trusts_the_kernel(lanelock, holder, root):
+    held = holder()
+    ticks = holders.start_ticks(held.pid)
+    _edit_sidecar(root, lambda record: record.update(start_ticks=ticks + 1))
+    lane = one_lane(lanelock)
+    assert (lane["state"], lane["verdict"]) == ("held", "held-unlabelled")
+    assert lane["holders"][0]["pid"] == held.pid and lane["holders"][0]["lanelock"] is True
+    assert lane["holder"] is None and "reused" in lane["message"]
+    assert held.release() == 0
+
+
+# -- waiters -----------------------------------------------------------------------------------------
+def test_a_waiting_turn_is_shown_as_a_waiter(lanelock, holder, procs, root):
+    held = holder()
+    waiter = procs.start([*LANELOCK, "run", "--wait", "--", "true"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lock = root / f"{STEM}.lock"
+    wait_for(lambda: waiter.pid in kernel(lock).waiters, "the --wait turn to block in flock()")
+
+    lane = one_lane(lanelock)
+    assert lane["verdict"] == "held" and lane["holders"][0]["pid"] == held.pid
+    assert [w["pid"] for w in lane["waiters"]] == [waiter.pid]
+    assert lane["waiters"][0]["lanelock"] is True
+    assert "[1 waiting]" in status_line(lanelock)
+
+    assert held.release() == 0
+    out, err = waiter.communicate(timeout=TIMEOUT)
+    assert waiter.returncode == 0, err
+    assert one_lane(lanelock)["waiters"] == []
+
+
+# -- status never takes the lock ---------------------------------------------------------------------
+def test_status_in_a_tight_loop_never_makes_a_turn_deflect(lanelock, procs, root, tmp_path):
+    """30 sequential turns with no grace (any momentary lock by anyone else deflects them) beside
+    status runs for as long as the turns go on."""
+    turns = 30
+    loop = procs.start(["sh", "-c", 'for i in $(seq "$1"); do "$0" -m lanelock run --grace 0 -- true; '
+                        'echo "rc $?"; done', sys.executable, str(turns)],
+                       stdout=subprocess.PIPE, stderr=open(tmp_path / "turns.stderr", "wb"))
+    runs = 0
+    while loop.poll() is None or runs == 0:
+        arguments = ("--json",) if runs % 3 == 0 else ("--all",) if runs % 3 == 1 else ()
+        done = lanelock("status", *arguments, timeout=30)
+        assert done.returncode == 0, done.stderr
+        runs += 1
+    out = loop.stdout.read().decode()
+    loop.wait(timeout=TIMEOUT)
+    stderr = (tmp_path / "turns.stderr").read_text()
+    assert out.split("\n")[:-1] == ["rc 0"] * turns, (out, stderr)
+    assert "local_backend_busy" not in stderr
+    events = [json.loads(line)["event"] for line in (root / f"{STEM}.journal").read_text().splitlines()]
+    assert events.count("acquired") == turns and "deflected" not in events
+    assert runs >= 2, "status never ran beside the turns"
+
+
+# Runs the CLI in a process that records every fcntl lock call through Python's audit hooks (the
+# fcntl.flock / fcntl.lockf / fcntl.fcntl events): the real flock(2) is still what runs.
+AUDITED = """
+import json, sys
+calls = []
+sys.addaudithook(lambda event, args: calls.append([event, list(args)])
+                 if event in ("fcntl.flock", "fcntl.lockf", "fcntl.fcntl") else None)
+from lanelock.cli import main
+code = main(sys.argv[1:])
+sys.stdout.flush()
+sys.stderr.write("LOCK-CALLS " + json.dumps(calls) + "\\n")
+sys.exit(code)
+"""
+
+
+def _lock_calls(run, *args) -> list:
+    done = run(sys.executable, "-c", AUDITED, *args, timeout=30)
+    assert done.returncode in (0, 1), done.stderr
+    marker = [line for line in done.stderr.splitlines() if line.startswith("LOCK-CALLS ")]
+    assert len(marker) == 1, done.stderr
+    return json.loads(marker[0].split(" ", 1)[1])
+
+
+def test_status_never_calls_flock_whatever_the_lane_state(run, lanelock, holder, procs, root):
+    """Deterministic where the loop above is statistical: a momentary probe would slip between
+    turns, but not past the audit hook."""
+    one_turn(lanelock, root)
+    assert _lock_calls(run, "probe") != [], "control: the hook sees probe's flock"
+    arguments = (["status"], ["status", "--json"], ["status", "--all"], ["status", "--all", "--json"])
+    for args in arguments:                       # free, released
+        assert _lock_calls(run, *args) == [], args
+    held = holder()
+    waiter = procs.start([*LANELOCK, "run", "--wait", "--", "true"])
+    wait_for(lambda: waiter.pid in kernel(root / f"{STEM}.lock").waiters, "the waiter to block")
+    for args in arguments:                       # held, with a waiter
+        assert _lock_calls(run, *args) == [], args
+    assert held.release() == 0
+    assert waiter.wait(timeout=TIMEOUT) == 0
+
+
+# -- hostile sidecars --------------------------------------------------------------------------------
+def _write(data: bytes):
+    def plant(path: Path, tmp_path: Path) -> None:
+        path.write_bytes(data)
+    return plant
+
+
+def _sparse(path: Path, tmp_path: Path) -> None:
+    with open(path, "wb") as handle:
+        handle.truncate(50 * 1024 * 1024)
+
+
+def _symlink(path: Path, tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere.json"
+    target.write_bytes(path.read_bytes())
+    path.unlink()
+    path.symlink_to(target)
+
+
+def _fifo(path: Path, tmp_path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _directory(path: Path, tmp_path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def _mode_000(path: Path, tmp_path: Path) -> None:
+    path.chmod(0)
+
+
+def _record(**fields) -> bytes:
+    return json.dumps({"schema": 1, "lane": LANE, **fields}).encode()
+
+
+HOSTILE = {
+    "random-bytes": _write(random.Random(4).randbytes(4096)),
+    "invalid-utf8": _write(b'{"schema": 1, "session": "\xff\xfe\xc0\xaf", "pid": 1}'),
+    "nul-bytes": _write(b'{"schema": 1,\x00 "pid": 1}\x00\x00'),
+    "empty": _write(b""),
+    "50-megabytes": _sparse,
+    "nested-100000": _write(b"[" * 100000),
+    "nested-under-the-size-limit": _write(b"[" * 60000),
+    "nested-objects": _write(b'{"a":' * 12000),
+    "not-an-object": _write(b"[1, 2, 3]"),
+    "a-string": _write(b'"lanelock"'),
+    "wrong-types": _write(_record(pid="123", start_ticks=[1, 2], acquired_at=7, boot_id=[],
+                                  argv="sh", session={"a": 1}, acquired_monotonic="now")),
+    "huge-numbers": _write(_record(pid=10 ** 30, start_ticks=10 ** 40, lock_inode=-10 ** 30,
+                                   acquired_monotonic=1e308, held_seconds=-1e308)),
+    "a-5000-digit-number": _write(b'{"schema": 1, "pid": ' + b"9" * 5000 + b"}"),
+    "infinity-and-nan": _write(b'{"schema": 1, "pid": 1, "start_ticks": Infinity, '
+                               b'"acquired_monotonic": NaN}'),
+    "future-schema": _write(_record(schema=2, pid=1)),
+    "huge-schema": _write(_record(schema=10 ** 30)),
+    "boolean-schema": _write(_record(schema=True)),
+    "no-schema": _write(b'{"pid": 1}'),
+    "escapes-in-labels": _write(_record(pid=1, session="evil\n\x1b[31mred\x1b[0m\rline\x07",
+                                        model="\x1b]0;title\x07", argv=["a\nb", "\x1b[2J"])),
+    "symlink-to-a-file": _symlink,
+    "fifo": _fifo,
+    "directory": _directory,
+    "mode-000": _mode_000,
+}
+
+
+@pytest.mark.parametrize("plant", HOSTILE.values(), ids=HOSTILE.keys())
+def test_a_hostile_sidecar_gives_one_line_and_exit_0(lanelock, root, tmp_path, plant):
+    one_turn(lanelock, root)
+    plant(sidecar_path(root), tmp_path)
+    line = status_line(lanelock)   # one plain line, exit 0, no traceback; bounded: a FIFO must not hang
+    assert "\r" not in line and "\x07" not in line
+    lane = one_lane(lanelock)
+    assert lane["state"] == "free" and lane["holders"] == []
+    assert lane["message"] and "\n" not in line
+
+
+@pytest.mark.parametrize("name", ["random-bytes", "50-megabytes", "fifo", "symlink-to-a-file"])
+def test_a_hostile_sidecar_while_held_still_names_the_kernel_holder(lanelock, holder, root,
+                                                                   tmp_path, name):
+    held = holder()
+    HOSTILE[name](sidecar_path(root), tmp_path)
+    line = status_line(lanelock)
+    assert f"pid {held.pid}" in line
+    lane = one_lane(lanelock)
+    assert (lane["state"], lane["verdict"]) == ("held", "held-unlabelled")
+    assert lane["holders"][0]["pid"] == held.pid and lane["sidecar_problem"]
+    assert held.release() == 0
+
+
+@pytest.mark.parametrize("name", ["wrong-types", "huge-numbers"])
+def test_a_sidecar_naming_no_usable_pid_is_not_a_dead_holder(lanelock, root, tmp_path, name):
+    one_turn(lanelock, root)
+    HOSTILE[name](sidecar_path(root), tmp_path)
+    lane = one_lane(lanelock)
+    assert lane["verdict"] != "died" and "pid None" not in lane["message"], lane["message"]
+
+
+# -- --all, usage errors -----------------------------------------------------------------------------
+def test_all_lists_every_lane_under_the_root(lanelock, holder, root):
+    assert lanelock("run", "-b", "127.0.0.1:8080", "--", "true").returncode == 0
+    held = holder("-b", "127.0.0.1:9090")
+    lanes = {lane["lane"]: lane for lane in status_json(lanelock, "--all")}
+    assert set(lanes) == {"localhost:8080", "localhost:9090"}
+    assert lanes["localhost:8080"]["verdict"] == "released"
+    assert lanes["localhost:9090"]["verdict"] == "held"
+    assert lanes["localhost:9090"]["holders"][0]["pid"] == held.pid
+
+    done = lanelock("status", "--all")
+    assert done.returncode == 0 and ESCAPE not in done.stdout
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("localhost:8080: ") and lines[1].startswith("localhost:9090: ")
+    assert held.release() == 0
+
+
+def test_all_on_an_empty_root_lists_nothing(lanelock):
+    assert status_json(lanelock, "--all") == []
+
+
+def test_all_with_backend_is_a_usage_error(lanelock):
+    done = lanelock("status", "--all", "--backend", "127.0.0.1:8080")
+    assert done.returncode == 2 and done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lanelock:"), done.stderr
+
+
+# -- terminals, colours, --watch ---------------------------------------------------------------------
+def _spawn(procs, args, env=None):
+    pexpect = pytest.importorskip("pexpect")
+    merged = {**os.environ, "TERM": "xterm", "COLUMNS": "200", "LINES": "40", **(env or {})}
+    child = pexpect.spawn(sys.executable, ["-m", "lanelock", *args], env=merged, timeout=20,
+                          dimensions=(40, 200))
+    procs.spawns.append(child)
+    return child, pexpect
+
+
+def test_watch_on_a_terminal_shows_the_lane_and_ctrl_c_exits_0(lanelock, procs, root):
+    one_turn(lanelock, root)
+    child, pexpect = _spawn(procs, ["status", "--watch"])
+    child.expect(re.escape(LANE))
+    child.expect("released cleanly")
+    child.sendintr()
+    child.expect(pexpect.EOF, timeout=15)   # a hang fails here
+    child.close()
+    assert (child.exitstatus, child.signalstatus) == (0, None)
+    assert b"Traceback" not in child.before
+
+
+def test_watch_piped_prints_plain_lines_and_sigint_exits_0(lanelock, procs, root):
+    one_turn(lanelock, root)
+    watch = procs.start([*LANELOCK, "status", "--watch"], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE)
+    line = read_line(watch.stdout, 30)
+    assert line.startswith(f"{LANE}: ") and ESCAPE not in line
+    watch.send_signal(signal.SIGINT)
+    out, err = watch.communicate(timeout=15)
+    assert watch.returncode == 0, err
+    assert ESCAPE.encode() not in out and b"Traceback" not in err
+
+
+@pytest.mark.parametrize("env", [{}, {"NO_COLOR": "1"}, {"TERM": "xterm-256color", "FORCE_COLOR": "1",
+                                                          "CLICOLOR_FORCE": "1"}],
+                         ids=["plain", "no-color", "colour-forced"])
+def test_piped_output_has_no_escape_sequences(lanelock, holder, env):
+    held = holder()
+    for args in ((), ("--all",)):
+        done = lanelock("status", *args, env=env)
+        assert done.returncode == 0 and done.stdout and ESCAPE not in done.stdout + done.stderr
+    assert held.release() == 0
+
+
+_SGR = re.compile(r"\x1b\[([0-9;]*)m")
+
+
+def _colour_codes(data: bytes) -> list[str]:
+    codes = []
+    for match in _SGR.finditer(data.decode("utf-8", "replace")):
+        for part in match.group(1).split(";"):
+            if part.isdigit() and (30 <= int(part) <= 49 or 90 <= int(part) <= 107):
+                codes.append(part)
+    return codes
+
+
+def test_no_color_on_a_terminal_has_no_colour_codes(lanelock, procs, root):
+    one_turn(lanelock, root)
+    child, pexpect = _spawn(procs, ["status"])
+    child.expect(pexpect.EOF)
+    coloured = child.before
+    assert LANE.encode() in coloured and _colour_codes(coloured), "rich shows colour on a terminal"
+
+    child, pexpect = _spawn(procs, ["status"], env={"NO_COLOR": "1"})
+    child.expect(pexpect.EOF)
+    assert LANE.encode() in child.before and b"released cleanly" in child.before
+    assert _colour_codes(child.before) == []
