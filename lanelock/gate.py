@@ -370,5 +370,8 @@ def describe_holder(gate: Gate, handle) -> dict:
                 "held_for": round(held_for, 3) if held_for is not None else None,
                 "lanelock": True, "command": argv_text(sidecar.field(record, "argv", list, []))}
     pid, command = store.unlabelled(view)
+    if problem and store.is_collision(problem):   # another lane's turn holds the same key
+        return {"pid": pid, "session": None, "model": None, "held_for": None, "lanelock": True,
+                "command": command, "note": problem}
     return {"pid": pid, "session": None, "model": None, "held_for": None, "lanelock": False,
             "command": command, "note": problem or "the holder record does not match the holder"}

@@ -148,6 +148,9 @@ class PgStore:
         pid = view.holders[0] if view and view.holders else None
         return pid, (f"PostgreSQL backend {pid} (not a lanelock turn)" if pid else None)
 
+    def is_collision(self, problem: str) -> bool:
+        return problem.startswith("advisory key collision")
+
     def orphan_holder(self, handle: PgHandle) -> None:
         return None   # an advisory lock has no file to remove
 

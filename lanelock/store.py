@@ -195,6 +195,9 @@ class FlockStore:
                 "command": argv_text(sidecar.field(record, "argv", list, [])),
                 "note": f"holds a removed or replaced lock file (inode {inode})"}
 
+    def is_collision(self, problem: str) -> bool:
+        return False   # one file per lane name: two lanes can never share a lock
+
     def watch_fd(self, handle: Handle) -> int | None:
         return None   # a flock cannot be taken away from its holder
 
