@@ -36,6 +36,8 @@ def where(info: dict, as_json: bool) -> None:
         ("journal", info["journal_path"]),
         ("root", f"{info['root']} [{info['root_source']}: {info['root_detail']}]"),
     ]
+    if info["store"] != "flock":   # the lane lives in the store; the lock root is not used
+        rows = [rows[0], ("store", f"{info['lock_path']} ({info['store']})")]
     for name, value in rows:
         sys.stdout.write(f"{name:<8} {value}\n")
 

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from lanelock import store as lock_store
-from conftest import TIMEOUT, is_waiting, wait_for
+from conftest import TIMEOUT, is_waiting, needs_flock, wait_for
 from lanelock import BUSY_WORDS, REASON_BUSY, Gate
 from lanelock.key import BackendError
 
@@ -48,6 +48,7 @@ def flock_free(run_cmd, path) -> bool:
 
 
 # -- holding a turn ----------------------------------------------------------------------------
+@needs_flock
 def test_a_turn_holds_the_lane_for_other_processes(lanelock, run_cmd):
     gate = Gate("127.0.0.1:8080")
     with gate.turn(session="a", model="m") as turn:

@@ -148,6 +148,19 @@ def test_url_default_port_is_the_same_lock_as_the_explicit_port(lanelock):
         where(lanelock, "-b", "localhost:443")["lock_path"]
 
 
+def test_classification_never_asks_dns(monkeypatch):
+    """A turn must not wait on a resolver: names are judged by shape and /etc/hosts only."""
+    def no_dns(*args, **kwargs):
+        raise AssertionError(f"DNS lookup {args!r}")
+
+    for name in ("getaddrinfo", "gethostbyname", "gethostbyname_ex", "gethostbyaddr",
+                 "getnameinfo", "getfqdn"):
+        monkeypatch.setattr(socket, name, no_dns)
+    for backend in ("gpubox.example.com:8080", "api.openai.com:443", "gpubox:8080",
+                    "gpubox.lan:8080", f"{HOSTNAME}:8080", "localhost:8080"):
+        assert Gate(backend).lane.scope in ("local", "lan", "public")
+
+
 # -- the private network: gated, own key ------------------------------------------------------------
 @pytest.mark.parametrize("backend", sorted(LAN))
 def test_lan_backends_are_gated_with_their_own_key(backend, lock_dir):
