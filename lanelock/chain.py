@@ -43,6 +43,7 @@ def parse(text: str) -> Entry:
         backend = words.pop(0)[1:]
         if not backend:
             raise ChainError(f"--fallback {text!r}: '@' must be followed by a backend")
+        _check_backend(backend, text)
     if not words:
         raise ChainError(f"--fallback {text!r}: no command")
     return Entry(tuple(words), backend)
@@ -59,5 +60,16 @@ def from_config(name: str, chains: dict | None) -> list[Entry]:
         argv = tuple(shlex.split(command)) if isinstance(command, str) else tuple(command)
         if not argv:
             raise ChainError(f"chain {name!r}: an entry has no command")
+        if item.get("backend"):
+            _check_backend(item["backend"], f"chain {name!r}")
         entries.append(Entry(argv, item.get("backend")))
     return entries
+
+
+def _check_backend(backend: str, where: str) -> None:
+    from .key import BackendError, split_backend
+
+    try:
+        split_backend(backend)
+    except BackendError as error:
+        raise ChainError(f"{where}: {error}") from None

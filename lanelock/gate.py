@@ -53,8 +53,9 @@ class Gate:
         except config_module.ConfigError as error:
             self.config, self.config_error = config_module.Config(), str(error)
         settings = self.config
-        backend = backend or os.environ.get("LANELOCK_BACKEND") or settings.get("backend") \
-            or key.DEFAULT_BACKEND
+        if backend is None:   # an explicit empty --backend is a usage error, not "unset"
+            backend = os.environ.get("LANELOCK_BACKEND") or settings.get("backend") \
+                or key.DEFAULT_BACKEND
         self.model = model or os.environ.get("LANELOCK_MODEL") or settings.get("model")
         key_by = key_by or settings.get("key_by") or "backend"
         self.lane = key.lane_for(backend, model=self.model, key_by=key_by)  # BackendError: usage
@@ -167,6 +168,11 @@ class Turn:
     @property
     def held(self) -> bool:
         return self.state == HELD
+
+    @property
+    def proceed(self) -> bool:
+        """Use the primary backend? True when held, ungated or fail-open; False when deflected."""
+        return self.state in (HELD, UNGATED, FAIL_OPEN)
 
     @property
     def lane(self) -> str:

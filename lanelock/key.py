@@ -55,8 +55,11 @@ class Lane:
 
     @property
     def stem(self) -> str:
-        """File name stem under the lock root: stable, reversible enough to read, no slashes."""
-        stem = f"{self.host.replace(':', '_')}-{self.port}"
+        """File name stem under the lock root: stable, reversible enough to read, no slashes.
+        An IPv6 address keeps its brackets, which no host name can contain, so the address
+        fd00::1 and a host named fd00__1 can never share a lock file."""
+        host = f"[{self.host.replace(':', '_')}]" if ":" in self.host else self.host
+        stem = f"{host}-{self.port}"
         if self.model:
             stem += "~" + quote(self.model, safe="-._")
         if len(stem) > _MAX_STEM:
@@ -91,7 +94,11 @@ def split_backend(text: str) -> tuple[str, int, str]:
 
 
 def _split_url(text: str) -> tuple[str, int, str]:
-    parts = urlsplit(text)
+    try:
+        parts = urlsplit(text)
+        parts.hostname  # noqa: B018 - raises on a malformed bracket
+    except ValueError as error:
+        raise BackendError(f"backend {text!r}: {error}") from None
     scheme = parts.scheme.lower()
     if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
         raise BackendError(f"backend {text!r}: bad URL scheme")
@@ -115,7 +122,7 @@ def _split_url(text: str) -> tuple[str, int, str]:
 def _check_port(port: str, text: str) -> int:
     if not port:
         raise BackendError(f"backend {text!r} has no port (expected HOST:PORT)")
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         raise BackendError(f"backend {text!r}: port must be a number from 1 to 65535")
     return int(port)
 
@@ -237,5 +244,6 @@ def name_from_stem(stem: str) -> str | None:
     host, _, port = base.rpartition("-")
     if not host or not port.isdigit():
         return None
-    host = f"[{host.replace('_', ':')}]" if "_" in host else host
+    if host.startswith("[") and host.endswith("]"):
+        host = host.replace("_", ":")
     return f"{host}:{port}" + (f"#{unquote(model)}" if model else "")

@@ -160,8 +160,13 @@ def _fallback_gate(primary: Gate, entry: Entry, options: Options) -> tuple[Turn 
     """(turn held on the entry's own lane or None, reason to skip or None)."""
     if entry.backend is None:
         return None, None
-    gate = Gate(entry.backend, model=options.model, lock_dir=options.lock_dir,
-                store=options.store, warn=primary.warn)
+    from .key import BackendError
+
+    try:
+        gate = Gate(entry.backend, model=options.model, lock_dir=options.lock_dir,
+                    store=options.store, warn=primary.warn)
+    except BackendError as error:   # parse() checks entries; a config chain could still slip by
+        return None, str(error)
     if not gate.gated:
         return None, None
     if gate.lock_path == primary.lock_path:

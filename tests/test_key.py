@@ -232,24 +232,16 @@ def test_malformed_backend_in_read_commands_is_a_usage_error(command, lanelock, 
     assert_usage_error(lanelock(command, "--backend", "host:"), tmp_path / "never")
 
 
-@pytest.mark.xfail(reason="BUG: cli.make_gate/Gate: `--backend ''` is falsy and silently becomes "
-                          "the default backend 127.0.0.1:8080; the command runs", strict=True)
 def test_empty_backend_flag_is_a_usage_error(lanelock, tmp_path):
     marker = tmp_path / "ran"
     assert_usage_error(lanelock("run", "--backend", "", "--", *MARKER_COMMAND, marker), marker)
 
 
-@pytest.mark.xfail(reason="BUG: key._check_port: str.isdigit() accepts '²' but int() rejects it: "
-                          "ValueError instead of BackendError, CLI exits 70 'internal error'",
-                   strict=True)
 def test_superscript_port_is_a_usage_error(lanelock, tmp_path):
     marker = tmp_path / "ran"
     assert_usage_error(lanelock("run", "--backend", "host:²", "--", *MARKER_COMMAND, marker), marker)
 
 
-@pytest.mark.xfail(reason="BUG: key._split_url: urlsplit raises ValueError('Invalid IPv6 URL') for "
-                          "an unclosed '[': not a BackendError, CLI exits 70 'internal error'",
-                   strict=True)
 def test_unclosed_bracket_url_is_a_usage_error(lanelock, tmp_path):
     marker = tmp_path / "ran"
     assert_usage_error(lanelock("run", "--backend", "http://[::1", "--", *MARKER_COMMAND, marker),
@@ -319,8 +311,6 @@ def test_long_model_names_still_get_distinct_lanes():
     assert first != second
 
 
-@pytest.mark.xfail(reason="BUG: key.Lane.stem: ':' -> '_' makes host name 'fd00__1' and address "
-                          "[fd00::1] the same lock file (two gated lanes, one lock)", strict=True)
 def test_a_host_name_never_shares_a_lock_with_an_ipv6_address():
     assert Gate("fd00__1:8080").lock_path != Gate("[fd00::1]:8080").lock_path
 
@@ -342,8 +332,6 @@ backend_text = st.one_of(
               st.sampled_from(["", "/", "/v1", "?k=v", "#f", "/a b"])))
 
 
-@pytest.mark.xfail(reason="BUG: key._check_port ('host:²') and key._split_url ('http://[::1') raise "
-                          "plain ValueError, not BackendError", strict=True)
 @PROPERTY
 @example("host:²")
 @example("http://[::1")

@@ -269,17 +269,12 @@ def test_fallback_bound_to_a_public_backend_runs_ungated(holder, lanelock, lock_
     assert held.release() == 0
 
 
-@pytest.mark.xfail(reason="BUG: chain.parse does not validate an entry's @BACKEND: a malformed "
-                          "one is accepted and the command runs (no usage error)", strict=True)
 def test_a_malformed_fallback_backend_is_a_usage_error_and_nothing_runs(lanelock, tmp_path):
     marker = tmp_path / "ran"
     result = lanelock("run", "-f", "@host: true", "--", "touch", marker)
     assert result.returncode == 2 and not marker.exists()
 
 
-@pytest.mark.xfail(reason="BUG: wrapper._fallback_gate: Gate(entry.backend) raises BackendError "
-                          "when the lane is busy; the turn dies with exit 70 'internal error'",
-                   strict=True)
 def test_a_malformed_fallback_backend_when_busy_is_a_usage_error(holder, lanelock, tmp_path):
     held = holder()
     result = lanelock("run", "-f", "@host:abc true", "-f", "true", "--", "true")
