@@ -252,16 +252,24 @@ class Duel:
             extra = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
             env = dict(env, USER=user, LOGNAME=user)
         # A session of its own: ^C reaches only the duel, which then kills each group cleanly.
+        # ^C between fork and registering the child would leave a turn nobody kills: hold INT and
+        # TERM off until it is on the list (the child unblocks them before it execs).
+        stopping = {signal.SIGINT, signal.SIGTERM}
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, stopping)
         try:
             proc = subprocess.Popen(argv, env=env, cwd=cwd, pass_fds=fds, start_new_session=True,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, **extra)
+                                    stderr=subprocess.PIPE,
+                                    preexec_fn=lambda: signal.pthread_sigmask(
+                                        signal.SIG_SETMASK, previous), **extra)
+            proc.role = role
+            self.children.append(proc)
         except OSError as error:
             as_user = f" as {user}" if user else ""
             raise _SpawnError(role, f"cannot start {argv[0]}{as_user}: {error.strerror} (is this "
                                     "Python readable by that user?)") from None
-        proc.role = role
-        self.children.append(proc)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         return proc
 
     def _reap(self, proc: subprocess.Popen) -> None:
