@@ -237,7 +237,7 @@ def stress(env: dict, processes: int, turns: int) -> None:
 
 # 6 --------------------------------------------------------------------------------------------
 def status_all(env: dict) -> None:
-    root = tempfile.mkdtemp(prefix="lanelock-bench-lanes-")
+    root = tempfile.mkdtemp(prefix="lanelock-bench-lanes-", dir=os.path.dirname(env["LANELOCK_DIR"]))
     lane_env = dict(env, LANELOCK_DIR=root)
     from lanelock import Gate
 
@@ -259,7 +259,10 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer runs, for a smoke check")
     parser.add_argument("--skip-real", action="store_true", help="skip the real llama.cpp table")
     args = parser.parse_args()
-    root = tempfile.mkdtemp(prefix="lanelock-bench-")
+    # The default root /run/lock/lanelock is on tmpfs; measure there too (an ext4 /tmp would add
+    # its rename cost, which is not what users run on).
+    base = "/run/lock" if os.access("/run/lock", os.W_OK) else None
+    root = tempfile.mkdtemp(prefix="lanelock-bench-", dir=base)
     env = dict(os.environ, LANELOCK_DIR=root)
     try:
         print("running benchmarks ...", file=sys.stderr)

@@ -14,15 +14,14 @@ not retried on the next entry: its side effects may already have happened.
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class ChainError(ValueError):
     """A malformed entry: a usage error."""
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     argv: tuple[str, ...]
     backend: str | None = None
 

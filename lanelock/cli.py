@@ -98,19 +98,22 @@ def cli():
 def run(backend, lock_dir, model, key_by, store, session, fallbacks, chain, wait, busy_exit_code, grace,
         kill_after, gate_override, quiet, verbose, command):
     """Run COMMAND holding the backend's lane; deflect to a fallback when it is busy."""
-    from . import chain as chains
     from .wrapper import Options, Say, run_turn
 
     say = Say(quiet)
     gate = make_gate(backend, lock_dir, model, key_by, gate_override, grace, warn=say.warn,
                      store=store)
     settings = gate.config
-    try:
-        entries = [chains.parse(text) for text in fallbacks]
-        if chain:
-            entries += chains.from_config(chain, settings.get("chains"))
-    except chains.ChainError as error:
-        raise click.UsageError(str(error)) from None
+    entries = []
+    if fallbacks or chain:   # shlex and the chain module only for turns that have fallbacks
+        from . import chain as chains
+
+        try:
+            entries = [chains.parse(text) for text in fallbacks]
+            if chain:
+                entries += chains.from_config(chain, settings.get("chains"))
+        except chains.ChainError as error:
+            raise click.UsageError(str(error)) from None
     if wait is None and settings.get("wait") is not None:
         wait = float(settings.get("wait"))
     options = Options(

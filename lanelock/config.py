@@ -8,7 +8,6 @@ tomllib is imported only when a file exists, so the common case costs two stat()
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 
 SYSTEM_FILE = "/etc/lanelock/config.toml"
 MAX_BYTES = 1 << 20
@@ -68,12 +67,13 @@ SETTINGS = {
 }
 
 
-@dataclass
 class Config:
-    values: dict = field(default_factory=dict)
-    origins: dict = field(default_factory=dict)     # key -> file it came from
-    ignored: list = field(default_factory=list)     # human sentences: what was not applied
-    files: list = field(default_factory=list)       # files that were read
+    # A plain class, not a dataclass: `lanelock run` imports this, and dataclasses costs milliseconds.
+    def __init__(self):
+        self.values: dict = {}
+        self.origins: dict = {}     # key -> file it came from
+        self.ignored: list = []     # human sentences: what was not applied
+        self.files: list = []       # files that were read
 
     def get(self, key: str, default=None):
         return self.values.get(key, default)

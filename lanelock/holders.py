@@ -9,13 +9,12 @@ path must not import psutil.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from typing import NamedTuple
 
 PROC_LOCKS = "/proc/locks"
 
 
-@dataclass(frozen=True)
-class KernelView:
+class KernelView(NamedTuple):
     holders: tuple[int, ...]   # pids that hold an FLOCK on the file (the process that took it)
     waiters: tuple[int, ...]   # pids blocked in flock() on it
 

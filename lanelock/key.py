@@ -10,18 +10,19 @@ shape and by /etc/hosts, which is a local file.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
-from dataclasses import dataclass, field
-from urllib.parse import quote, urlsplit
+
+# ipaddress and urllib.parse are imported only when a backend needs them: `lanelock run` on the
+# default 127.0.0.1:8080 pays for neither (every import sits in front of every turn).
 
 DEFAULT_BACKEND = "127.0.0.1:8080"
 LOCAL_HOST = "localhost"
 SCHEME_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 LAN_SUFFIXES = (".local", ".lan", ".home.arpa", ".internal")
 # RFC 6598 shared space; Tailscale hands out addresses from it.
-CGNAT = ipaddress.ip_network("100.64.0.0/10")
+CGNAT = "100.64.0.0/10"
+_LOOPBACK_QUAD = re.compile(r"^127\.(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(\.(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)){2}$")
 _LABEL = re.compile(r"^[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
 _MAX_STEM = 180
 
@@ -30,16 +31,36 @@ class BackendError(ValueError):
     """A backend string that names no host:port. The CLI turns it into a usage error (exit 2)."""
 
 
-@dataclass(frozen=True)
 class Lane:
-    """A lane: what one lock file stands for."""
+    """A lane: what one lock file stands for. Immutable; equal when the key is (not the spelling).
+    A plain class rather than a dataclass: the run path avoids importing dataclasses."""
 
-    host: str                 # "localhost" for this machine, else the normalised host
-    port: int
-    scope: str                # "local", "lan" or "public"
-    model: str | None = None  # only with --key-by model
-    given: str = field(default="", compare=False)  # the backend as the user wrote it (no credentials)
-    machine: str | None = None  # a network store qualifies "localhost" with the host it is on
+    __slots__ = ("host", "port", "scope", "model", "given", "machine")
+
+    def __init__(self, host: str, port: int, scope: str, model: str | None = None,
+                 given: str = "", machine: str | None = None):
+        set_ = object.__setattr__
+        set_(self, "host", host)          # "localhost" for this machine, else the normalised host
+        set_(self, "port", port)
+        set_(self, "scope", scope)        # "local", "lan" or "public"
+        set_(self, "model", model)        # only with --key-by model
+        set_(self, "given", given)        # the backend as the user wrote it (no credentials)
+        set_(self, "machine", machine)    # a network store qualifies "localhost" with its host
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a Lane is immutable")
+
+    def _key(self) -> tuple:
+        return (self.host, self.port, self.scope, self.model, self.machine)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Lane) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return f"Lane({self.name!r}, scope={self.scope!r}, given={self.given!r})"
 
     @property
     def gated(self) -> bool:
@@ -61,6 +82,8 @@ class Lane:
         host = f"[{self.host.replace(':', '_')}]" if ":" in self.host else self.host
         stem = f"{host}-{self.port}"
         if self.model:
+            from urllib.parse import quote
+
             stem += "~" + quote(self.model, safe="-._")
         if len(stem) > _MAX_STEM:
             import hashlib
@@ -94,6 +117,8 @@ def split_backend(text: str) -> tuple[str, int, str]:
 
 
 def _split_url(text: str) -> tuple[str, int, str]:
+    from urllib.parse import urlsplit
+
     try:
         parts = urlsplit(text)
         parts.hostname  # noqa: B018 - raises on a malformed bracket
@@ -130,7 +155,10 @@ def _check_port(port: str, text: str) -> int:
 def _check_host(host: str, text: str) -> str:
     if not host:
         raise BackendError(f"backend {text!r} has no host")
-    address = _address(host)
+    if _LOOPBACK_QUAD.match(host):
+        return host   # already canonical: the pattern admits no leading zeros
+    looks_numeric = ":" in host or any(ch.isdigit() for ch in host)
+    address = _address(host) if looks_numeric else None
     if address is not None:
         return str(address)
     name = host.lower().rstrip(".")
@@ -140,7 +168,10 @@ def _check_host(host: str, text: str) -> str:
     return name
 
 
-def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+def _address(host: str):
+    """The IPv4/IPv6 address a host string spells (IPv4-mapped unwrapped), else None."""
+    import ipaddress
+
     try:
         address = ipaddress.ip_address(host.split("%", 1)[0])  # drop an IPv6 zone id
     except ValueError:
@@ -168,13 +199,13 @@ def lane_for(backend: str, *, model: str | None = None, key_by: str = "backend")
 
 def qualified(lane: Lane, machine: str) -> Lane:
     """The same lane, named with the machine it is on (for a store shared by several hosts)."""
-    from dataclasses import replace
-
-    return replace(lane, machine=machine)
+    return Lane(lane.host, lane.port, lane.scope, lane.model, lane.given, machine)
 
 
 def classify(host: str) -> str:
     """'local' (this machine), 'lan' (private network) or 'public'."""
+    if host == LOCAL_HOST or _LOOPBACK_QUAD.match(host):   # the common case, without ipaddress
+        return "local"
     address = _address(host)
     if address is None:
         return _classify_name(host)
@@ -182,7 +213,9 @@ def classify(host: str) -> str:
         return "local"
     if str(address) in own_addresses():
         return "local"
-    if address.is_private or address.is_link_local or address in CGNAT:
+    import ipaddress
+
+    if address.is_private or address.is_link_local or address in ipaddress.ip_network(CGNAT):
         return "lan"
     return "public"
 

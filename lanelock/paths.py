@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from dataclasses import dataclass
+from typing import NamedTuple
 
 RUN_LOCK = "/run/lock"
 SHARED_ROOT = os.path.join(RUN_LOCK, "lanelock")
@@ -23,8 +23,7 @@ class GateUnavailable(Exception):
     """The gate cannot be taken here; the turn runs without it (fail open)."""
 
 
-@dataclass(frozen=True)
-class Root:
+class Root(NamedTuple):
     path: str
     source: str   # "flag", "env", "system-config", "default"
     detail: str   # a sentence a person can read: why this root
@@ -59,14 +58,19 @@ def open_root(root: Root, *, create: bool) -> int:
 
     Raises GateUnavailable (or FileNotFoundError when create is False and it does not exist).
     """
-    if create:
-        _make_root(root.path)
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(root.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(root.path, flags)   # the usual case: it exists (no mkdir syscall per turn)
     except FileNotFoundError:
-        if create:
+        if not create:
+            raise
+        _make_root(root.path)
+        try:
+            fd = os.open(root.path, flags)
+        except FileNotFoundError:
             raise GateUnavailable(f"lock root {root.path} is missing") from None
-        raise
+        except OSError as error:
+            raise GateUnavailable(_why(root.path, error)) from None
     except OSError as error:
         raise GateUnavailable(_why(root.path, error)) from None
     try:
@@ -109,7 +113,7 @@ def _why(path: str, error: OSError, creating: bool = False) -> str:
     if error.errno == errno.ELOOP:
         return f"lock root {path} is a symlink"
     if error.errno == errno.ENOTDIR:
-        if creating:
+        if creating or not os.path.lexists(path):
             return f"cannot create lock root {path}: a parent is not a directory"
         return f"lock root {path} is not a directory"
     verb = "cannot create" if creating else "cannot open"

@@ -16,7 +16,6 @@ import errno
 import os
 import signal
 import time
-from dataclasses import dataclass
 
 from . import exitcodes
 
@@ -28,12 +27,15 @@ PR_SET_PDEATHSIG = 1
 _NOT_FOUND = (errno.ENOENT, errno.ENOTDIR)
 
 
-@dataclass
 class Outcome:
-    exit_code: int
-    signal: int | None = None          # the signal the child died of
-    tty_signal: int | None = None      # a terminal-generated signal the wrapper also received
-    error: str | None = None           # why the command could not be started
+    __slots__ = ("exit_code", "signal", "tty_signal", "error")
+
+    def __init__(self, exit_code: int, signal: int | None = None, tty_signal: int | None = None,
+                 error: str | None = None):
+        self.exit_code = exit_code
+        self.signal = signal            # the signal the child died of
+        self.tty_signal = tty_signal    # a terminal-generated signal the wrapper also received
+        self.error = error              # why the command could not be started
 
 
 def run(argv: list[str], env: dict[str, str], *, kill_after: float | None = None,
@@ -41,7 +43,7 @@ def run(argv: list[str], env: dict[str, str], *, kill_after: float | None = None
     """Run argv to completion. Returns the child's exit status mapped to the shell's convention.
     on_spawn() runs in the wrapper once the child exists, with our signals blocked, so a thread it
     starts inherits the block and can never swallow the SIGCHLD we wait for."""
-    libc_prctl = _prctl()
+    libc_prctl = prepare()
     watched = {signal.SIGCHLD, *FORWARDED}
     # An inherited SIGCHLD=SIG_IGN would make the kernel reap the child behind our back.
     old_chld = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -67,13 +69,20 @@ def run(argv: list[str], env: dict[str, str], *, kill_after: float | None = None
         signal.signal(signal.SIGCHLD, old_chld)
 
 
-def _prctl():
-    try:
-        import ctypes
+_PRCTL: list = []
 
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (ImportError, OSError, AttributeError):
-        return None
+
+def prepare():
+    """Load prctl (ctypes) ahead of time: a --wait turn calls this before it blocks, so the
+    milliseconds ctypes costs are not spent between the holder's release and our child's start."""
+    if not _PRCTL:
+        try:
+            import ctypes
+
+            _PRCTL.append(ctypes.CDLL(None, use_errno=True).prctl)
+        except (ImportError, OSError, AttributeError):
+            _PRCTL.append(None)
+    return _PRCTL[0]
 
 
 def _child(argv, env, parent, write_end, prctl, old_mask, inherited_int) -> None:  # pragma: no cover

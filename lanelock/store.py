@@ -20,7 +20,6 @@ import fcntl
 import os
 import signal
 import stat
-from dataclasses import dataclass
 
 from . import holders, journal, sidecar
 from .facts import argv_text
@@ -34,14 +33,14 @@ class _Timeout(Exception):
     pass
 
 
-@dataclass
 class Handle:
-    dir_fd: int
-    fd: int | None
-    name: str              # lock file name under the root
-    st: os.stat_result | None
-    caveat: str | None = None   # e.g. the root is on a network filesystem
-    stem: str = ""
+    __slots__ = ("dir_fd", "fd", "name", "st", "caveat", "stem")
+
+    def __init__(self, dir_fd: int, fd: int | None, name: str, st: os.stat_result | None,
+                 caveat: str | None = None, stem: str = ""):
+        self.dir_fd, self.fd, self.name, self.st = dir_fd, fd, name, st   # name: the lock file
+        self.caveat = caveat   # e.g. the root is on a network filesystem
+        self.stem = stem
 
     def close(self) -> None:
         for fd in (self.fd, self.dir_fd):

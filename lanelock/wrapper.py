@@ -8,26 +8,31 @@ before anything else is done.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+
+from typing import TYPE_CHECKING
 
 from . import exitcodes, runner
-from .chain import Entry
 from .facts import holder_words
 from .gate import BUSY_WORDS, DEFLECTED, HELD, REASON_BUSY, Gate, Turn
 
+if TYPE_CHECKING:
+    from .chain import Entry
 
-@dataclass
+
 class Options:
-    session: str | None = None
-    model: str | None = None
-    wait: float | None = 0.0
-    fallbacks: list[Entry] = field(default_factory=list)
-    busy_exit_code: int = exitcodes.BUSY
-    kill_after: float | None = None
-    quiet: bool = False
-    verbose: bool = False
-    lock_dir: str | None = None     # passed on to the gates of fallback entries
-    store: str | None = None
+    """How one `lanelock run` behaves (a plain class: the run path avoids importing dataclasses)."""
+
+    def __init__(self, *, session: str | None = None, model: str | None = None,
+                 wait: float | None = 0.0, fallbacks: list[Entry] | None = None,
+                 busy_exit_code: int = exitcodes.BUSY, kill_after: float | None = None,
+                 quiet: bool = False, verbose: bool = False, lock_dir: str | None = None,
+                 store: str | None = None):
+        self.session, self.model, self.wait = session, model, wait
+        self.fallbacks = list(fallbacks or [])
+        self.busy_exit_code, self.kill_after = busy_exit_code, kill_after
+        self.quiet, self.verbose = quiet, verbose
+        self.lock_dir = lock_dir        # passed on to the gates of fallback entries
+        self.store = store
 
 
 class Say:
@@ -48,6 +53,7 @@ class Say:
 
 
 def run_turn(gate: Gate, argv: list[str], options: Options, say: Say) -> int:
+    runner.prepare()   # before the lock: after it, every millisecond delays the hand-off
     turn = gate.turn(session=options.session, model=options.model, argv=argv,
                      wait=options.wait).acquire()
     if turn.state == DEFLECTED:
