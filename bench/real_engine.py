@@ -46,7 +46,9 @@ def measure(local: str, cloud: str, tokens: int, reps: int, env: dict) -> dict:
            "--prompt", "Write a short story about a lighthouse keeper."]
     backend = local.removeprefix("http://")
     primary = LANELOCK + ["run", "-q", "-b", backend, "--"] + ask + [local]
-    gated_second = LANELOCK + ["run", "-q", "-b", backend, "-f", " ".join(ask + [cloud]), "--"] \
+    import shlex
+
+    gated_second = LANELOCK + ["run", "-q", "-b", backend, "-f", shlex.join(ask + [cloud]), "--"] \
         + ask + [local]
     ungated_second = ask + [local]
     results = {"alone": [], "ungated": [], "gated": []}

@@ -54,8 +54,9 @@ class Say:
 
 def run_turn(gate: Gate, argv: list[str], options: Options, say: Say) -> int:
     runner.prepare()   # before the lock: after it, every millisecond delays the hand-off
-    turn = gate.turn(session=options.session, model=options.model, argv=argv,
-                     wait=options.wait).acquire()
+    turn = gate.turn(session=options.session, model=options.model, argv=argv, wait=options.wait)
+    turn.defer_records = True   # written once the child is forked (see _run)
+    turn.acquire()
     if turn.state == DEFLECTED:
         return _deflect(gate, turn, options, say)
     if options.verbose:
@@ -73,9 +74,15 @@ def _run(argv, env, options: Options, say: Say, turn: Turn | None) -> runner.Out
     """Run and release; None when the process could not even be forked."""
     outcome = None
     watch = LaneWatch(turn, say) if turn is not None and turn.held and not turn.nested else None
+
+    def spawned():
+        if turn is not None:
+            turn.write_records()
+        if watch:
+            watch.start()
+
     try:
-        outcome = runner.run(argv, env, kill_after=options.kill_after,
-                             on_spawn=watch.start if watch else None)
+        outcome = runner.run(argv, env, kill_after=options.kill_after, on_spawn=spawned)
     except OSError as error:
         say.error(f"cannot start {argv[0]}: {error.strerror}")
     finally:
