@@ -269,9 +269,8 @@ class Turn:
         return self
 
     def write_records(self) -> None:
-        """The holder record and the acquired (and waited) events. `lanelock run` calls this only
-        once its child is forked: the lane is already ours, and these writes would otherwise sit
-        between a holder's release and the next turn's start."""
+        """The holder record and the acquired (and waited) events; with defer_records set, the
+        caller writes them itself once it is ready (an API user may take the lane first)."""
         if self.state != HELD or self.nested or self._recorded:
             return
         self._recorded = True

@@ -54,9 +54,10 @@ class Say:
 
 def run_turn(gate: Gate, argv: list[str], options: Options, say: Say) -> int:
     runner.prepare()   # before the lock: after it, every millisecond delays the hand-off
-    turn = gate.turn(session=options.session, model=options.model, argv=argv, wait=options.wait)
-    turn.defer_records = True   # written once the child is forked (see _run)
-    turn.acquire()
+    # The holder record is written before the child starts (not deferred past the fork): whoever
+    # sees the command running must also find who runs it.
+    turn = gate.turn(session=options.session, model=options.model, argv=argv,
+                     wait=options.wait).acquire()
     if turn.state == DEFLECTED:
         return _deflect(gate, turn, options, say)
     if options.verbose:
@@ -75,14 +76,9 @@ def _run(argv, env, options: Options, say: Say, turn: Turn | None) -> runner.Out
     outcome = None
     watch = LaneWatch(turn, say) if turn is not None and turn.held and not turn.nested else None
 
-    def spawned():
-        if turn is not None:
-            turn.write_records()
-        if watch:
-            watch.start()
-
     try:
-        outcome = runner.run(argv, env, kill_after=options.kill_after, on_spawn=spawned)
+        outcome = runner.run(argv, env, kill_after=options.kill_after,
+                             on_spawn=watch.start if watch else None)
     except OSError as error:
         say.error(f"cannot start {argv[0]}: {error.strerror}")
     finally:
