@@ -909,3 +909,20 @@ def test_the_lock_file_is_never_unlinked(lanelock, lock_dir):
     assert lanelock("run", "--", "sh", "-c", "exit 1").returncode == 1
     assert lanelock("run", "--", "no-such-command-lanelock-test").returncode == 127
     assert os.stat(lock_dir / "localhost-8080.lock").st_ino == inode
+
+
+def test_path_search_skips_a_non_executable_and_reports_126_when_none_runs(lanelock, tmp_path):
+    """The wrapper searches PATH itself (as execvp would): a non-executable match is skipped for a
+    later executable one; if only non-executable ones exist, the status is 126, not 127."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    (first / "lanelock-probe-cmd").write_text("#!/bin/sh\necho first\n")
+    (second / "lanelock-probe-cmd").write_text("#!/bin/sh\necho second\n")
+    (second / "lanelock-probe-cmd").chmod(0o755)
+    path = f"{first}:{second}:{os.environ['PATH']}"
+    done = lanelock("run", "--", "lanelock-probe-cmd", env={"PATH": path})
+    assert done.returncode == 0 and done.stdout.strip() == "second"
+    (second / "lanelock-probe-cmd").chmod(0o644)
+    done = lanelock("run", "--", "lanelock-probe-cmd", env={"PATH": path})
+    assert done.returncode == 126 and "cannot execute" in done.stderr
