@@ -258,7 +258,6 @@ class Turn:
         return self
 
     def _held(self, handle: Handle, ident) -> "Turn":
-        gate = self.gate
         self.state, self._key = HELD, ident
         _HELD_HERE[ident] = [_thread.get_ident(), 1]
         self._started = time.monotonic()

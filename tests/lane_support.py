@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import Processes as SharedProcesses
 from lanelock import holders
 
 LANELOCK = [sys.executable, "-m", "lanelock"]
@@ -43,44 +44,12 @@ def root(request, tmp_path, monkeypatch) -> Path:
     return lock_root
 
 
-class Processes:
-    """Every process a test starts, each in its own session; killed by pid and group at teardown."""
-
-    def __init__(self):
-        self.popens: list[subprocess.Popen] = []
-        self.spawns: list = []
+class Processes(SharedProcesses):
+    """conftest's registry (every process killed by pid and group at teardown), taking any
+    path-like words in argv."""
 
     def start(self, argv, **kwargs) -> subprocess.Popen:
-        kwargs.setdefault("stdin", subprocess.DEVNULL)
-        proc = subprocess.Popen([str(word) for word in argv], start_new_session=True, **kwargs)
-        self.popens.append(proc)
-        return proc
-
-    def cleanup(self) -> None:
-        for proc in self.popens:
-            if proc.returncode is None and proc.poll() is None:
-                for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
-                    try:
-                        kill()
-                    except (ProcessLookupError, PermissionError):
-                        pass
-                try:
-                    proc.wait(timeout=TIMEOUT)
-                except subprocess.TimeoutExpired:
-                    pass
-            for stream in (proc.stdin, proc.stdout, proc.stderr):
-                if stream is not None:
-                    try:
-                        stream.close()
-                    except OSError:
-                        pass
-        for child in self.spawns:
-            if child.isalive():
-                try:
-                    os.killpg(child.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            child.close(force=True)
+        return super().start([str(word) for word in argv], **kwargs)
 
 
 @pytest.fixture
