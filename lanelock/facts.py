@@ -49,7 +49,9 @@ def own_start_ticks() -> int | None:
 
 
 def hostname() -> str:
-    return os.uname().nodename
+    if "hostname" not in _CACHE:
+        _CACHE["hostname"] = os.uname().nodename
+    return _CACHE["hostname"]
 
 
 def default_session() -> str:

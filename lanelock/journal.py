@@ -2,8 +2,8 @@
 
 Each event is one write() on an O_APPEND descriptor, so concurrent turns never interleave or lose a
 line (Linux appends a single write to a regular file atomically with respect to other appenders).
-Rotation renames the journal to NAME.1 and happens only while holding the lane, so two rotators can
-never race; an appender still holding the old descriptor simply lands its line in NAME.1.
+Rotation renames the journal to NAME.1 and happens only while holding the lane (open_for_append), so
+two rotators can never race; an appender still holding the old descriptor lands its line in NAME.1.
 """
 
 from __future__ import annotations
@@ -22,14 +22,17 @@ class JournalError(OSError):
     """An event could not be appended; the turn goes on and warns."""
 
 
-def append(dir_fd: int, name: str, event: dict) -> None:
+def append(dir_fd: int, name: str, event: dict, fd: int | None = None) -> None:
+    """One event as one write(). With fd (an open_for_append() descriptor) nothing is opened."""
     line = json.dumps(event, ensure_ascii=True, sort_keys=True)
     if len(line) >= MAX_LINE:
         event = {k: v for k, v in event.items() if k not in ("argv", "holder")}
         event["truncated"] = True
         line = json.dumps(event, ensure_ascii=True, sort_keys=True)[:MAX_LINE - 2]
     data = (line + "\n").encode()
-    fd = _open(dir_fd, name)
+    own = fd is None
+    if own:
+        fd = _open(dir_fd, name)
     try:
         written = os.write(fd, data)
         if written != len(data):
@@ -39,7 +42,22 @@ def append(dir_fd: int, name: str, event: dict) -> None:
             raise
         raise JournalError(error.errno, f"cannot append to {name}: {error.strerror}") from None
     finally:
-        os.close(fd)
+        if own:
+            os.close(fd)
+
+
+def open_for_append(dir_fd: int, name: str, max_bytes: int) -> int:
+    """A descriptor for a holder's events, rotating first when the journal is past max_bytes.
+    Only a holder calls this, so only one process ever rotates at a time."""
+    fd = _open(dir_fd, name)
+    if os.fstat(fd).st_size < max_bytes:
+        return fd
+    os.close(fd)
+    try:
+        os.rename(name, name + ".1", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError:
+        pass   # could not rotate: keep appending to the old file
+    return _open(dir_fd, name)
 
 
 def _open(dir_fd: int, name: str) -> int:
@@ -58,22 +76,10 @@ def _open(dir_fd: int, name: str) -> int:
     except OSError as error:
         reason = "is a symlink; not writing through it" if error.errno == errno.ELOOP else error.strerror
         raise JournalError(error.errno, f"cannot open {name}: {reason}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    if not stat.S_ISREG(os.fstat(fd).st_mode):   # a FIFO or device planted at the name
         os.close(fd)
         raise JournalError(0, f"{name} is not a regular file")
     return fd
-
-
-def rotate_if_needed(dir_fd: int, name: str, max_bytes: int = DEFAULT_MAX_BYTES) -> bool:
-    """Call only while holding the lane. True when the journal was rotated."""
-    try:
-        st = os.lstat(name, dir_fd=dir_fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size < max_bytes:
-            return False
-        os.rename(name, name + ".1", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        return True
-    except OSError:
-        return False
 
 
 def read(path: str, *, max_bytes: int = 64 << 20) -> tuple[list[dict], int]:

@@ -34,22 +34,23 @@ class _Timeout(Exception):
 
 
 class Handle:
-    __slots__ = ("dir_fd", "fd", "name", "st", "caveat", "stem")
+    __slots__ = ("dir_fd", "fd", "name", "st", "caveat", "stem", "journal_fd")
 
     def __init__(self, dir_fd: int, fd: int | None, name: str, st: os.stat_result | None,
                  caveat: str | None = None, stem: str = ""):
         self.dir_fd, self.fd, self.name, self.st = dir_fd, fd, name, st   # name: the lock file
         self.caveat = caveat   # e.g. the root is on a network filesystem
         self.stem = stem
+        self.journal_fd: int | None = None   # a holder's events share one descriptor
 
     def close(self) -> None:
-        for fd in (self.fd, self.dir_fd):
-            if fd is not None:
+        for fd in (self.journal_fd, self.fd, self.dir_fd):
+            if fd is not None and fd >= 0:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        self.fd = self.dir_fd = None
+        self.fd = self.dir_fd = self.journal_fd = None
 
 
 class FlockStore:
@@ -57,6 +58,7 @@ class FlockStore:
 
     def __init__(self, root: Root):
         self.root = root
+        self._caveat_checked: str | None = None
 
     def names(self, stem: str) -> dict[str, str]:
         return {"lock": f"{stem}.lock", "sidecar": f"{stem}.json", "journal": f"{stem}.journal"}
@@ -78,7 +80,9 @@ class FlockStore:
             return Handle(-1, None, self.names(stem)["lock"], None, stem=stem)
         handle = Handle(dir_fd, None, self.names(stem)["lock"], None, stem=stem)
         try:
-            handle.caveat = network_caveat(self.root.path, os.fstat(dir_fd))
+            if self._caveat_checked != self.root.path:   # once per process: mounts do not move
+                self._caveat_checked = self.root.path
+                handle.caveat = network_caveat(self.root.path, os.fstat(dir_fd))
             handle.fd = _open_lock(dir_fd, handle.name, create)
             if handle.fd is not None:
                 handle.st = os.fstat(handle.fd)
@@ -150,10 +154,15 @@ class FlockStore:
     def append_event(self, handle: Handle, event: dict) -> None:
         if handle.dir_fd is None or handle.dir_fd < 0:
             return
-        journal.append(handle.dir_fd, self.names(handle.stem)["journal"], event)
+        journal.append(handle.dir_fd, self.names(handle.stem)["journal"], event, handle.journal_fd)
 
     def rotate(self, handle: Handle, max_bytes: int) -> None:
-        journal.rotate_if_needed(handle.dir_fd, self.names(handle.stem)["journal"], max_bytes)
+        """Called once a lane is held: rotate if due, and keep the descriptor for the turn's events."""
+        try:
+            handle.journal_fd = journal.open_for_append(
+                handle.dir_fd, self.names(handle.stem)["journal"], max_bytes)
+        except OSError:
+            handle.journal_fd = None   # append_event reports the problem as a warning
 
     def record_extra(self, handle: Handle) -> dict:
         # status compares it with the file at the path: a replaced lock file is two gates.
