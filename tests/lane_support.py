@@ -7,16 +7,16 @@ stdin.
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from conftest import Processes as SharedProcesses
+from conftest import read_line  # noqa: F401 - re-exported for the suites
+from conftest import wait_for as shared_wait_for
 from lanelock import holders
 
 LANELOCK = [sys.executable, "-m", "lanelock"]
@@ -97,32 +97,9 @@ def lanelock(run):
     return lambda *args, **kwargs: run(*LANELOCK, *args, **kwargs)
 
 
-def read_line(stream, timeout: float = TIMEOUT) -> str:
-    """One line from a binary pipe within timeout seconds; '' at EOF."""
-    deadline = time.monotonic() + timeout
-    data = b""
-    while not data.endswith(b"\n"):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"no line within {timeout}s (got {data!r})")
-        if select.select([stream.fileno()], [], [], remaining)[0]:
-            byte = os.read(stream.fileno(), 1)
-            if not byte:
-                break
-            data += byte
-    return data.decode()
-
-
 def wait_for(condition, what: str, timeout: float = 30.0):
-    """Last resort when no process can tell us: re-check a condition until a deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
+    """conftest's wait_for, with the argument order these suites use."""
+    return shared_wait_for(condition, timeout=timeout, what=what)
 
 
 class Holder:
