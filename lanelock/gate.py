@@ -159,8 +159,6 @@ class Turn:
         self.holder: dict | None = None
         self.nested = False
         self.lost = False      # the store took the lane away mid-turn (PostgreSQL session ended)
-        self.defer_records = False   # write_records() later (after the child is forked)
-        self._recorded = False
         self.waited = 0.0
         self._handle: Handle | None = None
         self._key: tuple | None = None
@@ -263,21 +261,14 @@ class Turn:
         self._started = time.monotonic()
         self._acquired_at = utc_now()
         _debug_pause("after-acquire")
-        if not self.defer_records:
-            self.write_records()
-        return self
-
-    def write_records(self) -> None:
-        """The holder record and the acquired (and waited) events; with defer_records set, the
-        caller writes them itself once it is ready (an API user may take the lane first)."""
-        if self.state != HELD or self.nested or self._recorded:
-            return
-        self._recorded = True
+        # The record is written before the caller runs anything: whoever sees the command
+        # running must also find who runs it.
         self.gate.store.rotate(self._handle, self.gate.journal_max_bytes)
         self._write_sidecar(self._record())
         if self.waited >= 0.001 and self.wait != 0:
             self._log("waited", waited=round(self.waited, 6))
         self._log("acquired")
+        return self
 
     def _deflect(self, handle: Handle, holder: dict | None = None) -> "Turn":
         self.state, self.reason = DEFLECTED, REASON_BUSY
@@ -313,7 +304,6 @@ class Turn:
             return
         handle = self._handle
         duration = round(time.monotonic() - self._started, 6)
-        self.write_records()   # a deferred turn whose child never started still leaves its trace
         if not self.lost:   # a lost lane already belongs to someone else: leave its record alone
             # Update the record while still holding the lock: after unlock it is the next turn's.
             record = self._record()

@@ -54,8 +54,6 @@ class Say:
 
 def run_turn(gate: Gate, argv: list[str], options: Options, say: Say) -> int:
     runner.prepare()   # before the lock: after it, every millisecond delays the hand-off
-    # The holder record is written before the child starts (not deferred past the fork): whoever
-    # sees the command running must also find who runs it.
     turn = gate.turn(session=options.session, model=options.model, argv=argv,
                      wait=options.wait).acquire()
     if turn.state == DEFLECTED:
