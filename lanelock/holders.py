@@ -70,14 +70,17 @@ def holds_other_inode(pid: int, st: os.stat_result, inode: int | None = None) ->
 
 
 def proc_stat(pid: int) -> tuple[int, int] | None:
-    """(ppid, start time in clock ticks since boot) of a live process, else None."""
+    """(ppid, start time in clock ticks since boot) of a live process; None when it is gone or a
+    zombie (a zombie's files, and so its locks, are already closed: it holds nothing)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             data = handle.read()
-    except OSError:
+    except (OSError, ValueError):
         return None
     # comm may hold spaces and parentheses: the fields start after the last ')'.
     fields = data[data.rfind(b")") + 2:].split()
+    if not fields or fields[0] in (b"Z", b"X"):
+        return None
     try:
         return int(fields[1]), int(fields[19])
     except (IndexError, ValueError):
@@ -85,20 +88,8 @@ def proc_stat(pid: int) -> tuple[int, int] | None:
 
 
 def start_ticks(pid: int) -> int | None:
-    """Start time of a live process; None when it is gone or a zombie (a zombie's files, and so
-    its locks, are already closed: it holds nothing)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            data = handle.read()
-    except (OSError, ValueError):
-        return None
-    fields = data[data.rfind(b")") + 2:].split()
-    if not fields or fields[0] in (b"Z", b"X"):
-        return None
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return None
+    found = proc_stat(pid)
+    return found[1] if found else None
 
 
 def ancestors(pid: int | None = None) -> list[int]:

@@ -360,13 +360,9 @@ def _first_line(error: Exception) -> str:
 
 
 def _summary(record: dict | None) -> dict | None:
-    if not record:
-        return None
-    keys = ("pid", "hostname", "session", "model", "user", "acquired_at", "released_at",
-            "exit_status", "held_seconds", "backend", "backend_pid")
-    summary = {key: record.get(key) for key in keys}
-    summary["command"] = " ".join(str(word) for word in record.get("argv") or [])[:300]
-    return summary
+    from .status import summary
+
+    return summary(record, ("backend_pid",)) if record else None
 
 
 def pid_host(record: dict | None) -> str:

@@ -65,7 +65,7 @@ def _judge(result: dict, st: os.stat_result, held: bool | None, record, problem)
     released = record is not None and "released_at" in record
     replaced = _replaced_under(record, pid, st) if record is not None and not released else None
     if replaced is not None:
-        result["holder"] = _summary(record)
+        result["holder"] = summary(record)
         return _verdict(result, "held", "lock-file-replaced",
                         f"held by lanelock turn pid {pid} ({_who(record)}) on a removed or replaced "
                         f"lock file (inode {replaced}; the file here is inode {st.st_ino}); new turns "
@@ -78,7 +78,7 @@ def _judge(result: dict, st: os.stat_result, held: bool | None, record, problem)
         matches = (record is not None and not released and not stale
                    and (not kernel_pids or pid in kernel_pids))
         if matches:
-            result["holder"] = _summary(record)
+            result["holder"] = summary(record)
             who = _who(record)
             return _verdict(result, "held", "held",
                             f"held by lanelock turn pid {pid} ({who}), for {_ago(record)}")
@@ -99,13 +99,13 @@ def _judge(result: dict, st: os.stat_result, held: bool | None, record, problem)
     if pid is None:
         return _verdict(result, "free", "sidecar-bad", "free; the sidecar names no usable pid")
     if released:
-        result["last"] = _summary(record)
+        result["last"] = summary(record)
         status = record.get("exit_status")
         return _verdict(result, "free", "released",
                         f"free; last holder pid {pid} ({_who(record)}) released cleanly at "
                         f"{record.get('released_at')} (exit {status if status is not None else '?'}, "
                         f"held {_seconds(record.get('held_seconds'))})")
-    result["last"] = _summary(record)
+    result["last"] = summary(record)
     alive = pid is not None and holders.start_ticks(pid) == sidecar.field(record, "start_ticks", int)
     if alive:
         return _verdict(result, "free", "releasing",
@@ -185,17 +185,20 @@ def _process(pid: int) -> dict:
     return {"pid": pid, "command": command, "lanelock": is_lanelock}
 
 
-def _summary(record: dict) -> dict:
-    keys = ("pid", "session", "model", "user", "acquired_at", "released_at", "exit_status",
-            "held_seconds", "backend", "hostname")
-    summary = {key: record.get(key) for key in keys}
+SUMMARY_KEYS = ("pid", "session", "model", "user", "acquired_at", "released_at", "exit_status",
+                "held_seconds", "backend", "hostname")
+
+
+def summary(record: dict, extra_keys: tuple[str, ...] = ()) -> dict:
+    """The holder facts status shows, from any store's holder record."""
+    facts = {key: record.get(key) for key in SUMMARY_KEYS + extra_keys}
     argv = sidecar.field(record, "argv", list, [])
-    summary["command"] = " ".join(str(word) for word in argv)[:300]
+    facts["command"] = " ".join(str(word) for word in argv)[:300]
     since = sidecar.field(record, "acquired_monotonic", float)
     same_boot = record.get("boot_id") == boot_id()
-    summary["held_for"] = round(time.monotonic() - since, 3) if since and same_boot \
+    facts["held_for"] = round(time.monotonic() - since, 3) if since and same_boot \
         and "released_at" not in record else None
-    return summary
+    return facts
 
 
 def _who(record: dict) -> str:
@@ -209,7 +212,7 @@ def _who(record: dict) -> str:
 
 
 def _ago(record: dict) -> str:
-    held_for = _summary(record)["held_for"]
+    held_for = summary(record)["held_for"]
     return _seconds(held_for)
 
 
