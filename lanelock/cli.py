@@ -95,34 +95,14 @@ def cli():
 @click.option("--quiet", "-q", is_flag=True, help="No notes or warnings from lanelock.")
 @click.option("--verbose", "-v", is_flag=True, help="Report the wait time and the lock path.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(backend, lock_dir, model, key_by, store, session, fallbacks, chain, wait, busy_exit_code, grace,
-        kill_after, gate_override, quiet, verbose, command):
+def run(**params):
     """Run COMMAND holding the backend's lane; deflect to a fallback when it is busy."""
-    from .wrapper import Options, Say, run_turn
+    from .wrapper import UsageProblem, start
 
-    say = Say(quiet)
-    gate = make_gate(backend, lock_dir, model, key_by, gate_override, grace, warn=say.warn,
-                     store=store)
-    settings = gate.config
-    entries = []
-    if fallbacks or chain:   # shlex and the chain module only for turns that have fallbacks
-        from . import chain as chains
-
-        try:
-            entries = [chains.parse(text) for text in fallbacks]
-            if chain:
-                entries += chains.from_config(chain, settings.get("chains"))
-        except chains.ChainError as error:
-            raise click.UsageError(str(error)) from None
-    if wait is None and settings.get("wait") is not None:
-        wait = float(settings.get("wait"))
-    options = Options(
-        session=session, model=model, wait=None if wait == float("inf") else (wait or 0.0),
-        fallbacks=entries, quiet=quiet, verbose=verbose, lock_dir=lock_dir, store=store,
-        busy_exit_code=busy_exit_code if busy_exit_code is not None
-        else settings.get("busy_exit_code", exitcodes.BUSY),
-        kill_after=kill_after if kill_after is not None else settings.get("kill_after"))
-    return run_turn(gate, list(command), options, say)
+    try:
+        return start(params)
+    except UsageProblem as error:
+        raise click.UsageError(str(error)) from None
 
 
 @cli.command(context_settings=CONTEXT)
@@ -345,34 +325,22 @@ def duel(backend, lock_dir, store, hold, fallback, users, profile_env, cron_env,
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one-line `lanelock:` errors with documented codes, never a traceback."""
+    from .guard import guarded
+
+    return guarded(lambda: _click_main(argv))
+
+
+def _click_main(argv: list[str] | None):
+    from . import guard
+
     try:
-        result = cli.main(args=argv, prog_name="lanelock", standalone_mode=False)
+        return cli.main(args=argv, prog_name="lanelock", standalone_mode=False)
     except click.UsageError as error:
-        hint = f" (see '{error.ctx.command_path} --help')" if error.ctx else ""
-        sys.stderr.write(f"lanelock: {error.format_message()}{hint}\n")
-        return exitcodes.USAGE
+        return guard.usage(error.format_message(), error.ctx.command_path if error.ctx else "")
     except click.ClickException as error:
         sys.stderr.write(f"lanelock: {error.format_message()}\n")
         return error.exit_code
     except click.exceptions.Exit as error:
         return error.exit_code
-    except (click.Abort, KeyboardInterrupt):
-        # ^C while waiting for the lane: die of SIGINT so a calling shell loop stops, as it would.
-        import os
-        import signal
-
-        sys.stderr.flush()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-        return exitcodes.SIGNAL_BASE + signal.SIGINT
-    except BrokenPipeError:
-        return exitcodes.OK
-    except Exception as error:  # a bug: one line, not a traceback, unless asked for
-        import os
-
-        if os.environ.get("LANELOCK_DEBUG"):
-            raise
-        sys.stderr.write(f"lanelock: internal error: {type(error).__name__}: {error} "
-                         "(LANELOCK_DEBUG=1 shows the traceback)\n")
-        return exitcodes.INTERNAL
-    return result if isinstance(result, int) else exitcodes.OK
+    except click.Abort:   # click's name for a KeyboardInterrupt (it has printed a newline)
+        return guard.die_of_sigint()

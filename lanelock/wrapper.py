@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 
-from typing import TYPE_CHECKING
-
-from . import exitcodes, runner
+from . import exitcodes, key, runner
 from .facts import holder_words
 from .gate import BUSY_WORDS, DEFLECTED, HELD, REASON_BUSY, Gate, Turn
 
+TYPE_CHECKING = False   # typing.TYPE_CHECKING without importing typing (milliseconds per turn)
 if TYPE_CHECKING:
     from .chain import Entry
 
@@ -50,6 +49,45 @@ class Say:
 
     def error(self, message: str) -> None:
         os.write(2, f"lanelock: {message}\n".encode("utf-8", "replace"))
+
+
+class UsageProblem(Exception):
+    """Bad input found once the arguments are parsed (a malformed backend or fallback): exit 2."""
+
+
+def start(params: dict) -> int:
+    """`lanelock run` with its parsed parameters (from click, or from runargs on the fast path)."""
+    say = Say(params["quiet"])
+    try:
+        gate = Gate(params["backend"], model=params["model"], key_by=params["key_by"],
+                    lock_dir=params["lock_dir"], gate=params["gate_override"],
+                    grace=params["grace"], store=params["store"], warn=say.warn)
+    except key.BackendError as error:
+        raise UsageProblem(str(error)) from None
+    settings = gate.config
+    entries = []
+    if params["fallbacks"] or params["chain"]:   # shlex and the chain module only when needed
+        from . import chain as chains
+
+        try:
+            entries = [chains.parse(text) for text in params["fallbacks"]]
+            if params["chain"]:
+                entries += chains.from_config(params["chain"], settings.get("chains"))
+        except chains.ChainError as error:
+            raise UsageProblem(str(error)) from None
+    wait = params["wait"]
+    if wait is None and settings.get("wait") is not None:
+        wait = float(settings.get("wait"))
+    busy_exit_code, kill_after = params["busy_exit_code"], params["kill_after"]
+    options = Options(
+        session=params["session"], model=params["model"],
+        wait=None if wait == float("inf") else (wait or 0.0), fallbacks=entries,
+        quiet=params["quiet"], verbose=params["verbose"], lock_dir=params["lock_dir"],
+        store=params["store"],
+        busy_exit_code=busy_exit_code if busy_exit_code is not None
+        else settings.get("busy_exit_code", exitcodes.BUSY),
+        kill_after=kill_after if kill_after is not None else settings.get("kill_after"))
+    return run_turn(gate, list(params["command"]), options, say)
 
 
 def run_turn(gate: Gate, argv: list[str], options: Options, say: Say) -> int:

@@ -1,0 +1,143 @@
+"""`lanelock run`'s arguments, read without click.
+
+`run` sits in front of every turn, and importing click costs more than everything else the turn
+does (on a slow VM, 60 ms of a 100 ms start). So the console script reads the common forms of `run`
+here and hands the turn straight to the wrapper; click stays the reference. Whatever this module is
+not sure of -- help, an unknown option, a value it would have to judge, a missing command -- makes
+parse() return None, and click parses the same argv and says what is wrong in its own words.
+
+The rules below are click's, for this one command (allow_interspersed_args=False): options stop at
+`--` or at the first word that is not an option; `--name=value` and `--name value`; a short option's
+value may be glued on (`-bHOST:PORT`) and short flags may be grouped (`-qv`); a value-taking option
+takes the next word whatever it looks like, except --wait, whose value is optional (it is not taken
+when the next word looks like an option). tests/test_runargs.py holds this table to click's and
+checks parse() against click on a corpus of argument lists.
+"""
+
+from __future__ import annotations
+
+# name -> (parameter, kind). Kinds: text, multiple (repeatable text), float (>= 0), optional-float
+# (--wait: a bare --wait means forever), exit (an int 0-255), key-by (a choice), flag, and
+# on / off for --gate / --no-gate.
+LONG = {
+    "--backend": ("backend", "text"),
+    "--lock-dir": ("lock_dir", "text"),
+    "--model": ("model", "text"),
+    "--key-by": ("key_by", "key-by"),
+    "--store": ("store", "text"),
+    "--session": ("session", "text"),
+    "--fallback": ("fallbacks", "multiple"),
+    "--chain": ("chain", "text"),
+    "--wait": ("wait", "optional-float"),
+    "--busy-exit-code": ("busy_exit_code", "exit"),
+    "--grace": ("grace", "float"),
+    "--kill-after": ("kill_after", "float"),
+    "--gate": ("gate_override", "on"),
+    "--no-gate": ("gate_override", "off"),
+    "--quiet": ("quiet", "flag"),
+    "--verbose": ("verbose", "flag"),
+}
+SHORT = {"-b": "--backend", "-m": "--model", "-s": "--session", "-f": "--fallback",
+         "-w": "--wait", "-E": "--busy-exit-code", "-q": "--quiet", "-v": "--verbose"}
+DEFAULTS = {"backend": None, "lock_dir": None, "model": None, "key_by": None, "store": None,
+            "session": None, "fallbacks": (), "chain": None, "wait": None, "busy_exit_code": None,
+            "grace": None, "kill_after": None, "gate_override": None, "quiet": False,
+            "verbose": False}
+FLAGS = ("flag", "on", "off")
+
+
+class _Unsure(Exception):
+    """click must read this argv: it knows the error message, or the form is rare."""
+
+
+def parse(args: list[str]) -> dict | None:
+    """`run`'s parameters as click would pass them, or None when click should parse args."""
+    try:
+        return _parse(list(args))
+    except _Unsure:
+        return None
+
+
+def _parse(rest: list[str]) -> dict:
+    params = dict(DEFAULTS)
+    fallbacks: list[str] = []
+    while rest:
+        word = rest.pop(0)
+        if word == "--":
+            break
+        if word[:1] != "-" or len(word) == 1:
+            rest.insert(0, word)   # the command starts here
+            break
+        if word.startswith("--"):
+            name, equals, attached = word.partition("=")
+            _take(name, attached if equals else None, rest, params, fallbacks)
+        else:
+            _cluster(word, rest, params, fallbacks)
+    if not rest:
+        raise _Unsure   # click says "Missing argument 'COMMAND...'"
+    params["fallbacks"] = tuple(fallbacks)
+    params["command"] = tuple(rest)
+    return params
+
+
+def _cluster(word: str, rest: list[str], params: dict, fallbacks: list[str]) -> None:
+    """-qv, -b HOST, -bHOST, -qbHOST: short flags, then at most one option that takes a value."""
+    for index in range(1, len(word)):
+        name = SHORT.get("-" + word[index])
+        if name is None:
+            raise _Unsure
+        glued = word[index + 1:]
+        if LONG[name][1] in FLAGS:
+            _take(name, None, rest, params, fallbacks)
+            continue
+        if glued[:1] == "-":
+            raise _Unsure   # e.g. -w-1: click's reading of it is an error either way
+        if glued:
+            rest.insert(0, glued)   # the glued text is the value, as click does it
+        _take(name, None, rest, params, fallbacks)
+        return
+
+
+def _take(name: str, attached: str | None, rest: list[str], params: dict,
+          fallbacks: list[str]) -> None:
+    if name not in LONG:
+        raise _Unsure
+    parameter, kind = LONG[name]
+    if kind in FLAGS:
+        if attached is not None:
+            raise _Unsure   # "--quiet=1": click's error
+        params[parameter] = {"flag": True, "on": True, "off": False}[kind]
+        return
+    if attached is not None:
+        value = attached
+    elif kind == "optional-float" and (not rest or (rest[0][:1] == "-" and len(rest[0]) > 1)):
+        params[parameter] = float("inf")
+        return
+    elif rest:
+        value = rest.pop(0)
+    else:
+        raise _Unsure   # "requires an argument"
+    if kind == "multiple":
+        fallbacks.append(value)
+    else:
+        params[parameter] = _convert(kind, value)
+
+
+def _convert(kind: str, value: str):
+    if kind == "text":
+        return value
+    if kind == "key-by":
+        if value not in ("backend", "model"):
+            raise _Unsure
+        return value
+    if not value.isascii():
+        raise _Unsure
+    if kind == "exit":
+        if not value.isdigit() or int(value) > 255:
+            raise _Unsure
+        return int(value)
+    # float, optional-float: plain decimals only ("5", "0.5", ".5", "5."); click judges the rest
+    whole, _, fraction = value.partition(".")
+    if not (whole + fraction).isdigit():
+        raise _Unsure
+    return float(value)
