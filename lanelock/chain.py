@@ -14,16 +14,26 @@ not retried on the next entry: its side effects may already have happened.
 from __future__ import annotations
 
 import shlex
-from typing import NamedTuple
 
 
 class ChainError(ValueError):
     """A malformed entry: a usage error."""
 
 
-class Entry(NamedTuple):
-    argv: tuple[str, ...]
-    backend: str | None = None
+class Entry:
+    """One fallback (a plain class: `typing` costs a turn with fallbacks milliseconds)."""
+
+    __slots__ = ("argv", "backend")
+
+    def __init__(self, argv: tuple[str, ...], backend: str | None = None):
+        self.argv = tuple(argv)
+        self.backend = backend
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Entry) and (self.argv, self.backend) == (other.argv, other.backend)
+
+    def __repr__(self) -> str:
+        return f"Entry({self.argv!r}, {self.backend!r})"
 
     @property
     def text(self) -> str:

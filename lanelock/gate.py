@@ -207,6 +207,9 @@ class Turn:
 
     def _acquire_gated(self) -> "Turn":
         gate, store = self.gate, self.gate.store
+        # Facts the holder record needs, read (once per process) before the lock: after it, they
+        # would delay the hand-off.
+        own_start_ticks(), boot_id(), user_name(), hostname()
         for _ in range(3):
             self._handle = None
             handle = self._handle = store.open(gate.lane)

@@ -133,9 +133,13 @@ def _convert(kind: str, value: str):
     if not value.isascii():
         raise _Unsure
     if kind == "exit":
-        if not value.isdigit() or int(value) > 255:
+        try:   # int() refuses over 4300 digits, as it does for click: then click says why
+            number = int(value) if value.isdigit() else 256
+        except ValueError:
+            raise _Unsure from None
+        if number > 255:
             raise _Unsure
-        return int(value)
+        return number
     # float, optional-float: plain decimals only ("5", "0.5", ".5", "5."); click judges the rest
     whole, _, fraction = value.partition(".")
     if not (whole + fraction).isdigit():

@@ -4,6 +4,8 @@
 - The child gets a parent-death signal (SIGKILL): if the wrapper is killed, even with SIGKILL, the
   kernel drops the lane and the generation stops with it; no turn continues ungated. The wrapper
   may die between fork() and prctl(), so the child checks its parent afterwards.
+- The child is forked before the lane is taken and parked until the lane is ours (Starter): the
+  fork is off the hand-off path, where flock(1)'s whole cost is one fork of a small C program.
 - INT/TERM/HUP/QUIT/USR1/USR2 sent to the wrapper are forwarded to the child (flock(1) does not,
   bootkube#502); the wrapper waits and exits with the child's status. A signal the terminal sent to
   the whole foreground group (si_code SI_KERNEL) already reached the child and is not sent twice.
@@ -38,46 +40,133 @@ class Outcome:
         self.error = error              # why the command could not be started
 
 
-def run(argv: list[str], env: dict[str, str], *, kill_after: float | None = None,
-        on_spawn=None) -> Outcome:
-    """Run argv to completion. Returns the child's exit status mapped to the shell's convention.
-    on_spawn() runs in the wrapper once the child exists, with our signals blocked, so a thread it
-    starts inherits the block and can never swallow the SIGCHLD we wait for."""
-    libc_prctl = prepare()
-    path, failure = resolve(argv[0], env.get("PATH", os.defpath))
-    if failure:
-        return _spawn_failure(argv[0], failure)
-    watched = {signal.SIGCHLD, *FORWARDED}
-    # An inherited SIGCHLD=SIG_IGN would make the kernel reap the child behind our back.
-    old_chld = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    inherited_int = signal.getsignal(signal.SIGINT)
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, watched)
-    try:
-        read_end, write_end = os.pipe2(os.O_CLOEXEC)
+class Starter:
+    """The turn's child, forked before the lane is taken and parked at the starting line.
+
+    Forking a Python process and running its after-fork code costs milliseconds; after the lock,
+    that would delay every hand-off. So the wrapper forks first: the parked child sets its
+    parent-death signal and the command's signal dispositions, then blocks on a pipe. go() sends
+    it the turn's environment and it execs at once; cancel() (a deflected turn) lets it exit.
+
+    While parked, the child is what the command will be: a ^C to the terminal's group or the
+    wrapper's death ends it too, and it holds no lock (it is forked before the lock file is open).
+    """
+
+    def __init__(self, argv: list[str], search_path: str | None = None):
+        self.argv = list(argv)
+        if search_path is None:
+            search_path = os.environ.get("PATH", os.defpath)
+        self.path, self.failure = resolve(self.argv[0], search_path)
+        self.pid: int | None = None
+        self._go = self._status = -1
+        self.mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())   # the command's signal mask
+        # An inherited SIGCHLD=SIG_IGN would make the kernel reap the child behind our back.
+        self.old_chld = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if not self.failure:
+            self._fork()
+
+    def _fork(self) -> None:
+        prctl = prepare()
+        go_read, self._go = os.pipe2(os.O_CLOEXEC)
+        self._status, status_write = os.pipe2(os.O_CLOEXEC)
         parent = os.getpid()
-        pid = os.fork()
+        inherited_int = signal.getsignal(signal.SIGINT)
+        try:
+            pid = os.fork()
+        except OSError:
+            for fd in (go_read, status_write):
+                os.close(fd)
+            self.close()
+            raise
         if pid == 0:  # pragma: no cover - the child execs or exits
-            _child(path, argv, env, parent, write_end, libc_prctl, old_mask, inherited_int)
-        os.close(write_end)
-        with os.fdopen(read_end, "rb") as pipe:
+            # Our copy of the go pipe's write end would keep the child from ever seeing EOF.
+            os.close(self._go)
+            os.close(self._status)
+            _parked(self.path, self.argv, parent, go_read, status_write, prctl, inherited_int,
+                    self.mask)
+        self.pid = pid
+        os.close(go_read)
+        os.close(status_write)
+
+    def go(self, changes: dict[str, str | None]) -> int:
+        """Start the command with our environment plus changes (None unsets). 0, or the errno
+        that stopped the command from starting (the child is reaped then)."""
+        if self.failure:
+            return self.failure
+        message = b"G" + b"".join(
+            os.fsencode(name) + (b"" if value is None else b"=" + os.fsencode(value)) + b"\0"
+            for name, value in changes.items())
+        try:
+            _write_all(self._go, message)
+        except BrokenPipeError:   # the parked child was killed while it waited: start afresh
+            self.close()
+            os.waitpid(self.pid, 0)
+            self._fork()
+            _write_all(self._go, message)
+        os.close(self._go)
+        self._go = -1
+        with os.fdopen(self._status, "rb") as pipe:   # EOF: the exec succeeded
+            self._status = -1
             failure = pipe.read()
         if failure:
-            os.waitpid(pid, 0)
-            return _spawn_failure(argv[0], int(failure or b"0"))
+            os.waitpid(self.pid, 0)
+            self.pid = None
+            return int(failure or b"0") or errno.EINVAL
+        return 0
+
+    def cancel(self) -> None:
+        """The turn will not run this command: the parked child exits and is reaped."""
+        self.close()
+        if self.pid is not None:
+            pid, self.pid = self.pid, None
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        self.restore()
+
+    def close(self) -> None:
+        for fd in (self._go, self._status):
+            if fd >= 0:
+                os.close(fd)
+        self._go = self._status = -1
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGCHLD, self.old_chld)
+
+
+def run(starter: Starter, changes: dict[str, str | None], *, kill_after: float | None = None,
+        on_spawn=None) -> Outcome:
+    """Start the starter's command with our environment plus changes, and wait for it. Returns
+    the child's exit status mapped to the shell's convention. on_spawn() runs in the wrapper once
+    the child exists, with our signals blocked, so a thread it starts inherits the block and can
+    never swallow the SIGCHLD we wait for."""
+    watched = {signal.SIGCHLD, *FORWARDED}
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, watched)
+    try:
+        failure = starter.go(changes)
+        if failure:
+            return _spawn_failure(starter.argv[0], failure)
         if on_spawn is not None:
             on_spawn()
+        pid, starter.pid = starter.pid, None
         return _supervise(pid, watched, kill_after)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-        signal.signal(signal.SIGCHLD, old_chld)
+        starter.restore()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 _PRCTL: list = []
 
 
 def prepare():
-    """Load prctl (ctypes) ahead of time: a --wait turn calls this before it blocks, so the
-    milliseconds ctypes costs are not spent between the holder's release and our child's start."""
+    """Load prctl (ctypes) once, before the fork (the child must not pay for it)."""
     if not _PRCTL:
         try:
             import ctypes
@@ -106,26 +195,43 @@ def resolve(command: str, search_path: str) -> tuple[str, int]:
     return "", denied or errno.ENOENT
 
 
-def _child(path, argv, env, parent, write_end, prctl, old_mask, inherited_int) -> None:  # pragma: no cover
+def _parked(path, argv, parent, go_read, status_write, prctl, inherited_int,
+            mask) -> None:  # pragma: no cover
     code = 0
     try:
         if prctl is not None:
             prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:   # the wrapper died before prctl took effect
             os.kill(os.getpid(), signal.SIGKILL)
-        # Python ignores SIGPIPE and SIGXFSZ for itself; the command must start with the defaults.
+        # The command's dispositions from here on: while parked, a signal does to this child what
+        # it would do to the command. Python ignores SIGPIPE and SIGXFSZ for itself.
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
         if inherited_int is not signal.SIG_IGN:   # keep an ignored SIGINT ignored (cmd &)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        env = dict(os.environb)
+        message = b""
+        while True:
+            chunk = os.read(go_read, 65536)
+            if not chunk:
+                break
+            message += chunk
+        if not message:   # cancelled: the turn deflected
+            os._exit(0)
+        for item in message[1:].split(b"\0")[:-1]:
+            name, equals, value = item.partition(b"=")
+            if equals:
+                env[name] = value
+            else:
+                env.pop(name, None)
         os.execve(path, argv, env)
     except OSError as error:
         code = error.errno or errno.EINVAL
     except BaseException:
         code = errno.EINVAL
     try:
-        os.write(write_end, str(code).encode())
+        os.write(status_write, str(code).encode())
     finally:
         os._exit(exitcodes.NOT_FOUND)
 

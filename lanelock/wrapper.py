@@ -91,14 +91,22 @@ def start(params: dict) -> int:
 
 
 def run_turn(gate: Gate, argv: list[str], options: Options, say: Say) -> int:
-    runner.prepare()   # before the lock: after it, every millisecond delays the hand-off
-    turn = gate.turn(session=options.session, model=options.model, argv=argv,
-                     wait=options.wait).acquire()
-    if turn.state == DEFLECTED:
-        return _deflect(gate, turn, options, say)
-    if options.verbose:
-        _verbose(gate, turn, say)
-    outcome = _run(argv, child_env(turn), options, say, turn)
+    # The child is forked now and parked: after the lock, every millisecond delays the hand-off.
+    starter = _starter(argv)
+    try:
+        turn = gate.turn(session=options.session, model=options.model, argv=argv,
+                         wait=options.wait).acquire()
+        if turn.state == DEFLECTED:
+            if starter is not None:
+                starter.cancel()
+            starter = None
+            return _deflect(gate, turn, options, say)
+        if options.verbose:
+            _verbose(gate, turn, say)
+        outcome, starter = _run(argv, env_changes(turn), options, say, turn, starter), None
+    finally:
+        if starter is not None:   # an exception (^C while waiting): the parked child goes too
+            starter.cancel()
     if outcome is None:
         return exitcodes.CANNOT_EXECUTE
     if outcome.error:
@@ -107,15 +115,27 @@ def run_turn(gate: Gate, argv: list[str], options: Options, say: Say) -> int:
     return outcome.exit_code
 
 
-def _run(argv, env, options: Options, say: Say, turn: Turn | None) -> runner.Outcome | None:
+def _starter(argv: list[str]) -> runner.Starter | None:
+    try:
+        return runner.Starter(argv)
+    except OSError:   # cannot fork now: _run tries again once the turn is decided
+        return None
+
+
+def _run(argv, changes, options: Options, say: Say, turn: Turn | None,
+         starter: runner.Starter | None = None) -> runner.Outcome | None:
     """Run and release; None when the process could not even be forked."""
     outcome = None
     watch = LaneWatch(turn, say) if turn is not None and turn.held and not turn.nested else None
 
     try:
-        outcome = runner.run(argv, env, kill_after=options.kill_after,
+        if starter is None:
+            starter = runner.Starter(argv)
+        outcome = runner.run(starter, changes, kill_after=options.kill_after,
                              on_spawn=watch.start if watch else None)
     except OSError as error:
+        if starter is not None:
+            starter.cancel()
         say.error(f"cannot start {argv[0]}: {error.strerror}")
     finally:
         if watch:
@@ -188,8 +208,8 @@ def _deflect(gate: Gate, turn: Turn, options: Options, say: Say) -> int:
             continue
         say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}{waited}); deflecting to fallback "
                  f"{index}: {entry.text}")
-        env = child_env(turn, fallback_turn, index)
-        outcome = _run(list(entry.argv), env, options, say, fallback_turn)
+        changes = env_changes(turn, fallback_turn, index)
+        outcome = _run(list(entry.argv), changes, options, say, fallback_turn)
         if outcome is None or outcome.error:
             say.warn(f"fallback {index} did not start: "
                      f"{outcome.error if outcome else 'fork failed'}")
@@ -223,23 +243,23 @@ def _fallback_gate(primary: Gate, entry: Entry, options: Options) -> tuple[Turn 
     return turn, None
 
 
-def child_env(turn: Turn, fallback_turn: Turn | None = None, index: int | None = None) -> dict:
-    """The child's environment: ours plus LANELOCK_* facts about its turn."""
-    env = dict(os.environ)
-    env["LANELOCK_STATE"] = turn.state or ""
-    env["LANELOCK_LANE"] = turn.lane
-    env["LANELOCK_LOCK_PATH"] = turn.lock_path
-    env["LANELOCK_SESSION"] = turn.session
+def env_changes(turn: Turn, fallback_turn: Turn | None = None,
+                index: int | None = None) -> dict[str, str | None]:
+    """What the child's environment adds to ours (None: removed): LANELOCK_* facts of its turn."""
+    changes: dict[str, str | None] = {
+        "LANELOCK_STATE": turn.state or "", "LANELOCK_LANE": turn.lane,
+        "LANELOCK_LOCK_PATH": turn.lock_path, "LANELOCK_SESSION": turn.session,
+        "LANELOCK_FAILOVER_REASON": None,
+        "LANELOCK_DEBUG_PAUSE": None,   # the hook is for this wrapper, not nested turns
+    }
     if turn.model:
-        env["LANELOCK_MODEL"] = turn.model
-    env.pop("LANELOCK_FAILOVER_REASON", None)
-    env.pop("LANELOCK_DEBUG_PAUSE", None)   # the hook is for this wrapper, not nested turns
+        changes["LANELOCK_MODEL"] = turn.model
     if turn.state == DEFLECTED:
-        env["LANELOCK_FAILOVER_REASON"] = REASON_BUSY
-        env["LANELOCK_FALLBACK_INDEX"] = str(index or 0)
+        changes["LANELOCK_FAILOVER_REASON"] = REASON_BUSY
+        changes["LANELOCK_FALLBACK_INDEX"] = str(index or 0)
     holding = fallback_turn if fallback_turn is not None and fallback_turn.held else turn
     if holding.held and not holding.nested:
         # Lets a nested `lanelock run` recognise its holder when /proc/locks is unreadable.
-        env["LANELOCK_HELD"] = holding.lock_path
-        env["LANELOCK_HOLDER_PID"] = str(os.getpid())
-    return env
+        changes["LANELOCK_HELD"] = holding.lock_path
+        changes["LANELOCK_HOLDER_PID"] = str(os.getpid())
+    return changes
