@@ -21,7 +21,9 @@ import tempfile
 import threading
 import time
 
-LANELOCK = [sys.executable, "-m", "lanelock"]
+# The console script, as users run it (python -m adds runpy's imports); -m where it is not installed.
+_SCRIPT = os.path.join(os.path.dirname(sys.executable), "lanelock")
+LANELOCK = [_SCRIPT] if os.access(_SCRIPT, os.X_OK) else [sys.executable, "-m", "lanelock"]
 ROWS: list[tuple[str, str, str, str]] = []
 
 

@@ -11,9 +11,10 @@ import time
 _CACHE: dict[str, object] = {}
 
 
-def utc_now() -> str:
+def utc_now(now: float | None = None) -> str:
     # time.strftime, not datetime: the run path pays for every import.
-    now = time.time()
+    if now is None:
+        now = time.time()
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
 
 

@@ -262,15 +262,16 @@ class Turn:
         self.state, self._key = HELD, ident
         _HELD_HERE[ident] = [_thread.get_ident(), 1]
         self._started = time.monotonic()
-        self._acquired_at = utc_now()
+        now = time.time()
+        self._acquired_at = utc_now(now)
         _debug_pause("after-acquire")
         # The record is written before the caller runs anything: whoever sees the command
         # running must also find who runs it.
         self.gate.store.rotate(self._handle, self.gate.journal_max_bytes)
         self._write_sidecar(self._record())
         if self.waited >= 0.001 and self.wait != 0:
-            self._log("waited", waited=round(self.waited, 6))
-        self._log("acquired")
+            self._log("waited", at=(now, self._acquired_at), waited=round(self.waited, 6))
+        self._log("acquired", at=(now, self._acquired_at))
         return self
 
     def _deflect(self, handle: Handle, holder: dict | None = None) -> "Turn":
@@ -309,10 +310,15 @@ class Turn:
         duration = round(time.monotonic() - self._started, 6)
         if not self.lost:   # a lost lane already belongs to someone else: leave its record alone
             # Update the record while still holding the lock: after unlock it is the next turn's.
-            record = self._record()
-            record.update(released_at=utc_now(), exit_status=exit_status, held_seconds=duration)
-            self._write_sidecar(record)
-            self._log("released", duration=duration, exit_status=exit_status)
+            now = time.time()
+            fields = {"released_at": utc_now(now), "exit_status": exit_status,
+                      "held_seconds": duration}
+            try:
+                self.gate.store.write_release(self._handle, self._record(), fields)
+            except OSError as error:
+                self.gate.warn(f"the sidecar's release was not written: {error.strerror or error}")
+            self._log("released", at=(now, fields["released_at"]), duration=duration,
+                      exit_status=exit_status)
         _debug_pause("during-release")
         _HELD_HERE.pop(self._key, None)
         self.gate.store.release(handle)
@@ -332,9 +338,11 @@ class Turn:
             record.update(self.gate.store.record_extra(self._handle))
         return record
 
-    def _event(self, event: str, **extra) -> dict:
+    def _event(self, event: str, at: tuple[float, str] | None = None, **extra) -> dict:
         # "monotonic" is one system-wide clock: durations between turns survive wall-clock jumps.
-        return {"event": event, "time": utc_now(), "ts": round(time.time(), 6),
+        # at: (time.time(), its utc_now() text) when the caller has both already.
+        now, text = at if at is not None else (time.time(), None)
+        return {"event": event, "time": text or utc_now(now), "ts": round(now, 6),
                 "monotonic": round(time.monotonic(), 6),
                 "lane": self.gate.lane.name, "pid": os.getpid(), "session": self.session,
                 "model": self.model, **extra}

@@ -24,11 +24,11 @@ class JournalError(OSError):
 
 def append(dir_fd: int, name: str, event: dict, fd: int | None = None) -> None:
     """One event as one write(). With fd (an open_for_append() descriptor) nothing is opened."""
-    line = json.dumps(event, ensure_ascii=True, sort_keys=True)
+    line = json.dumps(event)   # ASCII; keys in the order built (json's cached C encoder)
     if len(line) >= MAX_LINE:
         event = {k: v for k, v in event.items() if k not in ("argv", "holder")}
         event["truncated"] = True
-        line = json.dumps(event, ensure_ascii=True, sort_keys=True)[:MAX_LINE - 2]
+        line = json.dumps(event)[:MAX_LINE - 2]
     data = (line + "\n").encode()
     own = fd is None
     if own:

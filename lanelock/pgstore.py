@@ -214,6 +214,9 @@ class PgStore:
         handle.close()
 
     # -- holder record and events ------------------------------------------------------------
+    def write_release(self, handle: PgHandle, record: dict, fields: dict) -> None:
+        self.write_holder(handle, {**record, **fields})
+
     def write_holder(self, handle: PgHandle, record: dict) -> None:
         record = dict(record, backend_pid=handle.backend_pid)
         try:

@@ -3,7 +3,8 @@
 Written only by the holder, while it holds the lock, so writers never race each other. Written to a
 temp file (O_EXCL, O_NOFOLLOW) and renamed into place: readers never see half a record, and nothing
 is ever written through a symlink planted at either name (filelock CVE-2025-68146); a planted sidecar
-symlink is refused with a warning. Reads are tolerant: any bytes yield a record or a reason, never an
+symlink is refused with a warning. The release adds its keys in place, through the descriptor the
+holder kept on its own record (one pwrite instead of a second file: it is on the hand-off path). Reads are tolerant: any bytes yield a record or a reason, never an
 exception.
 """
 
@@ -23,8 +24,26 @@ class SidecarError(OSError):
     """The record could not be written; the turn keeps its lock and warns."""
 
 
-def write(dir_fd: int, name: str, record: dict) -> None:
-    data = (json.dumps(record, ensure_ascii=True, sort_keys=True) + "\n").encode()
+class Written:
+    """A record just put in place, with a descriptor on its own inode: the release extends it
+    through that descriptor (no path lookup, so nothing planted at the name can be written to)."""
+
+    __slots__ = ("fd", "size")
+
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size = fd, size
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def write(dir_fd: int, name: str, record: dict) -> Written:
+    """Put record at name atomically (temp file + rename); returns the open record for extend()."""
+    # Keys in the order the record was built (no sort_keys: json.dumps then uses its cached
+    # C encoder), so extend() can add keys by appending.
+    data = (json.dumps(record) + "\n").encode()
     try:
         st = os.lstat(name, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -47,11 +66,8 @@ def write(dir_fd: int, name: str, record: dict) -> None:
     except OSError as error:
         raise SidecarError(error.errno, f"cannot write {temp}: {error.strerror}") from None
     try:
-        try:
-            os.fchmod(fd, 0o644)
-            _write_all(fd, data)
-        finally:
-            os.close(fd)
+        os.fchmod(fd, 0o644)
+        _write_all(fd, data)
         if st is not None:
             # ext4 flushes a file's data to disk when it is renamed over an existing one
             # (auto_da_alloc): ~150 us per write. Removing the old record first avoids that; a
@@ -62,8 +78,28 @@ def write(dir_fd: int, name: str, record: dict) -> None:
                 pass
         os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError as error:
+        os.close(fd)
         _unlink(temp, dir_fd)
         raise SidecarError(error.errno, f"cannot write {name}: {error.strerror}") from None
+    return Written(fd, len(data))
+
+
+def extend(written: Written, fields: dict) -> None:
+    """Add keys to a record written by write(), in place: one pwrite() that replaces its closing
+    "}\n" and goes on from there. A reader sees the record before or after (or, if it catches
+    the write in the middle, invalid JSON, and read() looks again); never other keys' values."""
+    if not fields:
+        return
+    tail = json.dumps(fields)   # '{"released_at": ..., ...}'
+    data = (", " + tail[1:] + "\n").encode()
+    try:
+        if os.pwrite(written.fd, data, written.size - 2) != len(data):
+            raise SidecarError(0, "short write to the sidecar")
+    except SidecarError:
+        raise
+    except OSError as error:
+        raise SidecarError(error.errno, f"cannot update the sidecar: {error.strerror}") from None
+    written.size += len(data) - 2
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -81,6 +117,16 @@ def _unlink(name: str, dir_fd: int) -> None:
 
 def read(path: str, dir_fd: int | None = None) -> tuple[dict | None, str | None]:
     """(record, None) or (None, reason a person can read). Never raises."""
+    record, problem = _read_once(path, dir_fd)
+    if problem == NOT_JSON:   # perhaps caught mid-extend(): one more look
+        record, problem = _read_once(path, dir_fd)
+    return record, problem
+
+
+NOT_JSON = "sidecar is not valid JSON"
+
+
+def _read_once(path: str, dir_fd: int | None) -> tuple[dict | None, str | None]:
     try:
         fd = os.open(path, os.O_RDONLY | _FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -111,7 +157,7 @@ def parse(raw: bytes) -> tuple[dict | None, str | None]:
     except UnicodeDecodeError:
         return None, "sidecar is not UTF-8 text"
     except (ValueError, RecursionError):
-        return None, "sidecar is not valid JSON"
+        return None, NOT_JSON
     if not isinstance(record, dict):
         return None, "sidecar is not a JSON object"
     version = record.get("schema")
@@ -123,14 +169,18 @@ def parse(raw: bytes) -> tuple[dict | None, str | None]:
 
 
 def _plain(value: object, depth: int = 0) -> bool:
-    """Keep only shallow, sane values: a hostile record must not make renderers work hard."""
-    if value is None or isinstance(value, (bool, str)):
-        return not isinstance(value, str) or len(value) <= 8192
-    if isinstance(value, int):
-        return abs(value) < 1 << 63
-    if isinstance(value, float):
-        return value == value and abs(value) < 1e300
-    if isinstance(value, list) and depth < 1:
+    """Keep only shallow, sane values: a hostile record must not make renderers work hard.
+    json.loads makes exact types, so type() checks suffice (and cost less on every acquire)."""
+    kind = type(value)
+    if kind is str:
+        return len(value) <= 8192
+    if kind is int:
+        return -(1 << 63) < value < 1 << 63
+    if value is None or kind is bool:
+        return True
+    if kind is float:
+        return value == value and -1e300 < value < 1e300
+    if kind is list and depth < 1:
         return len(value) <= 1024 and all(_plain(item, depth + 1) for item in value)
     return False
 

@@ -34,7 +34,7 @@ class _Timeout(Exception):
 
 
 class Handle:
-    __slots__ = ("dir_fd", "fd", "name", "st", "caveat", "stem", "journal_fd")
+    __slots__ = ("dir_fd", "fd", "name", "st", "caveat", "stem", "journal_fd", "record")
 
     def __init__(self, dir_fd: int, fd: int | None, name: str, st: os.stat_result | None,
                  caveat: str | None = None, stem: str = ""):
@@ -42,8 +42,12 @@ class Handle:
         self.caveat = caveat   # e.g. the root is on a network filesystem
         self.stem = stem
         self.journal_fd: int | None = None   # a holder's events share one descriptor
+        self.record: sidecar.Written | None = None   # this turn's record, kept open to extend
 
     def close(self) -> None:
+        if self.record is not None:
+            self.record.close()
+            self.record = None
         for fd in (self.journal_fd, self.fd, self.dir_fd):
             if fd is not None and fd >= 0:
                 try:
@@ -149,7 +153,18 @@ class FlockStore:
         return sidecar.read(self.names(handle.stem)["sidecar"], dir_fd=handle.dir_fd)
 
     def write_holder(self, handle: Handle, record: dict) -> None:
-        sidecar.write(handle.dir_fd, self.names(handle.stem)["sidecar"], record)
+        if handle.record is not None:
+            handle.record.close()
+            handle.record = None
+        handle.record = sidecar.write(handle.dir_fd, self.names(handle.stem)["sidecar"], record)
+
+    def write_release(self, handle: Handle, record: dict, fields: dict) -> None:
+        """The release's keys added to this turn's record (record: the whole of it, for a store
+        that must rewrite it)."""
+        if handle.record is None:   # the acquire-time write failed: try the whole record now
+            self.write_holder(handle, {**record, **fields})
+            return
+        sidecar.extend(handle.record, fields)
 
     def append_event(self, handle: Handle, event: dict) -> None:
         if handle.dir_fd is None or handle.dir_fd < 0:
