@@ -269,15 +269,17 @@ class Turn:
         # running must also find who runs it.
         self.gate.store.rotate(self._handle, self.gate.journal_max_bytes)
         self._write_sidecar(self._record())
+        events = [self._event("acquired", at=(now, self._acquired_at))]
         if self.waited >= 0.001 and self.wait != 0:
-            self._log("waited", at=(now, self._acquired_at), waited=round(self.waited, 6))
-        self._log("acquired", at=(now, self._acquired_at))
+            events.insert(0, self._event("waited", at=(now, self._acquired_at),
+                                         waited=round(self.waited, 6)))
+        self._log(*events)
         return self
 
     def _deflect(self, handle: Handle, holder: dict | None = None) -> "Turn":
         self.state, self.reason = DEFLECTED, REASON_BUSY
         self.holder = holder or describe_holder(self.gate, handle)
-        self._log("deflected", reason=REASON_BUSY, holder=self.holder)
+        self._log(self._event("deflected", reason=REASON_BUSY, holder=self.holder))
         self.gate.store.release(handle)
         self._handle = None
         return self
@@ -314,11 +316,11 @@ class Turn:
             fields = {"released_at": utc_now(now), "exit_status": exit_status,
                       "held_seconds": duration}
             try:
-                self.gate.store.write_release(self._handle, self._record(), fields)
+                self.gate.store.write_release(self._handle, self._record, fields)
             except OSError as error:
                 self.gate.warn(f"the sidecar's release was not written: {error.strerror or error}")
-            self._log("released", at=(now, fields["released_at"]), duration=duration,
-                      exit_status=exit_status)
+            self._log(self._event("released", at=(now, fields["released_at"]),
+                                  duration=duration, exit_status=exit_status))
         _debug_pause("during-release")
         _HELD_HERE.pop(self._key, None)
         self.gate.store.release(handle)
@@ -353,11 +355,12 @@ class Turn:
         except OSError as error:
             self.gate.warn(f"lane held, but the sidecar was not written: {error.strerror or error}")
 
-    def _log(self, event: str, **extra) -> None:
+    def _log(self, *events: dict) -> None:
+        """Events as one append (one write() on a flock store's journal)."""
         try:
-            self.gate.store.append_event(self._handle, self._event(event, **extra))
+            self.gate.store.append_event(self._handle, *events)
         except OSError as error:
-            if self.state == HELD or event == "released":
+            if self.state == HELD or events[-1]["event"] == "released":
                 self.gate.warn(f"journal not written: {error.strerror or error}")
 
 

@@ -22,14 +22,10 @@ class JournalError(OSError):
     """An event could not be appended; the turn goes on and warns."""
 
 
-def append(dir_fd: int, name: str, event: dict, fd: int | None = None) -> None:
-    """One event as one write(). With fd (an open_for_append() descriptor) nothing is opened."""
-    line = json.dumps(event)   # ASCII; keys in the order built (json's cached C encoder)
-    if len(line) >= MAX_LINE:
-        event = {k: v for k, v in event.items() if k not in ("argv", "holder")}
-        event["truncated"] = True
-        line = json.dumps(event)[:MAX_LINE - 2]
-    data = (line + "\n").encode()
+def append(dir_fd: int, name: str, events: list[dict], fd: int | None = None) -> None:
+    """Events as one write() (a line each). With fd (an open_for_append() descriptor) nothing is
+    opened."""
+    data = "".join(_line(event) for event in events).encode()
     own = fd is None
     if own:
         fd = _open(dir_fd, name)
@@ -44,6 +40,15 @@ def append(dir_fd: int, name: str, event: dict, fd: int | None = None) -> None:
     finally:
         if own:
             os.close(fd)
+
+
+def _line(event: dict) -> str:
+    line = json.dumps(event)   # ASCII; keys in the order built (json's cached C encoder)
+    if len(line) >= MAX_LINE:
+        event = {k: v for k, v in event.items() if k not in ("argv", "holder")}
+        event["truncated"] = True
+        line = json.dumps(event)[:MAX_LINE - 2]
+    return line + "\n"
 
 
 def open_for_append(dir_fd: int, name: str, max_bytes: int) -> int:

@@ -214,8 +214,8 @@ class PgStore:
         handle.close()
 
     # -- holder record and events ------------------------------------------------------------
-    def write_release(self, handle: PgHandle, record: dict, fields: dict) -> None:
-        self.write_holder(handle, {**record, **fields})
+    def write_release(self, handle: PgHandle, full_record, fields: dict) -> None:
+        self.write_holder(handle, {**full_record(), **fields})
 
     def write_holder(self, handle: PgHandle, record: dict) -> None:
         record = dict(record, backend_pid=handle.backend_pid)
@@ -252,10 +252,13 @@ class PgStore:
         record = dict(record, backend_pid=backend)
         return record, None
 
-    def append_event(self, handle: PgHandle, event: dict) -> None:
+    def append_event(self, handle: PgHandle, *events: dict) -> None:
         try:
-            self._call(handle, "INSERT INTO lanelock_events (lane, ts, event) VALUES (%s, %s, %s)",
-                       (handle.lane, event.get("ts", time.time()), json.dumps(event)), fetch=False)
+            for event in events:
+                self._call(handle,
+                           "INSERT INTO lanelock_events (lane, ts, event) VALUES (%s, %s, %s)",
+                           (handle.lane, event.get("ts", time.time()), json.dumps(event)),
+                           fetch=False)
         except GateUnavailable as error:
             raise OSError(0, str(error)) from None
 

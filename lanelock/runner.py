@@ -19,7 +19,7 @@ import os
 import signal
 import time
 
-from . import exitcodes
+from . import exitcodes, launch
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
              signal.SIGUSR1, signal.SIGUSR2)
@@ -93,7 +93,7 @@ class Starter:
         that stopped the command from starting (the child is reaped then)."""
         if self.failure:
             return self.failure
-        message = b"G" + b"".join(
+        message = launch.GO + b"".join(
             os.fsencode(name) + (b"" if value is None else b"=" + os.fsencode(value)) + b"\0"
             for name, value in changes.items())
         try:
@@ -196,8 +196,7 @@ def resolve(command: str, search_path: str) -> tuple[str, int]:
 
 
 def _parked(path, argv, parent, go_read, status_write, prctl, inherited_int,
-            mask) -> None:  # pragma: no cover
-    code = 0
+            mask) -> None:  # pragma: no cover - runs in the forked child
     try:
         if prctl is not None:
             prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -210,30 +209,11 @@ def _parked(path, argv, parent, go_read, status_write, prctl, inherited_int,
         if inherited_int is not signal.SIG_IGN:   # keep an ignored SIGINT ignored (cmd &)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        env = dict(os.environb)
-        message = b""
-        while True:
-            chunk = os.read(go_read, 65536)
-            if not chunk:
-                break
-            message += chunk
-        if not message:   # cancelled: the turn deflected
-            os._exit(0)
-        for item in message[1:].split(b"\0")[:-1]:
-            name, equals, value = item.partition(b"=")
-            if equals:
-                env[name] = value
-            else:
-                env.pop(name, None)
-        os.execve(path, argv, env)
-    except OSError as error:
-        code = error.errno or errno.EINVAL
-    except BaseException:
-        code = errno.EINVAL
-    try:
-        os.write(status_write, str(code).encode())
-    finally:
+        env = launch.exec_environ()
+    except BaseException:   # noqa: BLE001 - nothing may escape into a copy of the wrapper
+        os.write(status_write, str(errno.EINVAL).encode())
         os._exit(exitcodes.NOT_FOUND)
+    launch.wait_and_exec(go_read, status_write, path, argv, env)
 
 
 def _spawn_failure(command: str, code: int) -> Outcome:

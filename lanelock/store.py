@@ -45,16 +45,17 @@ class Handle:
         self.record: sidecar.Written | None = None   # this turn's record, kept open to extend
 
     def close(self) -> None:
-        if self.record is not None:
-            self.record.close()
-            self.record = None
-        for fd in (self.journal_fd, self.fd, self.dir_fd):
+        # The lock's descriptor first: closing it lets the next turn in; the rest can follow.
+        for fd in (self.fd, self.journal_fd, self.dir_fd):
             if fd is not None and fd >= 0:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
         self.fd = self.dir_fd = self.journal_fd = None
+        if self.record is not None:
+            self.record.close()
+            self.record = None
 
 
 class FlockStore:
@@ -158,18 +159,19 @@ class FlockStore:
             handle.record = None
         handle.record = sidecar.write(handle.dir_fd, self.names(handle.stem)["sidecar"], record)
 
-    def write_release(self, handle: Handle, record: dict, fields: dict) -> None:
-        """The release's keys added to this turn's record (record: the whole of it, for a store
-        that must rewrite it)."""
+    def write_release(self, handle: Handle, full_record, fields: dict) -> None:
+        """The release's keys added to this turn's record (full_record(): the whole of it, for
+        when it must be rewritten)."""
         if handle.record is None:   # the acquire-time write failed: try the whole record now
-            self.write_holder(handle, {**record, **fields})
+            self.write_holder(handle, {**full_record(), **fields})
             return
         sidecar.extend(handle.record, fields)
 
-    def append_event(self, handle: Handle, event: dict) -> None:
+    def append_event(self, handle: Handle, *events: dict) -> None:
         if handle.dir_fd is None or handle.dir_fd < 0:
             return
-        journal.append(handle.dir_fd, self.names(handle.stem)["journal"], event, handle.journal_fd)
+        journal.append(handle.dir_fd, self.names(handle.stem)["journal"], list(events),
+                       handle.journal_fd)
 
     def rotate(self, handle: Handle, max_bytes: int) -> None:
         """Called once a lane is held: rotate if due, and keep the descriptor for the turn's events."""

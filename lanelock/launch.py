@@ -1,0 +1,59 @@
+"""What runs in the parked child (runner.Starter) until it becomes the command: wait for the go,
+take the turn's environment, exec. Kept apart from runner.py, which is the wrapper's side.
+
+The go message is b"G" then NAME=VALUE (set) or NAME (unset) entries, each ended by a NUL byte;
+EOF without a message cancels the start.
+"""
+
+import os
+
+GO = b"G"
+NOT_FOUND = 127   # exitcodes.NOT_FOUND: the parked child's status when it could not exec
+EINVAL = 22
+
+
+def exec_environ() -> dict:
+    """The environment this process was started with, exactly. os.environ can differ: a Python
+    started in the C locale adds LC_CTYPE=C.UTF-8 to its own (PEP 538), and a cron job's command
+    must not inherit what lanelock's interpreter did to itself."""
+    try:
+        with open("/proc/self/environ", "rb") as handle:
+            raw = handle.read()
+    except OSError:
+        return dict(os.environb)
+    env: dict = {}
+    for entry in raw.split(b"\0"):
+        name, equals, value = entry.partition(b"=")
+        if equals and name and name not in env:   # the first of duplicates, as getenv() reads
+            env[name] = value
+    return env
+
+
+def wait_and_exec(go_read: int, status_write: int, path: str, argv: list, env: dict) -> None:
+    """Never returns: execs the command, exits 0 when cancelled, or writes the errno that stopped
+    the exec to status_write and exits 127."""
+    code = 0
+    try:
+        message = b""
+        while True:
+            chunk = os.read(go_read, 65536)
+            if not chunk:
+                break
+            message += chunk
+        if not message:   # cancelled: the turn deflected
+            os._exit(0)
+        for item in message[1:].split(b"\0")[:-1]:
+            name, equals, value = item.partition(b"=")
+            if equals:
+                env[name] = value
+            else:
+                env.pop(name, None)
+        os.execve(path, argv, env)
+    except OSError as error:
+        code = error.errno or EINVAL
+    except BaseException:   # noqa: BLE001 - whatever it was, the wrapper must hear of it
+        code = EINVAL
+    try:
+        os.write(status_write, str(code).encode())
+    finally:
+        os._exit(NOT_FOUND)
