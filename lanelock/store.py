@@ -205,7 +205,8 @@ class FlockStore:
 
         Its lock is on the old inode, ours on the new one: taking the lane now would make two
         gates. The sidecar names it (pid, start time, lock_inode); the kernel confirms it."""
-        record, _ = self.read_holder(handle)
+        record, _ = sidecar.read(self.names(handle.stem)["sidecar"], dir_fd=handle.dir_fd,
+                                 live_only=True)
         inode = sidecar.field(record, "lock_inode", int)
         pid = sidecar.field(record, "pid", int)
         if record is None or "released_at" in record or inode is None or pid is None \
