@@ -107,7 +107,8 @@ class Family:
 
     def orphans(self) -> list[int]:
         """Our children that no test started: what exited wrappers left behind."""
-        known = {proc.pid for proc in self.procs.popens} | {child.pid for child in self.procs.spawns}
+        known = {proc.pid for proc in self.procs.popens}
+        known |= {child.pid for child in self.procs.spawns}
         return [child.pid for child in psutil.Process().children() if child.pid not in known]
 
     def reap(self, pid: int) -> int:
@@ -165,7 +166,7 @@ def turn(procs, holder, family, lock_dir):
 MODES = ["at once", "after a wait", "reforked"]
 
 
-# -- 1. the parked child while the turn waits ---------------------------------------------------------
+# -- 1. the parked child while the turn waits ------------------------------------------------------
 def test_the_parked_child_holds_nothing_and_becomes_the_command(procs, holder, family, lock_dir):
     port = 18970
     lock = lock_dir / f"localhost-{port}.lock"
@@ -175,7 +176,8 @@ def test_the_parked_child_holds_nothing_and_becomes_the_command(procs, holder, f
     blocked(wrapper.pid, lock)
     child = family.parked(wrapper.pid)   # asserts it is the wrapper's only child
     assert kernel(lock) == holders.KernelView((held.pid,), (wrapper.pid,))
-    assert child not in {entry[0] for entry in holders.flock_entries()}, "it holds or waits for a lock"
+    locking = {entry[0] for entry in holders.flock_entries()}
+    assert child not in locking, "the parked child holds or waits for a lock"
     targets = {os.readlink(f"/proc/{child}/fd/{fd}") for fd in os.listdir(f"/proc/{child}/fd")}
     assert not {target for target in targets if target.startswith(str(lock_dir))}, targets
     assert held.release() == 0
@@ -185,7 +187,7 @@ def test_the_parked_child_holds_nothing_and_becomes_the_command(procs, holder, f
     assert family.orphans() == []
 
 
-# -- 2-4. the waiting wrapper ends: so does its parked child --------------------------------------------
+# -- 2-4. the waiting wrapper ends: so does its parked child ---------------------------------------
 # terminal: a real ^C (the tty signals the foreground group); group: the same from a test, also
 # through the bounded wait's SIGALRM timer; wrapper: kill -INT of the wrapper alone, so the parked
 # child is alive when the wrapper's KeyboardInterrupt cancels it.
@@ -268,7 +270,7 @@ def test_sigterm_to_the_waiting_wrapper_alone_ends_it_and_the_parked_child(procs
     assert held.release() == 0
 
 
-# -- 5. a deflected turn ---------------------------------------------------------------------------------
+# -- 5. a deflected turn ---------------------------------------------------------------------------
 def test_a_deflected_turn_without_fallback_exits_75_and_leaves_no_child(procs, holder, family,
                                                                         tmp_path):
     port = 18974
@@ -297,12 +299,18 @@ def test_a_deflected_turn_with_a_fallback_runs_the_fallback_only(procs, holder, 
     assert held.release() == 0
 
 
-# -- 6-8. the command is the same whether it started at once or after a wait -------------------------
+# -- 6-8. the command is the same whether it started at once or after a wait -----------------------
 @pytest.mark.parametrize("mode", MODES)
 def test_the_command_environment_is_byte_exact(mode, turn, lock_dir):
     port = 18976
-    env = {**os.environb, b"STARTER_NEWLINE": b"one\ntwo\n", b"STARTER_BAD_UTF8": b"\xff\xfe\xc3(",
-           b"STARTER_\xe9_NAME": b"latin-1 name", b"STARTER_EMPTY": b"", b"STARTER_EQUALS": b"a=b=",
+    # A C-locale environment (a cron job's): lanelock's Python adds LC_CTYPE=C.UTF-8 to its own
+    # os.environ (PEP 538), and that must not reach the command.
+    inherited = {name: value for name, value in os.environb.items()
+                 if name not in (b"LC_ALL", b"LC_CTYPE", b"LANG")}
+    env = {**inherited, b"LANG": b"C", b"STARTER_NEWLINE": b"one\ntwo\n",
+           b"STARTER_BAD_UTF8": b"\xff\xfe\xc3(", b"STARTER_\xe9_NAME": b"latin-1 name",
+           b"STARTER_EMPTY": b"", b"STARTER_EQUALS": b"a=b=",
+           # A surrounding turn's leftovers: the turn removes them.
            b"LANELOCK_FAILOVER_REASON": b"stale", b"LANELOCK_DEBUG_PAUSE": b"nowhere"}
     wrapper, out, err = turn(mode, port, "cat", "/proc/self/environ", env=env)
     assert wrapper.returncode == 0, err
@@ -365,7 +373,7 @@ def test_inherited_descriptors_pass_through_and_nothing_else(mode, turn):
             os.close(write_end)
 
 
-# -- 9-10. the turn's command after a wait ------------------------------------------------------------------
+# -- 9-10. the turn's command after a wait ---------------------------------------------------------
 def test_a_parked_child_killed_during_the_wait_is_replaced(procs, holder, family, lock_dir):
     port = 18979
     held = holder("-b", lane(port))
@@ -393,5 +401,6 @@ def test_a_missing_command_after_a_wait_gives_127_and_one_line(procs, holder, fa
     assert psutil.Process(wrapper.pid).children() == []
     assert held.release() == 0
     out, err = wrapper.communicate(timeout=TIMEOUT)
-    assert (wrapper.returncode, out, err) == (127, "", "lanelock: no-such-command: command not found\n")
+    assert (wrapper.returncode, out) == (127, "")
+    assert err == "lanelock: no-such-command: command not found\n"
     assert family.orphans() == []
