@@ -12,19 +12,37 @@ NOT_FOUND = 127   # exitcodes.NOT_FOUND: the parked child's status when it could
 EINVAL = 22
 
 
-def exec_environ() -> dict:
-    """The environment this process was started with, exactly. os.environ can differ: a Python
-    started in the C locale adds LC_CTYPE=C.UTF-8 to its own (PEP 538), and a cron job's command
-    must not inherit what lanelock's interpreter did to itself."""
+# What Python's start-up writes into its own LC_CTYPE when it coerces a C locale (PEP 538).
+_COERCED = frozenset({b"C.UTF-8", b"C.utf8", b"UTF-8"})
+
+
+def command_environ() -> dict:
+    """Our environment for the command, less what lanelock's interpreter did to itself: a Python
+    started in the C locale (a cron job's) sets LC_CTYPE=C.UTF-8 in its own environment, and
+    the command must not inherit that. The start-up value is read back from /proc/self/environ,
+    and only then: everything else in os.environ (a caller's own changes too) goes through."""
+    env = dict(os.environb)
+    value = env.get(b"LC_CTYPE")
+    if value in _COERCED:
+        initial = _start_environ()
+        if initial is not None and initial.get(b"LC_CTYPE") != value:
+            if b"LC_CTYPE" in initial:
+                env[b"LC_CTYPE"] = initial[b"LC_CTYPE"]
+            else:
+                del env[b"LC_CTYPE"]
+    return env
+
+
+def _start_environ() -> dict | None:
     try:
         with open("/proc/self/environ", "rb") as handle:
             raw = handle.read()
     except OSError:
-        return dict(os.environb)
+        return None
     env: dict = {}
     for entry in raw.split(b"\0"):
         name, equals, value = entry.partition(b"=")
-        if equals and name and name not in env:   # the first of duplicates, as getenv() reads
+        if equals and name and name not in env:   # the first of duplicates, as os.environ does
             env[name] = value
     return env
 

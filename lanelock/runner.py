@@ -209,7 +209,7 @@ def _parked(path, argv, parent, go_read, status_write, prctl, inherited_int,
         if inherited_int is not signal.SIG_IGN:   # keep an ignored SIGINT ignored (cmd &)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        env = launch.exec_environ()
+        env = launch.command_environ()
     except BaseException:   # noqa: BLE001 - nothing may escape into a copy of the wrapper
         os.write(status_write, str(errno.EINVAL).encode())
         os._exit(exitcodes.NOT_FOUND)

@@ -360,7 +360,7 @@ def test_inherited_descriptors_pass_through_and_nothing_else(mode, turn):
     port = 18978
     read_end, write_end = os.pipe()
     try:
-        script = f"import os, sys\nos.write({write_end}, b'through the turn')\n{LIST_FDS}"
+        script = f"import os\nos.write({write_end}, b'through the turn')\n{LIST_FDS}"
         wrapper, out, err = turn(mode, port, sys.executable, "-c", script, pass_fds=(write_end,))
         assert wrapper.returncode == 0, err
         assert out.decode().strip() == str([0, 1, 2, write_end])
@@ -404,3 +404,19 @@ def test_a_missing_command_after_a_wait_gives_127_and_one_line(procs, holder, fa
     assert (wrapper.returncode, out) == (127, "")
     assert err == "lanelock: no-such-command: command not found\n"
     assert family.orphans() == []
+
+
+def test_a_caller_s_own_environment_changes_reach_the_command(tmp_path):
+    """In-process use of the CLI (cli.main from Python): what the caller put in os.environ goes
+    through; only Python's own C-locale LC_CTYPE is taken back out."""
+    script = ("import os, sys\n"
+              "os.environ['FOO'] = 'set-in-python'\n"
+              "from lanelock.cli import main\n"
+              "sys.exit(main(['run', '-b', '127.0.0.1:18981', '--', 'sh', '-c',\n"
+              "               'echo FOO=${FOO-unset} LC_CTYPE=${LC_CTYPE-unset}']))\n")
+    env = {key: value for key, value in environ().items()
+           if not key.startswith(("LC_", "LANG"))}
+    done = subprocess.run([sys.executable, "-c", script], env={**env, "LC_ALL": "", "LANG": "C"},
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["FOO=set-in-python", "LC_CTYPE=unset"]
