@@ -1,8 +1,9 @@
 """What runs in the parked child (runner.Starter) until it becomes the command: wait for the go,
 take the turn's environment, exec. Kept apart from runner.py, which is the wrapper's side.
 
-The go message is b"G" then NAME=VALUE (set) or NAME (unset) entries, each ended by a NUL byte;
-EOF without a message cancels the start.
+The go message is b"G", the payload's length (4 bytes, big-endian), then the payload: NAME=VALUE
+(set) or NAME (unset) entries, each ended by a NUL byte. The length lets the child exec as soon as
+the message is in, without a second wake-up for the EOF. EOF without a message cancels the start.
 """
 
 import os
@@ -53,14 +54,12 @@ def wait_and_exec(go_read: int, status_write: int, path: str, argv: list, env: d
     code = 0
     try:
         message = b""
-        while True:
+        while len(message) < 5 or len(message) < 5 + int.from_bytes(message[1:5], "big"):
             chunk = os.read(go_read, 65536)
             if not chunk:
-                break
+                os._exit(0)   # cancelled (the turn deflected), or the wrapper is gone
             message += chunk
-        if not message:   # cancelled: the turn deflected
-            os._exit(0)
-        for item in message[1:].split(b"\0")[:-1]:
+        for item in message[5:].split(b"\0")[:-1]:
             name, equals, value = item.partition(b"=")
             if equals:
                 env[name] = value

@@ -93,9 +93,10 @@ class Starter:
         that stopped the command from starting (the child is reaped then)."""
         if self.failure:
             return self.failure
-        message = launch.GO + b"".join(
+        payload = b"".join(
             os.fsencode(name) + (b"" if value is None else b"=" + os.fsencode(value)) + b"\0"
             for name, value in changes.items())
+        message = launch.GO + len(payload).to_bytes(4, "big") + payload
         try:
             _write_all(self._go, message)
         except BrokenPipeError:   # the parked child was killed while it waited: start afresh
