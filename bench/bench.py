@@ -212,7 +212,8 @@ def in_process(env: dict, turns: int) -> None:
 
 # 5 --------------------------------------------------------------------------------------------
 def stress(env: dict, processes: int, turns: int) -> None:
-    from lanelock import journal, testing
+    from lanelock import testing
+    from lanelock.store import journal
 
     local = testing.make_server(0, 0.005, "local")
     threading.Thread(target=local.serve_forever, daemon=True).start()

@@ -7,7 +7,7 @@ def entry() -> None:
     args = sys.argv[1:]
     # `run` sits in front of every turn: its common forms skip click's import (runargs.py).
     if args[:1] == ["run"]:
-        from .runargs import parse
+        from .run.args import parse
 
         params = parse(args[1:])
         if params is not None:
@@ -19,7 +19,7 @@ def entry() -> None:
 
 def _run(params: dict) -> int:
     from . import guard
-    from .wrapper import UsageProblem, start
+    from .run.wrapper import UsageProblem, start
 
     def turn() -> int:
         try:

@@ -97,7 +97,7 @@ def cli():
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(**params):
     """Run COMMAND holding the backend's lane; deflect to a fallback when it is busy."""
-    from .wrapper import UsageProblem, start
+    from .run.wrapper import UsageProblem, start
 
     try:
         return start(params)
@@ -110,7 +110,7 @@ def run(**params):
 @click.option("--json", "json_", is_flag=True, help="Print the result as JSON.")
 def probe(backend, lock_dir, model, key_by, store, json_):
     """Is the lane free? Exit 0 free, 1 busy, 2 error. Takes and drops the lock at once."""
-    from . import render
+    from .inspection import render
     from .paths import GateUnavailable
 
     gate = strict_gate(backend, lock_dir, model, key_by, store=store)
@@ -128,7 +128,7 @@ def probe(backend, lock_dir, model, key_by, store, json_):
 @click.option("--json", "json_", is_flag=True, help="Print the paths as JSON.")
 def where(backend, lock_dir, model, key_by, store, json_):
     """Print the lock file, the sidecar and how the lock root was chosen."""
-    from . import render
+    from .inspection import render
 
     render.where(strict_gate(backend, lock_dir, model, key_by, store=store).where(), json_)
     return exitcodes.OK
@@ -144,8 +144,8 @@ def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
 
     Never takes the lock. Exit 0 whatever the lane's state; 2 on a usage error.
     """
-    from . import render
-    from .status import lane_stems, lane_status
+    from .inspection import render
+    from .inspection.status import lane_stems, lane_status
 
     if all_lanes and backend:
         raise click.UsageError("--all and --backend exclude each other")
@@ -178,8 +178,8 @@ def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
 @click.option("--json", "json_", is_flag=True, help="Print the events and summary as JSON.")
 def history(backend, lock_dir, model, key_by, store, since, json_):
     """The lane's journal: local turns, deflections, waits, the way back."""
-    from . import history as lane_history
-    from . import render
+    from .inspection import history as lane_history
+    from .inspection import render
 
     from .paths import GateUnavailable
 
@@ -211,7 +211,7 @@ def config():
 def config_show(json_):
     """The effective configuration and where each value came from."""
     from . import config as settings
-    from . import render
+    from .inspection import render
 
     try:
         data = settings.effective()
@@ -244,7 +244,7 @@ def config_path(json_):
     import os
 
     from . import config as settings
-    from . import render
+    from .inspection import render
 
     files = {"system": settings.system_file(), "user": settings.user_file()}
     data = {name: {"path": path, "exists": bool(path) and os.path.exists(path)}
@@ -293,8 +293,8 @@ def duel(backend, lock_dir, store, hold, fallback, users, profile_env, cron_env,
     import os
     import shlex
 
-    from . import render
-    from .duel import Duel
+    from .inspection import render
+    from .testing.duel import Duel
 
     user_list = [name for name in (users or "").split(",") if name]
     if user_list and os.geteuid() != 0:

@@ -18,11 +18,12 @@ import sys
 import time
 
 from . import config as config_module
-from . import holders, journal, key, sidecar
+from . import holders, key
+from .store import journal, sidecar
 from .facts import argv_text, boot_id, default_session, holder_words, hostname, own_start_ticks
 from .facts import sanitize, user_name, utc_now
 from .paths import GateUnavailable, Root, resolve_root
-from .store import FlockStore, Handle
+from .store.flock import FlockStore, Handle
 
 __all__ = ["Gate", "Turn", "holder_words", "sanitize", "describe_holder"]
 
@@ -72,7 +73,7 @@ class Gate:
         self.root: Root = resolve_root(lock_dir, system)
         dsn = store or os.environ.get("LANELOCK_STORE") or settings.get("store")
         if dsn:
-            from .pgstore import PgStore
+            from .store.postgres import PgStore
 
             self.store = PgStore(dsn)
             if self.lane.scope == "local":

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from lanelock import journal, sidecar, testing
+from lanelock import testing
+from lanelock.store import journal, sidecar
 
 LANELOCK = [sys.executable, "-m", "lanelock"]
 LOCK = "localhost-8080.lock"

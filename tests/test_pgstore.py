@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import pg_server  # noqa: E402
 
-from lanelock.pgstore import lane_key  # noqa: E402
+from lanelock.store.postgres import lane_key  # noqa: E402
 
 LANELOCK = [sys.executable, "-m", "lanelock"]
 

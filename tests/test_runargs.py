@@ -16,7 +16,7 @@ import click
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from lanelock import runargs
+from lanelock.run import args as runargs
 from lanelock.cli import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -293,7 +293,7 @@ def importtime_turn(run_cmd, args):
                      env={"PYTHONPATH": ROOT})
     modules = {line.rpartition("|")[2].strip() for line in result.stderr.splitlines()
                if line.startswith("import time:")}
-    assert "lanelock.wrapper" in modules, result.stderr   # the listing is real and the turn ran
+    assert "lanelock.run.wrapper" in modules, result.stderr   # the listing is real and the turn ran
     return result, modules
 
 

@@ -21,9 +21,10 @@ import os
 import signal
 import stat
 
-from . import holders, journal, sidecar
-from .facts import argv_text
-from .paths import GateUnavailable, Root, open_root
+from .. import holders
+from . import journal, sidecar
+from ..facts import argv_text
+from ..paths import GateUnavailable, Root, open_root
 
 CONTENDED = frozenset({errno.EWOULDBLOCK, errno.EAGAIN})
 _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a planted FIFO must not hang us

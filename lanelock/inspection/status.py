@@ -12,8 +12,9 @@ import os
 import stat
 import time
 
-from . import holders, sidecar
-from .facts import boot_id
+from .. import holders
+from ..store import sidecar
+from ..facts import boot_id
 
 FUTURE_SLACK = 300.0   # seconds a sidecar's clock may run ahead before it counts as "from the future"
 
@@ -247,6 +248,6 @@ def _parse_time(text: str) -> float | None:
 
 
 def _lane_from_stem(stem: str) -> str:
-    from .key import name_from_stem
+    from ..key import name_from_stem
 
     return name_from_stem(stem) or f"?{stem}"

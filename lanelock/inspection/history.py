@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import time
 
-from . import journal
+from ..store import journal
 
 LOCAL, DEFLECTED, IDLE = "local", "deflected", "idle"
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")

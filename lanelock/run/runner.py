@@ -19,7 +19,8 @@ import os
 import signal
 import time
 
-from . import exitcodes, launch
+from .. import exitcodes
+from . import launch
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
              signal.SIGUSR1, signal.SIGUSR2)

@@ -21,8 +21,8 @@ import os
 import time
 from dataclasses import dataclass
 
-from .holders import KernelView
-from .paths import GateUnavailable
+from ..holders import KernelView
+from ..paths import GateUnavailable
 
 NAMESPACE = 0x4C4E4C4B
 CONNECT_TIMEOUT = 2
@@ -134,7 +134,7 @@ class PgStore:
 
     def holder_pids_here(self, handle: PgHandle, view: KernelView | None) -> set[int]:
         """Client pids on this host that hold the lane (the server knows only its backend pids)."""
-        from .facts import hostname
+        from ..facts import hostname
 
         record, _ = self.read_holder(handle)
         if not record or record.get("hostname") != hostname() or "released_at" in record:
@@ -366,7 +366,7 @@ def _first_line(error: Exception) -> str:
 
 
 def _summary(record: dict | None) -> dict | None:
-    from .status import summary
+    from ..inspection.status import summary
 
     return summary(record, ("backend_pid",)) if record else None
 

@@ -76,7 +76,7 @@ def from_config(name: str, chains: dict | None) -> list[Entry]:
 
 
 def _check_backend(backend: str, where: str) -> None:
-    from .key import BackendError, split_backend
+    from ..key import BackendError, split_backend
 
     try:
         split_backend(backend)

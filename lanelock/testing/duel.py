@@ -23,8 +23,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from . import journal
-from .gate import REASON_BUSY, Gate
+from ..store import journal
+from ..gate import REASON_BUSY, Gate
 
 PHASE_TIMEOUT = 30.0
 MINIMAL_PATH = "/usr/bin:/bin"
@@ -191,7 +191,7 @@ class Duel:
         return argv
 
     def _duelist(self, role: str, report_fd: int) -> list[str]:
-        return [sys.executable, "-m", "lanelock.duelist", "--role", role,
+        return [sys.executable, "-m", "lanelock.testing.duelist", "--role", role,
                 "--report-fd", str(report_fd)]
 
     def _a_argv(self, report_fd: int, go_fd: int) -> list[str]:
@@ -283,7 +283,7 @@ class Duel:
     def _until_waiting(self, proc: subprocess.Popen) -> None:
         """Until D blocks in flock on the lane (seen in /proc/locks), so the hand-off is real."""
         deadline = time.monotonic() + PHASE_TIMEOUT
-        from . import holders
+        from .. import holders
 
         while time.monotonic() < deadline and proc.poll() is None:
             try:

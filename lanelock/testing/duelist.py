@@ -1,4 +1,4 @@
-"""The stand-in that runs inside each duel turn (``python -m lanelock.duelist``).
+"""The stand-in that runs inside each duel turn (``python -m lanelock.testing.duelist``).
 
 It reports, on a pipe inherited from the duel, what its turn looked like from the inside: the lock
 path its own `lanelock run` computed, the state it was given, its HOME and user. The holder (A) then
@@ -40,7 +40,7 @@ def hold(go_fd: int, seconds: float, command: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lanelock.duelist")
+    parser = argparse.ArgumentParser(prog="lanelock.testing.duelist")
     parser.add_argument("--role", required=True)
     parser.add_argument("--report-fd", type=int, required=True)
     parser.add_argument("--go-fd", type=int)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .facts import holder_words, sanitize
+from ..facts import holder_words, sanitize
 
 
 def emit_json(data) -> None:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 
-from . import exitcodes, key, runner
-from .facts import holder_words
-from .gate import BUSY_WORDS, DEFLECTED, HELD, REASON_BUSY, Gate, Turn
+from .. import exitcodes, key
+from . import runner
+from ..facts import holder_words
+from ..gate import BUSY_WORDS, DEFLECTED, HELD, REASON_BUSY, Gate, Turn
 
 TYPE_CHECKING = False   # typing.TYPE_CHECKING without importing typing (milliseconds per turn)
 if TYPE_CHECKING:
@@ -225,7 +226,7 @@ def _fallback_gate(primary: Gate, entry: Entry, options: Options) -> tuple[Turn 
     """(turn held on the entry's own lane or None, reason to skip or None)."""
     if entry.backend is None:
         return None, None
-    from .key import BackendError
+    from ..key import BackendError
 
     try:
         gate = Gate(entry.backend, model=options.model, lock_dir=options.lock_dir,
