@@ -9,21 +9,22 @@ def entry() -> None:
     if args[:1] == ["run"]:
         from .run.args import parse
 
-        params = parse(args[1:])
-        if params is not None:
-            sys.exit(_run(params))
+        request = parse(args[1:])
+        if request is not None:
+            sys.exit(_run(request))
     from .cli import main
 
     sys.exit(main())
 
 
-def _run(params: dict) -> int:
+def _run(request) -> int:
     from . import guard
-    from .run.wrapper import UsageProblem, start
+    from .errors import UsageProblem
+    from .run.wrapper import start
 
     def turn() -> int:
         try:
-            return start(params)
+            return start(request)
         except UsageProblem as error:
             return guard.usage(str(error), "lanelock run")
         except KeyboardInterrupt:

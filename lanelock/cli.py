@@ -13,37 +13,81 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 def complete_backend(ctx, param, incomplete):
     """Offer the lanes that already exist under the lock root."""
-    from .paths import resolve_root
     import os
 
+    from .key import name_from_stem
+    from .paths import resolve_root
+    from .settings import Settings
+
     try:
-        names = os.listdir(resolve_root(ctx.params.get("lock_dir"), None).path)
+        root = resolve_root(Settings({"lock_dir": ctx.params.get("lock_dir")}))
+        names = os.listdir(root.path)
     except OSError:
         return []
-    from .key import name_from_stem
-
     lanes = {name_from_stem(name[:-5].split("~", 1)[0]) for name in names if name.endswith(".lock")}
     return sorted(lane for lane in lanes if lane and lane.startswith(incomplete))
 
 
+def _setting_help(setting) -> str:
+    extra = []
+    if setting.env:
+        extra.append(f"env {setting.env}")
+    if setting.default is not None and setting.kind != "gate":
+        extra.append(f"default {setting.default}")
+    return setting.help + (f" ({'; '.join(extra)})" if extra else "")
+
+
+def setting_option(name: str):
+    """The click option of a setting, from the settings table (run/args.py reads the same)."""
+    from .settings import SETTINGS
+
+    setting = SETTINGS[name]
+    kwargs = {"default": None, "help": _setting_help(setting)}
+    if setting.metavar:
+        kwargs["metavar"] = setting.metavar
+    kind = setting.kind
+    if kind == "key-by":
+        kwargs["type"] = click.Choice(["backend", "model"])
+    elif kind == "seconds":
+        kwargs["type"] = click.FloatRange(min=0)
+    elif kind == "optional-seconds":
+        kwargs.update(type=click.FloatRange(min=0), is_flag=False, flag_value=float("inf"))
+    elif kind == "exit":
+        kwargs["type"] = click.IntRange(0, 255)
+    if name == "backend":
+        kwargs["shell_complete"] = complete_backend
+    if kind == "gate":
+        return click.option("--gate/--no-gate", "gate", **kwargs)
+    return click.option(*setting.flags, name, **kwargs)
+
+
 def lane_options(function):
     """The options every command uses to name a lane."""
-    function = click.option("--store", metavar="URL", default=None,
-                            help="postgresql://... lane store for several hosts (env "
-                                 "LANELOCK_STORE; default: flock under the lock root).")(function)
-    function = click.option("--key-by", type=click.Choice(["backend", "model"]), default=None,
-                            help="Key the lane on the backend (default) or backend+model.")(function)
-    function = click.option("--model", "-m", metavar="NAME", default=None,
-                            help="Model label (env LANELOCK_MODEL).")(function)
-    function = click.option("--lock-dir", metavar="DIR", default=None,
-                            help="Lock root (env LANELOCK_DIR; default /run/lock/lanelock).")(function)
-    function = click.option("--backend", "-b", metavar="BACKEND", default=None,
-                            shell_complete=complete_backend, help="HOST:PORT, [V6]:PORT or URL (env LANELOCK_BACKEND; "
-                                 "default 127.0.0.1:8080).")(function)
+    for name in ("store", "key_by", "model", "lock_dir", "backend"):
+        function = setting_option(name)(function)
     return function
 
 
+def run_options(function):
+    """`run`'s options: the settings it takes, then the ones of its own (run/args.py RUN_ONLY)."""
+    from .run.args import RUN_ONLY
+
+    for spellings, parameter, kind, metavar, help_text in reversed(RUN_ONLY):
+        kwargs = {"help": help_text}
+        if kind == "multiple":
+            kwargs.update(multiple=True, metavar=metavar)
+        elif kind == "flag":
+            kwargs["is_flag"] = True
+        else:
+            kwargs.update(default=None, metavar=metavar)
+        function = click.option(*spellings, parameter, **kwargs)(function)
+    for name in ("gate", "kill_after", "grace", "busy_exit_code", "wait", "session"):
+        function = setting_option(name)(function)
+    return lane_options(function)
+
+
 def make_gate(backend, lock_dir, model, key_by, gate=None, grace=None, warn=None, store=None):
+    from .errors import UsageProblem
     from .gate import Gate
     from .key import BackendError
 
@@ -51,7 +95,7 @@ def make_gate(backend, lock_dir, model, key_by, gate=None, grace=None, warn=None
         kwargs = {"warn": warn} if warn else {}
         return Gate(backend, model=model, key_by=key_by, lock_dir=lock_dir, gate=gate,
                     grace=grace, store=store, **kwargs)
-    except BackendError as error:
+    except (BackendError, UsageProblem) as error:
         raise click.UsageError(str(error)) from None
 
 
@@ -74,33 +118,16 @@ def cli():
 
 
 @cli.command(context_settings={**CONTEXT, "allow_interspersed_args": False})
-@lane_options
-@click.option("--session", "-s", metavar="LABEL", default=None,
-              help="Session label (env LANELOCK_SESSION; default user@tty or user@cron).")
-@click.option("--fallback", "-f", "fallbacks", metavar="CMD", multiple=True,
-              help="Fallback command when busy; repeatable, tried in order. '@BACKEND CMD' binds "
-                   "it to a backend, skipped when that lane is busy.")
-@click.option("--chain", metavar="NAME", default=None, help="Use a fallback chain from the config.")
-@click.option("--wait", "-w", type=click.FloatRange(min=0), is_flag=False,
-              flag_value=float("inf"), default=None, metavar="[SECONDS]",
-              help="Block in the kernel until the lane is free (up to SECONDS), then fall back.")
-@click.option("--busy-exit-code", "-E", type=click.IntRange(0, 255), default=None,
-              help="Exit status when busy and no fallback ran (default 75).")
-@click.option("--grace", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
-              help="Wait this long in the kernel before deflecting (default 0.05).")
-@click.option("--kill-after", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
-              help="SIGKILL the child this long after forwarding it a signal it ignores.")
-@click.option("--gate/--no-gate", "gate_override", default=None,
-              help="Force gating on or off, whatever the backend's classification.")
-@click.option("--quiet", "-q", is_flag=True, help="No notes or warnings from lanelock.")
-@click.option("--verbose", "-v", is_flag=True, help="Report the wait time and the lock path.")
+@run_options
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(**params):
     """Run COMMAND holding the backend's lane; deflect to a fallback when it is busy."""
-    from .run.wrapper import UsageProblem, start
+    from .errors import UsageProblem
+    from .run.args import Request
+    from .run.wrapper import start
 
     try:
-        return start(params)
+        return start(Request(**params))
     except UsageProblem as error:
         raise click.UsageError(str(error)) from None
 
@@ -110,8 +137,8 @@ def run(**params):
 @click.option("--json", "json_", is_flag=True, help="Print the result as JSON.")
 def probe(backend, lock_dir, model, key_by, store, json_):
     """Is the lane free? Exit 0 free, 1 busy, 2 error. Takes and drops the lock at once."""
+    from .errors import GateUnavailable
     from .inspection import render
-    from .paths import GateUnavailable
 
     gate = strict_gate(backend, lock_dir, model, key_by, store=store)
     try:
@@ -144,30 +171,31 @@ def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
 
     Never takes the lock. Exit 0 whatever the lane's state; 2 on a usage error.
     """
+    from .errors import GateUnavailable
     from .inspection import render
-    from .inspection.status import lane_stems, lane_status
+    from .inspection.status import statuses
 
     if all_lanes and backend:
         raise click.UsageError("--all and --backend exclude each other")
     gate = strict_gate(backend, lock_dir, model, key_by, store=store)
-    root = gate.root.path
     notes = list(gate.config.ignored)
     if not gate.gated and not all_lanes:
         notes.append(f"{gate.lane.name} is not a local lane: turns on it are never gated")
 
     def fetch():
-        if gate.store.kind == "postgresql":
-            return gate.store.lane_statuses(None if all_lanes else gate.lane.name)
-        if all_lanes:
-            return [lane_status(root, stem) for stem in lane_stems(root)]
-        return [lane_status(root, gate.lane.stem, gate.lane.name)]
+        return statuses(gate.store, None if all_lanes else gate.lane)
 
     if watch and not json_:
         try:
             render.watch(fetch)
         except KeyboardInterrupt:
             return exitcodes.OK
-    render.status(fetch(), json_, notes=notes)
+    try:
+        results = fetch()
+    except GateUnavailable as error:
+        render.fail(str(error))
+        return exitcodes.USAGE
+    render.status(results, json_, notes=notes)
     return exitcodes.OK
 
 
@@ -178,24 +206,20 @@ def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
 @click.option("--json", "json_", is_flag=True, help="Print the events and summary as JSON.")
 def history(backend, lock_dir, model, key_by, store, since, json_):
     """The lane's journal: local turns, deflections, waits, the way back."""
+    from .errors import GateUnavailable
     from .inspection import history as lane_history
     from .inspection import render
-
-    from .paths import GateUnavailable
 
     gate = strict_gate(backend, lock_dir, model, key_by, store=store)
     try:
         cutoff = lane_history.parse_since(since)
     except lane_history.SinceError as error:
         raise click.UsageError(str(error)) from None
-    if gate.store.kind == "postgresql":
-        try:
-            data = lane_history.from_events(gate.store.events(gate.lane.name, cutoff), 0)
-        except GateUnavailable as error:
-            render.fail(str(error))
-            return exitcodes.USAGE
-    else:
-        data = lane_history.load(gate.journal_path, cutoff)
+    try:
+        data = lane_history.from_events(*gate.store.events(gate.lane, cutoff))
+    except GateUnavailable as error:
+        render.fail(str(error))
+        return exitcodes.USAGE
     rows = lane_history.timeline(data["events"]) if not json_ else []
     render.history(data, gate.lane.name, json_, rows)
     return exitcodes.OK
@@ -210,12 +234,13 @@ def config():
 @click.option("--json", "json_", is_flag=True, help="Print the settings as JSON.")
 def config_show(json_):
     """The effective configuration and where each value came from."""
-    from . import config as settings
+    from . import config as config_files
     from .inspection import render
+    from .settings import effective
 
     try:
-        data = settings.effective()
-    except settings.ConfigError as error:
+        data = effective()
+    except config_files.ConfigError as error:
         raise click.UsageError(str(error)) from None
     render.config(data, json_)
     return exitcodes.OK

@@ -17,66 +17,22 @@ class ConfigError(Exception):
     """An invalid config file: 'FILE: line N: reason'."""
 
 
-def _non_negative(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 86400 * 365
-
-
-def _exit_code(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 255
-
-
-def _text(value: object) -> bool:
-    return isinstance(value, str) and 0 < len(value) <= 4096 and "\x00" not in value
-
-
-def _chains(value: object) -> bool:
-    if not isinstance(value, dict):
-        return False
-    for entries in value.values():
-        if not isinstance(entries, list):
-            return False
-        for entry in entries:
-            if not isinstance(entry, dict) or set(entry) - {"backend", "command"}:
-                return False
-            command = entry.get("command")
-            if not (_text(command) or (isinstance(command, list) and command
-                                       and all(_text(word) for word in command))):
-                return False
-            if "backend" in entry and not _text(entry["backend"]):
-                return False
-    return True
-
-
-# key -> (validator, description); the descriptions feed `config show` and the man page.
-SETTINGS = {
-    "lock_dir": (_text, "lock root (system file only)"),
-    "backend": (_text, "default backend HOST:PORT or URL"),
-    "model": (_text, "default model label"),
-    "session": (_text, "default session label"),
-    "key_by": (lambda v: v in ("backend", "model"), "'backend' or 'model'"),
-    "gate": (lambda v: v in ("auto", "always", "never"), "'auto', 'always' or 'never'"),
-    "busy_exit_code": (_exit_code, "exit status when busy and no fallback ran (0-255)"),
-    "grace": (_non_negative, "seconds a turn waits in the kernel before deflecting"),
-    "wait": (_non_negative, "default --wait seconds"),
-    "kill_after": (_non_negative, "seconds after a forwarded signal before SIGKILL"),
-    "journal_max_bytes": (lambda v: isinstance(v, int) and not isinstance(v, bool)
-                          and 4096 <= v <= 1 << 34, "rotate the journal past this size"),
-    "store": (lambda v: _text(v) and v.startswith(("postgresql://", "postgres://")),
-              "a postgresql:// URL for the several-hosts lane store"),
-    "chains": (_chains, "named fallback chains: [[chains.NAME]] backend=..., command=..."),
-}
-
-
 class Config:
-    # A plain class, not a dataclass: `lanelock run` imports this, and dataclasses costs milliseconds.
+    """What the files say (a plain class, not a dataclass: `lanelock run` imports this, and
+    dataclasses costs milliseconds). settings.Settings applies the precedence."""
+
     def __init__(self):
         self.values: dict = {}
-        self.origins: dict = {}     # key -> file it came from
+        self.origins: dict = {}     # key -> (file it came from, "system" or "user")
         self.ignored: list = []     # human sentences: what was not applied
         self.files: list = []       # files that were read
 
     def get(self, key: str, default=None):
         return self.values.get(key, default)
+
+    def source(self, key: str) -> str:
+        path, which = self.origins[key]
+        return f"{which} file {path}"
 
 
 def system_file() -> str:
@@ -109,7 +65,7 @@ def load() -> Config:
                     f"config ({system_file()}) may move the gate")
                 continue
             config.values[key] = value
-            config.origins[key] = path
+            config.origins[key] = (path, "system" if is_system else "user")
     return config
 
 
@@ -143,13 +99,10 @@ def read_file(path: str) -> dict | None:
 
 
 def validate(key: str, value: object) -> str | None:
-    """None when the setting is valid, else the reason."""
-    if key not in SETTINGS:
-        return f"unknown setting {key!r} (known: {', '.join(SETTINGS)})"
-    check, description = SETTINGS[key]
-    if not check(value):
-        return f"bad value for {key!r}: {str(value)[:80]!r} (expected {description})"
-    return None
+    """None when the setting is valid, else the reason (the settings table judges)."""
+    from .settings import validate as check
+
+    return check(key, value)
 
 
 def _line_of(raw: bytes, key: str) -> int:
@@ -158,35 +111,6 @@ def _line_of(raw: bytes, key: str) -> int:
         if stripped.startswith((key, f'"{key}"', f"[{key}", f"[[{key}")):
             return number
     return 1
-
-
-DEFAULTS = {
-    "backend": "127.0.0.1:8080", "key_by": "backend", "gate": "auto", "busy_exit_code": 75,
-    "grace": 0.05, "wait": 0, "journal_max_bytes": 1 << 20,
-}
-
-
-def effective() -> dict:
-    """Every setting with its value and where it came from (for `config show`)."""
-    config = load()
-    rows = {}
-    for key in SETTINGS:
-        if key in config.values:
-            rows[key] = {"value": config.values[key], "source": config.origins[key]}
-        elif key == "lock_dir":
-            from .paths import resolve_root
-
-            root = resolve_root(None, None)
-            rows[key] = {"value": root.path, "source": f"{root.source}: {root.detail}"}
-        elif key in DEFAULTS:
-            rows[key] = {"value": DEFAULTS[key], "source": "default"}
-        else:
-            rows[key] = {"value": None, "source": "unset"}
-    for name in ("LANELOCK_DIR", "LANELOCK_BACKEND", "LANELOCK_MODEL", "LANELOCK_SESSION"):
-        if os.environ.get(name):
-            key = {"LANELOCK_DIR": "lock_dir"}.get(name, name.removeprefix("LANELOCK_").lower())
-            rows[key] = {"value": os.environ[name], "source": f"env {name}"}
-    return {"settings": rows, "files": config.files, "ignored": config.ignored}
 
 
 def parse_value(text: str):

@@ -69,33 +69,9 @@ def default_session() -> str:
         return f"{user_name()}@cron"
 
 
-def sanitize(text: str, limit: int = 300) -> str:
-    """One printable line: labels may carry newlines or ANSI escapes."""
-    clean = "".join(ch if ch.isprintable() else "?" for ch in str(text))
-    return clean if len(clean) <= limit else clean[:limit] + "…"
-
-
-def argv_text(argv: list) -> str:
+def argv_text(argv: list, limit: int = 500) -> str:
+    """A command as a person can paste it back (quoted as a shell would need), cut at limit."""
     import shlex
 
-    return shlex.join(str(word) for word in argv)[:500]
-
-
-def holder_words(holder: dict | None) -> str:
-    """'pid 42, session alice@pts/1, model qwen, held 12.3s' for one stderr line."""
-    if not holder:
-        return "holder unknown"
-    parts = [f"pid {holder['pid']}" if holder.get("pid") else "pid ?"]
-    if holder.get("host"):
-        parts[0] += f" on {holder['host']}"
-    if holder.get("session"):
-        parts.append(f"session {holder['session']}")
-    if holder.get("model"):
-        parts.append(f"model {holder['model']}")
-    if holder.get("held_for") is not None:
-        parts.append(f"held {holder['held_for']:.1f}s")
-    if not holder.get("lanelock") and holder.get("command"):
-        parts.append(f"not a lanelock turn: {holder['command']}")
-    elif holder.get("lanelock") and holder.get("note"):
-        parts.append(holder["note"])
-    return sanitize(", ".join(parts))
+    text = shlex.join(str(word) for word in argv)
+    return text if len(text) <= limit else text[:limit] + "…"

@@ -1,107 +1,94 @@
 """The gate: one turn holds a lane; everyone else deflects, waits, or runs ungated.
 
     with Gate("127.0.0.1:8080").turn(session="chat", model="qwen") as turn:
-        if turn.held: ...generate locally...
+        if turn.proceed: ...generate locally (held, ungated or fail-open)...
         else: ...use the fallback; turn.reason says why...
 
 Fail open: the gate is a performance guard, so if it cannot be taken (root missing and not creatable,
 a symlink where the lock should be, ENOSPC, a broken config) the turn proceeds ungated with ONE
-warning. Once the lock is held, sidecar and journal trouble is only a warning: it never releases or
-skips the lock.
+warning. Once the lock is held, holder-record and journal trouble is only a warning: it never
+releases or skips the lock.
 """
 
 from __future__ import annotations
 
 import _thread
 import os
-import sys
 import time
 
-from . import config as config_module
-from . import holders, key
-from .store import journal, sidecar
-from .facts import argv_text, boot_id, default_session, holder_words, hostname, own_start_ticks
-from .facts import sanitize, user_name, utc_now
-from .paths import GateUnavailable, Root, resolve_root
-from .store.flock import FlockStore, Handle
+from . import holder as holder_facts
+from . import holders, key, say
+from .errors import GateUnavailable, RecordNotWritten, UsageProblem
+from .facts import boot_id, default_session, hostname, own_start_ticks, user_name, utc_now
+from .paths import Root, resolve_root
+from .settings import Settings, store_problem
+from .store import for_settings, sidecar
 
-__all__ = ["Gate", "Turn", "holder_words", "sanitize", "describe_holder"]
+__all__ = ["Gate", "Turn", "describe_holder", "HELD", "DEFLECTED", "UNGATED", "FAIL_OPEN",
+           "RELEASED", "REASON_BUSY", "BUSY_WORDS"]
 
-HELD, DEFLECTED, UNGATED, FAIL_OPEN = "held", "deflected", "ungated", "fail-open"
+# A turn's states (LANELOCK_STATE, turn.state, the proxy's X-Lanelock-State).
+HELD, DEFLECTED, UNGATED, FAIL_OPEN, RELEASED = "held", "deflected", "ungated", "fail-open", "released"
 REASON_BUSY = "local_backend_busy"
 BUSY_WORDS = "local model in use by another session"
-DEFAULT_GRACE = 0.05   # seconds: long enough to ride out a probe, short enough to be invisible
 
-# In-process reentrancy: store ident -> [thread ident, depth]. flock conflicts between two open
+# In-process reentrancy: store ident -> the thread holding it. flock conflicts between two open
 # file descriptions even inside one process, so the same thread nesting turns must not re-lock.
-_HELD_HERE: dict[tuple, list[int]] = {}
-
-
-def _stderr_warning(message: str) -> None:
-    sys.stderr.write(f"lanelock: warning: {message}\n")
+_HELD_HERE: dict[tuple, int] = {}
 
 
 class Gate:
-    """One lane's gate. Arguments left as None come from the environment, then config, then defaults."""
+    """One lane's gate. Arguments left as None come from the settings table (environment, then
+    config files, then defaults); settings= gives a resolved table instead."""
 
     def __init__(self, backend: str | None = None, *, model: str | None = None,
                  key_by: str | None = None, lock_dir: str | None = None, gate: bool | None = None,
-                 grace: float | None = None, store: str | None = None, warn=_stderr_warning):
+                 grace: float | None = None, store: str | None = None, warn=say.warn,
+                 settings: Settings | None = None):
         self.warn = warn
-        self.config_error: str | None = None
-        try:
-            self.config = config_module.load()
-        except config_module.ConfigError as error:
-            self.config, self.config_error = config_module.Config(), str(error)
-        settings = self.config
-        if backend is None:   # an explicit empty --backend is a usage error, not "unset"
-            backend = os.environ.get("LANELOCK_BACKEND") or settings.get("backend") \
-                or key.DEFAULT_BACKEND
-        self.model = model or os.environ.get("LANELOCK_MODEL") or settings.get("model")
-        key_by = key_by or settings.get("key_by") or "backend"
-        self.lane = key.lane_for(backend, model=self.model, key_by=key_by)  # BackendError: usage
-        if gate is None:
-            gate = {"always": True, "never": False}.get(settings.get("gate", "auto"))
-        self.gated = self.lane.gated if gate is None else gate
-        self.grace = DEFAULT_GRACE if grace is None else grace
-        if grace is None and settings.get("grace") is not None:
-            self.grace = float(settings.get("grace"))
-        self.journal_max_bytes = settings.get("journal_max_bytes", journal.DEFAULT_MAX_BYTES)
-        system = None
-        if "lock_dir" in settings.values:
-            system = (settings.values["lock_dir"], settings.origins["lock_dir"])
-        self.root: Root = resolve_root(lock_dir, system)
-        dsn = store or os.environ.get("LANELOCK_STORE") or settings.get("store")
-        if dsn:
-            from .store.postgres import PgStore
-
-            self.store = PgStore(dsn)
-            if self.lane.scope == "local":
-                # "localhost" is a different machine on every host sharing the store.
-                self.lane = key.qualified(self.lane, hostname())
-        else:
-            self.store = FlockStore(self.root)
-        self.names = self.store.names(self.lane.stem)
+        if settings is None:
+            settings = Settings({
+                "backend": backend, "model": model or None, "key_by": key_by,
+                "lock_dir": lock_dir or None, "grace": grace, "store": store,
+                "gate": None if gate is None else ("always" if gate else "never")})
+        self.settings = settings
+        self.config, self.config_error = settings.config, settings.config_error
+        self.model = settings.get("model")
+        # A malformed backend or store URL is the caller's mistake (BackendError, UsageProblem:
+        # exit 2); only a well-formed gate that cannot be taken fails open.
+        self.lane = key.lane_for(settings.get("backend"), model=self.model,
+                                 key_by=settings.get("key_by"))
+        dsn, source = settings.lookup("store")
+        if dsn and store_problem(dsn):
+            raise UsageProblem(f"{'--store' if source == 'flag' else source}: {store_problem(dsn)}")
+        mode = settings.get("gate")
+        self.gated = self.lane.gated if mode == "auto" else mode == "always"
+        self.grace = float(settings.get("grace"))
+        self.journal_max_bytes = settings.get("journal_max_bytes")
+        self.root: Root = resolve_root(settings)
+        self.store = for_settings(settings, self.root)
+        self.lane = self.store.qualify(self.lane)
+        self.paths = self.store.locate(self.lane)
 
     @property
     def lock_path(self) -> str:
-        return self.store.locator(self.lane)
+        return self.paths["lock_path"]
 
     @property
     def sidecar_path(self) -> str | None:
-        return self.store.path(self.names["sidecar"]) if self.names else None
+        return self.paths["sidecar_path"]
 
     @property
     def journal_path(self) -> str | None:
-        return self.store.path(self.names["journal"]) if self.names else None
+        return self.paths["journal_path"]
 
     def where(self) -> dict:
         return {
             "lane": self.lane.name, "backend": self.lane.given, "scope": self.lane.scope,
-            "gated": self.gated, "store": self.store.kind, "root": self.root.path,
-            "root_source": self.root.source, "root_detail": self.root.detail,
-            "lock_path": self.lock_path, "sidecar_path": self.sidecar_path,
-            "journal_path": self.journal_path, "config_files": list(self.config.files),
+            "gated": self.gated, "store": self.store.kind, "store_detail": self.store.describe(),
+            "root": self.root.path, "root_source": self.root.source,
+            "root_detail": self.root.detail, **self.paths,
+            "config_files": list(self.config.files),
             "warnings": list(self.config.ignored) + ([self.config_error] if self.config_error else []),
         }
 
@@ -150,8 +137,7 @@ class Gate:
 class Turn:
     def __init__(self, gate: Gate, *, session, model, argv, wait):
         self.gate = gate
-        self.session = session or os.environ.get("LANELOCK_SESSION") \
-            or gate.config.get("session") or default_session()
+        self.session = session or gate.settings.get("session") or default_session()
         self.model = model
         self.argv = list(argv or [])
         self.wait = wait
@@ -161,7 +147,7 @@ class Turn:
         self.nested = False
         self.lost = False      # the store took the lane away mid-turn (PostgreSQL session ended)
         self.waited = 0.0
-        self._handle: Handle | None = None
+        self._handle = None
         self._key: tuple | None = None
         self._started = 0.0
         self._acquired_at = ""
@@ -217,15 +203,14 @@ class Turn:
             if handle.caveat:
                 gate.warn(handle.caveat)
             ident = store.ident(handle)
-            owner = _HELD_HERE.get(ident)
-            if owner and owner[0] == _thread.get_ident():
-                return self._nested(handle, ident)
+            if _HELD_HERE.get(ident) == _thread.get_ident():
+                return self._nested(handle)
             started = time.monotonic()
             _debug_pause("before-acquire")
             got = store.try_lock(handle)
             if not got:
                 if self._ancestor_holds(store.holder_pids_here(handle, store.kernel(handle))):
-                    return self._nested(handle, None)
+                    return self._nested(handle)
                 timeout = None if self.wait is None else max(self.wait, gate.grace)
                 got = store.wait_lock(handle, timeout)
             self.waited = time.monotonic() - started
@@ -250,25 +235,23 @@ class Turn:
                 return False
         return bool(pids & set(holders.ancestors()))
 
-    def _nested(self, handle: Handle, ident) -> "Turn":
+    def _nested(self, handle) -> "Turn":
+        """Part of a turn this thread (or a process up our tree) already holds: run through."""
         self.gate.store.release(handle)
         self._handle = None
-        if ident is not None:
-            _HELD_HERE[ident][1] += 1
-            self._key = ident
         self.state, self.nested = HELD, True
         return self
 
-    def _held(self, handle: Handle, ident) -> "Turn":
+    def _held(self, handle, ident) -> "Turn":
         self.state, self._key = HELD, ident
-        _HELD_HERE[ident] = [_thread.get_ident(), 1]
+        _HELD_HERE[ident] = _thread.get_ident()
         self._started = time.monotonic()
         now = time.time()
         self._acquired_at = utc_now(now)
         _debug_pause("after-acquire")
         # The record is written before the caller runs anything: whoever sees the command
         # running must also find who runs it.
-        self.gate.store.rotate(self._handle, self.gate.journal_max_bytes)
+        self.gate.store.open_events(self._handle, self.gate.journal_max_bytes)
         self._write_sidecar(self._record())
         events = [self._event("acquired", at=(now, self._acquired_at))]
         if self.waited >= 0.001 and self.wait != 0:
@@ -277,7 +260,7 @@ class Turn:
         self._log(*events)
         return self
 
-    def _deflect(self, handle: Handle, holder: dict | None = None) -> "Turn":
+    def _deflect(self, handle, holder: dict | None = None) -> "Turn":
         self.state, self.reason = DEFLECTED, REASON_BUSY
         self.holder = holder or describe_holder(self.gate, handle)
         self._log(self._event("deflected", reason=REASON_BUSY, holder=self.holder))
@@ -285,7 +268,7 @@ class Turn:
         self._handle = None
         return self
 
-    def _fail_open(self, why: str, handle: Handle | None) -> "Turn":
+    def _fail_open(self, why: str, handle) -> "Turn":
         self.state, self.reason = FAIL_OPEN, why
         self.gate.warn(f"gate unavailable ({why}); running without it")
         if handle is None and not self.gate.config_error:
@@ -293,7 +276,7 @@ class Turn:
         if handle is not None:
             try:
                 self.gate.store.append_event(handle, self._event("fail-open", reason=why))
-            except Exception:  # noqa: BLE001 - the one warning above is all a failing gate may say
+            except RecordNotWritten:   # the one warning above is all a failing gate may say
                 pass
             self.gate.store.release(handle)
         self._handle = None
@@ -305,9 +288,7 @@ class Turn:
         if self.state != HELD:
             return
         if self.nested:
-            if self._key is not None and self._key in _HELD_HERE:
-                _HELD_HERE[self._key][1] -= 1
-            self.state = "released"
+            self.state = RELEASED
             return
         handle = self._handle
         duration = round(time.monotonic() - self._started, 6)
@@ -318,15 +299,15 @@ class Turn:
                       "held_seconds": duration}
             try:
                 self.gate.store.write_release(self._handle, self._record, fields)
-            except OSError as error:
-                self.gate.warn(f"the sidecar's release was not written: {error.strerror or error}")
+            except RecordNotWritten as error:
+                self.gate.warn(f"the sidecar's release was not written: {error}")
             self._log(self._event("released", at=(now, fields["released_at"]),
                                   duration=duration, exit_status=exit_status))
         _debug_pause("during-release")
         _HELD_HERE.pop(self._key, None)
         self.gate.store.release(handle)
         self._handle = None
-        self.state = "released"
+        self.state = RELEASED
 
     # -- records ---------------------------------------------------------------------------------
     def _record(self) -> dict:
@@ -353,16 +334,16 @@ class Turn:
     def _write_sidecar(self, record: dict) -> None:
         try:
             self.gate.store.write_holder(self._handle, record)
-        except OSError as error:
-            self.gate.warn(f"lane held, but the sidecar was not written: {error.strerror or error}")
+        except RecordNotWritten as error:
+            self.gate.warn(f"lane held, but the sidecar was not written: {error}")
 
     def _log(self, *events: dict) -> None:
         """Events as one append (one write() on a flock store's journal)."""
         try:
             self.gate.store.append_event(self._handle, *events)
-        except OSError as error:
+        except RecordNotWritten as error:
             if self.state == HELD or events[-1]["event"] == "released":
-                self.gate.warn(f"journal not written: {error.strerror or error}")
+                self.gate.warn(f"journal not written: {error}")
 
 
 def _debug_pause(step: str) -> None:
@@ -375,25 +356,15 @@ def _debug_pause(step: str) -> None:
 
 
 def describe_holder(gate: Gate, handle) -> dict:
-    """Who holds the lane: the kernel's (or server's) holder, labelled from the holder record when
-    the record agrees with it."""
+    """Who holds the lane: the lock's own holder, labelled from the holder record when the record
+    agrees with it."""
     store = gate.store
     view = store.kernel(handle)
     record, problem = store.read_holder(handle)
     if record is not None and "released_at" not in record and store.holder_agrees(record, view):
-        here = record.get("hostname") == hostname()
-        since = sidecar.field(record, "acquired_monotonic", float)
-        same_clock = here and since and record.get("boot_id") == boot_id()
-        held_for = time.monotonic() - since if same_clock else None
-        return {"pid": sidecar.field(record, "pid", int), "host": None if here else
-                sidecar.field(record, "hostname", str),
-                "session": sidecar.field(record, "session", str),
-                "model": sidecar.field(record, "model", str),
-                "held_for": round(held_for, 3) if held_for is not None else None,
-                "lanelock": True, "command": argv_text(sidecar.field(record, "argv", list, []))}
+        return holder_facts.from_record(record)
     pid, command = store.unlabelled(view)
     if problem and store.is_collision(problem):   # another lane's turn holds the same key
-        return {"pid": pid, "session": None, "model": None, "held_for": None, "lanelock": True,
-                "command": command, "note": problem}
-    return {"pid": pid, "session": None, "model": None, "held_for": None, "lanelock": False,
-            "command": command, "note": problem or "the holder record does not match the holder"}
+        return holder_facts.unlabelled(pid, command, problem, lanelock=True)
+    return holder_facts.unlabelled(pid, command,
+                                   problem or "the holder record does not match the holder")

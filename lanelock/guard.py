@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-from . import exitcodes
+from . import exitcodes, say
 
 
 def guarded(call) -> int:
@@ -19,8 +19,8 @@ def guarded(call) -> int:
     except Exception as error:  # a bug: one line, not a traceback, unless asked for
         if os.environ.get("LANELOCK_DEBUG"):
             raise
-        sys.stderr.write(f"lanelock: internal error: {type(error).__name__}: {error} "
-                         "(LANELOCK_DEBUG=1 shows the traceback)\n")
+        say.error(f"internal error: {type(error).__name__}: {error} "
+                  "(LANELOCK_DEBUG=1 shows the traceback)")
         return exitcodes.INTERNAL
     return result if isinstance(result, int) else exitcodes.OK
 
@@ -37,5 +37,5 @@ def die_of_sigint() -> int:
 
 def usage(message: str, command_path: str) -> int:
     hint = f" (see '{command_path} --help')" if command_path else ""
-    sys.stderr.write(f"lanelock: {message}{hint}\n")
+    say.error(f"{message}{hint}")
     return exitcodes.USAGE

@@ -123,5 +123,27 @@ def command_line(pid: int, limit: int = 200) -> str:
             raw = handle.read(4096)
     except OSError:
         return "?"
-    text = " ".join(part.decode("utf-8", "replace") for part in raw.split(b"\0") if part)
-    return (text[:limit] + "…") if len(text) > limit else (text or "?")
+    from .facts import argv_text
+
+    words = [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
+    return argv_text(words, limit) or "?"
+
+
+def describe_process(pid: int) -> dict:
+    """{pid, command, lanelock}: whether it is a lanelock wrapper; '?' for what cannot be seen."""
+    import psutil
+
+    try:
+        cmdline = psutil.Process(pid).cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+        return {"pid": pid, "command": "?", "lanelock": False}
+    from .facts import argv_text
+
+    is_lanelock = any(word.endswith("lanelock") for word in cmdline[:3]) or \
+        " -m lanelock " in f" {' '.join(cmdline[:4])} "
+    return {"pid": pid, "command": argv_text(cmdline, 300) or "?", "lanelock": is_lanelock}
+
+
+def stopped(pid: int) -> dict | None:
+    """Filled in by the stopped-holder work (issue 15); None: not known to be stopped."""
+    return None

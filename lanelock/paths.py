@@ -12,14 +12,12 @@ import errno
 import os
 import stat
 
+from .errors import GateUnavailable
+
 RUN_LOCK = "/run/lock"
 SHARED_ROOT = os.path.join(RUN_LOCK, "lanelock")
 TMP_ROOT = "/tmp/lanelock"
 ROOT_MODE = 0o1777  # sticky and world-writable, like /tmp: every local user shares the gate
-
-
-class GateUnavailable(Exception):
-    """The gate cannot be taken here; the turn runs without it (fail open)."""
 
 
 class Root:
@@ -51,17 +49,17 @@ def default_root() -> Root:
     return Root(TMP_ROOT, "default", f"{RUN_LOCK} is not sticky world-writable; using {TMP_ROOT}")
 
 
-def resolve_root(flag: str | None, system_lock_dir: tuple[str, str] | None) -> Root:
-    """--lock-dir, then LANELOCK_DIR, then the system config's lock_dir, then the default."""
-    if flag:
-        return Root(os.path.abspath(flag), "flag", "set by --lock-dir")
-    env = os.environ.get("LANELOCK_DIR")
-    if env:
-        return Root(os.path.abspath(env), "env", "set by LANELOCK_DIR")
-    if system_lock_dir:
-        value, origin = system_lock_dir
-        return Root(os.path.abspath(value), "system-config", f"set by lock_dir in {origin}")
-    return default_root()
+def resolve_root(settings) -> Root:
+    """The lock_dir setting (flag, LANELOCK_DIR, the system file's lock_dir), else the default."""
+    value, source = settings.lookup("lock_dir")
+    if not value:
+        return default_root()
+    if source == "flag":
+        return Root(os.path.abspath(value), "flag", "set by --lock-dir")
+    if source.startswith("env "):
+        return Root(os.path.abspath(value), "env", f"set by {source[4:]}")
+    return Root(os.path.abspath(value), "system-config",
+                f"set by lock_dir in {source.removeprefix('system file ')}")
 
 
 def open_root(root: Root, *, create: bool) -> int:

@@ -46,7 +46,7 @@ def test_set_then_show_round_trip(files, key, text, value):
     _, user = files
     done = lanelock("config", "set", key, text)
     assert done.returncode == 0, done.stderr
-    assert show()[key] == {"value": value, "source": str(user)}
+    assert show()[key] == {"value": value, "source": f"user file {user}"}
 
 
 @pytest.mark.parametrize("key,text", [("grace", "-1"), ("busy_exit_code", "256"), ("bogus", "1"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import random
 import re
 import select
@@ -82,7 +83,7 @@ def test_held_by_a_lanelock_turn_names_the_wrapper_and_the_sidecar_labels(lanelo
     assert lane["holder"]["pid"] == held.pid
     assert lane["holder"]["session"] == "night-shift"
     assert lane["holder"]["model"] == "qwen-7b"
-    assert lane["holder"]["command"] == f"sh -c {HOLD_SCRIPT}"
+    assert lane["holder"]["command"] == shlex.join(["sh", "-c", HOLD_SCRIPT])   # quoted, pasteable
     assert isinstance(lane["holder"]["held_for"], (int, float)) and lane["holder"]["held_for"] >= 0
     assert lane["waiters"] == [] and lane["kernel_source"] == "proc-locks"
     assert lane["lock_path"] == str(root / f"{STEM}.lock")

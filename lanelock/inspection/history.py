@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import time
 
-from ..store import journal
 
 LOCAL, DEFLECTED, IDLE = "local", "deflected", "idle"
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
@@ -38,13 +37,6 @@ def parse_since(text: str | None, now: float | None = None) -> float | None:
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=timezone.utc)
     return moment.timestamp()
-
-
-def load(journal_path: str, since: float | None = None) -> dict:
-    events, bad = journal.read(journal_path)
-    if since is not None:
-        events = [e for e in events if (_number(e.get("ts")) or 0) >= since]
-    return from_events(events, bad)
 
 
 def from_events(events: list[dict], bad: int) -> dict:

@@ -9,19 +9,17 @@ from __future__ import annotations
 import json
 import sys
 
-from ..facts import holder_words, sanitize
+from .. import say
+from ..holder import words as holder_words
+from ..say import sanitize
 
 
 def emit_json(data) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def fail(message: str) -> None:
-    sys.stderr.write(f"lanelock: {sanitize(message)}\n")
-
-
-def warn(message: str) -> None:
-    sys.stderr.write(f"lanelock: warning: {sanitize(message)}\n")
+fail = say.error
+warn = say.warn
 
 
 def where(info: dict, as_json: bool) -> None:
@@ -36,8 +34,9 @@ def where(info: dict, as_json: bool) -> None:
         ("journal", info["journal_path"]),
         ("root", f"{info['root']} [{info['root_source']}: {info['root_detail']}]"),
     ]
-    if info["store"] != "flock":   # the lane lives in the store; the lock root is not used
+    if info["sidecar_path"] is None:   # the lane lives in the store; the lock root is not used
         rows = [rows[0], ("store", f"{info['lock_path']} ({info['store']})")]
+    rows.append(("gate", info["store_detail"]))
     for name, value in rows:
         sys.stdout.write(f"{name:<8} {value}\n")
 

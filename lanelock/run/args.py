@@ -16,41 +16,82 @@ checks parse() against click on a corpus of argument lists.
 
 from __future__ import annotations
 
+from ..settings import TABLE
+
+# Options of `run` that are not settings: (spellings, parameter, kind, metavar, help).
+RUN_ONLY = (
+    (("--fallback", "-f"), "fallbacks", "multiple", "CMD",
+     "Fallback command when busy; repeatable, tried in order. '@BACKEND CMD' binds it to a "
+     "backend, skipped when that lane is busy."),
+    (("--chain",), "chain", "text", "NAME", "Use a fallback chain from the config."),
+    (("--quiet", "-q"), "quiet", "flag", None, "No notes or warnings from lanelock."),
+    (("--verbose", "-v"), "verbose", "flag", None, "Report the wait time and the lock path."),
+)
+# A setting's kind as this parser reads its text.
+_KINDS = {"text": "text", "store": "text", "key-by": "key-by", "seconds": "float",
+          "optional-seconds": "optional-float", "exit": "exit"}
+
 # name -> (parameter, kind). Kinds: text, multiple (repeatable text), float (>= 0), optional-float
 # (--wait: a bare --wait means forever), exit (an int 0-255), key-by (a choice), flag, and
-# on / off for --gate / --no-gate.
-LONG = {
-    "--backend": ("backend", "text"),
-    "--lock-dir": ("lock_dir", "text"),
-    "--model": ("model", "text"),
-    "--key-by": ("key_by", "key-by"),
-    "--store": ("store", "text"),
-    "--session": ("session", "text"),
-    "--fallback": ("fallbacks", "multiple"),
-    "--chain": ("chain", "text"),
-    "--wait": ("wait", "optional-float"),
-    "--busy-exit-code": ("busy_exit_code", "exit"),
-    "--grace": ("grace", "float"),
-    "--kill-after": ("kill_after", "float"),
-    "--gate": ("gate_override", "on"),
-    "--no-gate": ("gate_override", "off"),
-    "--quiet": ("quiet", "flag"),
-    "--verbose": ("verbose", "flag"),
-}
-SHORT = {"-b": "--backend", "-m": "--model", "-s": "--session", "-f": "--fallback",
-         "-w": "--wait", "-E": "--busy-exit-code", "-q": "--quiet", "-v": "--verbose"}
-DEFAULTS = {"backend": None, "lock_dir": None, "model": None, "key_by": None, "store": None,
-            "session": None, "fallbacks": (), "chain": None, "wait": None, "busy_exit_code": None,
-            "grace": None, "kill_after": None, "gate_override": None, "quiet": False,
-            "verbose": False}
+# on / off for --gate / --no-gate. Built from the settings table and RUN_ONLY.
+LONG: dict = {}
+SHORT: dict = {}
+DEFAULTS: dict = {}
+for _setting in TABLE:
+    if not _setting.flags:
+        continue
+    if _setting.kind == "gate":
+        LONG["--gate"], LONG["--no-gate"] = ("gate", "on"), ("gate", "off")
+    else:
+        LONG[_setting.flags[0]] = (_setting.name, _KINDS[_setting.kind])
+    for _short in _setting.flags[1:]:
+        SHORT[_short] = _setting.flags[0]
+    DEFAULTS[_setting.name] = None
+for _spellings, _parameter, _kind, _metavar, _help in RUN_ONLY:
+    LONG[_spellings[0]] = (_parameter, _kind)
+    for _short in _spellings[1:]:
+        SHORT[_short] = _spellings[0]
+    DEFAULTS[_parameter] = {"multiple": (), "flag": False}.get(_kind)
 FLAGS = ("flag", "on", "off")
+
+
+class Request:
+    """`lanelock run`'s command line as parsed, by click or by parse(): every option as given
+    (None, (), False: not given) and the command. The settings table resolves the rest."""
+
+    __slots__ = tuple(DEFAULTS) + ("command",)
+
+    def __init__(self, **params):
+        for name, default in DEFAULTS.items():
+            object.__setattr__(self, name, params.pop(name, default))
+        object.__setattr__(self, "command", tuple(params.pop("command", ())))
+        if params:
+            raise TypeError(f"unknown run parameters: {sorted(params)}")
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Request) and self.as_dict() == other.as_dict()
+
+    def __repr__(self) -> str:
+        return f"Request({self.as_dict()!r})"
+
+    def settings_flags(self) -> dict:
+        """The settings given on the command line, as the settings table takes them."""
+        flags = {setting.name: getattr(self, setting.name) for setting in TABLE if setting.flags}
+        if self.gate is not None:
+            flags["gate"] = "always" if self.gate else "never"
+        flags["lock_dir"] = self.lock_dir or None   # an empty --lock-dir means "not given"
+        flags["model"] = self.model or None
+        return flags
 
 
 class _Unsure(Exception):
     """click must read this argv: it knows the error message, or the form is rare."""
 
 
-def parse(args: list[str]) -> dict | None:
+def parse(args: list[str]) -> Request | None:
     """`run`'s parameters as click would pass them, or None when click should parse args."""
     try:
         return _parse(list(args))
@@ -58,7 +99,7 @@ def parse(args: list[str]) -> dict | None:
         return None
 
 
-def _parse(rest: list[str]) -> dict:
+def _parse(rest: list[str]) -> Request:
     params = dict(DEFAULTS)
     fallbacks: list[str] = []
     while rest:
@@ -77,7 +118,7 @@ def _parse(rest: list[str]) -> dict:
         raise _Unsure   # click says "Missing argument 'COMMAND...'"
     params["fallbacks"] = tuple(fallbacks)
     params["command"] = tuple(rest)
-    return params
+    return Request(**params)
 
 
 def _cluster(word: str, rest: list[str], params: dict, fallbacks: list[str]) -> None:

@@ -10,85 +10,53 @@ from __future__ import annotations
 import os
 
 from .. import exitcodes, key
+from ..errors import UsageProblem
+from ..gate import BUSY_WORDS, DEFLECTED, HELD, REASON_BUSY, UNGATED, Gate, Turn
+from ..holder import words as holder_words
+from ..say import Say
+from ..settings import Settings
 from . import runner
-from ..facts import holder_words
-from ..gate import BUSY_WORDS, DEFLECTED, HELD, REASON_BUSY, Gate, Turn
 
 TYPE_CHECKING = False   # typing.TYPE_CHECKING without importing typing (milliseconds per turn)
 if TYPE_CHECKING:
+    from .args import Request
     from .chain import Entry
 
 
 class Options:
-    """How one `lanelock run` behaves (a plain class: the run path avoids importing dataclasses)."""
+    """How one `lanelock run` behaves, resolved (a plain class: the run path avoids dataclasses)."""
 
-    def __init__(self, *, session: str | None = None, model: str | None = None,
-                 wait: float | None = 0.0, fallbacks: list[Entry] | None = None,
-                 busy_exit_code: int = exitcodes.BUSY, kill_after: float | None = None,
-                 quiet: bool = False, verbose: bool = False, lock_dir: str | None = None,
-                 store: str | None = None):
-        self.session, self.model, self.wait = session, model, wait
-        self.fallbacks = list(fallbacks or [])
-        self.busy_exit_code, self.kill_after = busy_exit_code, kill_after
-        self.quiet, self.verbose = quiet, verbose
-        self.lock_dir = lock_dir        # passed on to the gates of fallback entries
-        self.store = store
+    def __init__(self, request: Request, settings: Settings, fallbacks: list[Entry]):
+        self.session, self.model = request.session, request.model
+        wait = settings.get("wait")
+        self.wait = None if wait == float("inf") else float(wait or 0.0)
+        self.fallbacks = fallbacks
+        self.busy_exit_code = settings.get("busy_exit_code")
+        self.kill_after = settings.get("kill_after")
+        self.quiet, self.verbose = request.quiet, request.verbose
+        self.settings = settings        # fallback entries' gates read the same files
 
 
-class Say:
-    """lanelock's own stderr lines: notes obey -q; errors always print."""
-
-    def __init__(self, quiet: bool):
-        self.quiet = quiet
-
-    def note(self, message: str) -> None:
-        if not self.quiet:
-            os.write(2, f"lanelock: {message}\n".encode("utf-8", "replace"))
-
-    def warn(self, message: str) -> None:
-        self.note(f"warning: {message}")
-
-    def error(self, message: str) -> None:
-        os.write(2, f"lanelock: {message}\n".encode("utf-8", "replace"))
-
-
-class UsageProblem(Exception):
-    """Bad input found once the arguments are parsed (a malformed backend or fallback): exit 2."""
-
-
-def start(params: dict) -> int:
-    """`lanelock run` with its parsed parameters (from click, or from runargs on the fast path)."""
-    say = Say(params["quiet"])
+def start(request: Request) -> int:
+    """`lanelock run` with its parsed command line (from click, or from args.parse)."""
+    say = Say(request.quiet)
+    settings = Settings(request.settings_flags())
     try:
-        gate = Gate(params["backend"], model=params["model"], key_by=params["key_by"],
-                    lock_dir=params["lock_dir"], gate=params["gate_override"],
-                    grace=params["grace"], store=params["store"], warn=say.warn)
+        gate = Gate(settings=settings, warn=say.warn)
     except key.BackendError as error:
         raise UsageProblem(str(error)) from None
-    settings = gate.config
     entries = []
-    if params["fallbacks"] or params["chain"]:   # shlex and the chain module only when needed
+    if request.fallbacks or request.chain:   # shlex and the chain module only when needed
         from . import chain as chains
 
         try:
-            entries = [chains.parse(text) for text in params["fallbacks"]]
-            if params["chain"]:
-                entries += chains.from_config(params["chain"], settings.get("chains"))
+            entries = [chains.parse(text) for text in request.fallbacks]
+            if request.chain:
+                entries += chains.from_config(request.chain, settings.get("chains"))
         except chains.ChainError as error:
             raise UsageProblem(str(error)) from None
-    wait = params["wait"]
-    if wait is None and settings.get("wait") is not None:
-        wait = float(settings.get("wait"))
-    busy_exit_code, kill_after = params["busy_exit_code"], params["kill_after"]
-    options = Options(
-        session=params["session"], model=params["model"],
-        wait=None if wait == float("inf") else (wait or 0.0), fallbacks=entries,
-        quiet=params["quiet"], verbose=params["verbose"], lock_dir=params["lock_dir"],
-        store=params["store"],
-        busy_exit_code=busy_exit_code if busy_exit_code is not None
-        else settings.get("busy_exit_code", exitcodes.BUSY),
-        kill_after=kill_after if kill_after is not None else settings.get("kill_after"))
-    return run_turn(gate, list(params["command"]), options, say)
+    options = Options(request, settings, entries)
+    return run_turn(gate, list(request.command), options, say)
 
 
 def run_turn(gate: Gate, argv: list[str], options: Options, say: Say) -> int:
@@ -191,7 +159,7 @@ def _verbose(gate: Gate, turn: Turn, say: Say) -> None:
     if turn.state == HELD:
         how = "nested in the holder's turn" if turn.nested else f"waited {turn.waited * 1000:.1f} ms"
         say.note(f"lane {gate.lane.name} held ({how}; {gate.lock_path})")
-    elif turn.state == "ungated":
+    elif turn.state == UNGATED:
         say.note(f"lane {gate.lane.name} ungated (not a local lane; no lock taken)")
 
 
@@ -229,9 +197,11 @@ def _fallback_gate(primary: Gate, entry: Entry, options: Options) -> tuple[Turn 
     from ..key import BackendError
 
     try:
-        gate = Gate(entry.backend, model=options.model, lock_dir=options.lock_dir,
-                    store=options.store, warn=primary.warn)
-    except BackendError as error:   # parse() checks entries; a config chain could still slip by
+        gate = Gate(settings=options.settings.derive(
+            backend=entry.backend, model=options.model,
+            lock_dir=options.settings.flags.get("lock_dir"),
+            store=options.settings.flags.get("store")), warn=primary.warn)
+    except (BackendError, UsageProblem) as error:   # parse() checks entries; a config chain could still slip by
         return None, str(error)
     if not gate.gated:
         return None, None

@@ -1,7 +1,7 @@
-"""The flock(2) lane store: the only module that makes the lock call.
+"""The flock(2) lane store: the only module that takes the lock (waiting.py blocks on it).
 
-Kept behind a small interface (open / try_lock / wait_lock / release / kernel) so another store
-(PostgreSQL advisory locks, for several hosts) can slot in without touching the gate or the CLI.
+Per lane, under the lock root: STEM.lock (the lock), STEM.json (the holder record, sidecar.py) and
+STEM.journal (the events, journal.py). The contract is store/base.py's LaneStore.
 
 Rules that matter here:
 - flock(2), not fcntl/lockf: a lock per open file description, dropped only when the last fd on it
@@ -18,20 +18,16 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import signal
 import stat
 
 from .. import holders
-from . import journal, sidecar
-from ..facts import argv_text
-from ..paths import GateUnavailable, Root, open_root
+from ..errors import GateUnavailable, RecordNotWritten
+from ..paths import Root, open_root
+from . import journal, sidecar, waiting
+from .base import LaneStore
 
 CONTENDED = frozenset({errno.EWOULDBLOCK, errno.EAGAIN})
 _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a planted FIFO must not hang us
-
-
-class _Timeout(Exception):
-    pass
 
 
 class Handle:
@@ -59,22 +55,31 @@ class Handle:
             self.record = None
 
 
-class FlockStore:
+class FlockStore(LaneStore):
     kind = "flock"
 
     def __init__(self, root: Root):
         self.root = root
         self._caveat_checked: str | None = None
 
-    def names(self, stem: str) -> dict[str, str]:
+    @staticmethod
+    def names(stem: str) -> dict[str, str]:
         return {"lock": f"{stem}.lock", "sidecar": f"{stem}.json", "journal": f"{stem}.journal"}
 
     def path(self, name: str) -> str:
         return os.path.join(self.root.path, name)
 
-    def locator(self, lane) -> str:
-        """Where the lane lives, as `where` and the duel report it: the lock file's path."""
-        return self.path(self.names(lane.stem)["lock"])
+    def qualify(self, lane):
+        return lane   # one machine, one root: "localhost" is this machine
+
+    def locate(self, lane) -> dict:
+        names = self.names(lane.stem)
+        return {"lock_path": self.path(names["lock"]), "sidecar_path": self.path(names["sidecar"]),
+                "journal_path": self.path(names["journal"])}
+
+    def describe(self) -> str:
+        return (f"flock(2) under {self.root.path}: a holder's lane frees the moment its process "
+                "ends, even on kill -9")
 
     def open(self, lane, *, create: bool = True) -> Handle:
         """A handle on the lane's lock file. Raises GateUnavailable; with create=False a missing
@@ -86,7 +91,7 @@ class FlockStore:
             return Handle(-1, None, self.names(stem)["lock"], None, stem=stem)
         handle = Handle(dir_fd, None, self.names(stem)["lock"], None, stem=stem)
         try:
-            if self._caveat_checked != self.root.path:   # once per process: mounts do not move
+            if self._caveat_checked != self.root.path:   # once per store: mounts do not move
                 self._caveat_checked = self.root.path
                 handle.caveat = network_caveat(self.root.path, os.fstat(dir_fd))
             handle.fd = _open_lock(dir_fd, handle.name, create)
@@ -119,10 +124,7 @@ class FlockStore:
                 return True
             if timeout <= 0:
                 return self.try_lock(handle)
-            try:
-                return _wait_with_alarm(handle.fd, timeout)
-            except _NotMainThread:
-                return _wait_in_thread(handle, timeout)
+            return waiting.wait(handle, timeout)
         except OSError as error:
             if error.errno in CONTENDED:
                 return False
@@ -158,23 +160,30 @@ class FlockStore:
         if handle.record is not None:
             handle.record.close()
             handle.record = None
-        handle.record = sidecar.write(handle.dir_fd, self.names(handle.stem)["sidecar"], record)
+        try:
+            handle.record = sidecar.write(handle.dir_fd, self.names(handle.stem)["sidecar"], record)
+        except OSError as error:
+            raise RecordNotWritten(error.strerror or str(error)) from None
 
     def write_release(self, handle: Handle, full_record, fields: dict) -> None:
-        """The release's keys added to this turn's record (full_record(): the whole of it, for
-        when it must be rewritten)."""
         if handle.record is None:   # the acquire-time write failed: try the whole record now
             self.write_holder(handle, {**full_record(), **fields})
             return
-        sidecar.extend(handle.record, fields)
+        try:
+            sidecar.extend(handle.record, fields)
+        except OSError as error:
+            raise RecordNotWritten(error.strerror or str(error)) from None
 
     def append_event(self, handle: Handle, *events: dict) -> None:
         if handle.dir_fd is None or handle.dir_fd < 0:
             return
-        journal.append(handle.dir_fd, self.names(handle.stem)["journal"], list(events),
-                       handle.journal_fd)
+        try:
+            journal.append(handle.dir_fd, self.names(handle.stem)["journal"], list(events),
+                           handle.journal_fd)
+        except OSError as error:
+            raise RecordNotWritten(error.strerror or str(error)) from None
 
-    def rotate(self, handle: Handle, max_bytes: int) -> None:
+    def open_events(self, handle: Handle, max_bytes: int) -> None:
         """Called once a lane is held: rotate if due, and keep the descriptor for the turn's events."""
         try:
             handle.journal_fd = journal.open_for_append(
@@ -217,9 +226,9 @@ class FlockStore:
             return None
         if holders.holds_other_inode(pid, handle.st, inode) is None:
             return None
-        return {"pid": pid, "session": sidecar.field(record, "session", str),
-                "model": sidecar.field(record, "model", str), "held_for": None, "lanelock": True,
-                "command": argv_text(sidecar.field(record, "argv", list, [])),
+        from ..holder import from_record
+
+        return {**from_record(record), "held_for": None,
                 "note": f"holds a removed or replaced lock file (inode {inode})"}
 
     def is_collision(self, problem: str) -> bool:
@@ -228,6 +237,24 @@ class FlockStore:
     def watch_fd(self, handle: Handle) -> int | None:
         return None   # a flock cannot be taken away from its holder
 
+    def lost(self, handle: Handle) -> bool:
+        return False
+
+    # -- inspection ----------------------------------------------------------------------------------
+    def survey(self, lane=None) -> list:
+        from . import flock_survey
+
+        if lane is None:
+            return [flock_survey.facts(self.root.path, stem) for stem in
+                    flock_survey.lane_stems(self.root.path)]
+        return [flock_survey.facts(self.root.path, lane.stem, lane.name)]
+
+    def events(self, lane, since: float | None) -> tuple:
+        events, bad = journal.read(self.locate(lane)["journal_path"])
+        if since is not None:
+            events = [event for event in events if _number(event.get("ts")) >= since]
+        return events, bad
+
     def event_handle(self, lane) -> Handle | None:
         """Somewhere to record a fail-open turn when the lock file itself could not be opened."""
         try:
@@ -235,6 +262,12 @@ class FlockStore:
         except (OSError, GateUnavailable):
             return None
         return Handle(dir_fd, None, self.names(lane.stem)["lock"], None, stem=lane.stem)
+
+
+def _number(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0.0
+    return float(value)
 
 
 NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "9p",
@@ -289,80 +322,3 @@ def _open_lock(dir_fd: int, name: str, create: bool) -> int | None:
     raise GateUnavailable(f"lock file {name} keeps vanishing")
 
 
-class _NotMainThread(Exception):
-    pass
-
-
-def _wait_with_alarm(fd: int, timeout: float) -> bool:
-    """A blocking flock with a timer whose handler raises: no polling, wakes the instant the holder
-    releases. Python retries a flock interrupted by a signal (PEP 475), so the handler must raise."""
-    armed = [True]
-
-    def on_alarm(signum, frame):
-        if armed[0]:
-            raise _Timeout
-
-    try:
-        previous = signal.signal(signal.SIGALRM, on_alarm)
-    except ValueError:  # signals belong to the main thread
-        raise _NotMainThread from None
-    try:
-        old_timer = signal.setitimer(signal.ITIMER_REAL, timeout)
-        if old_timer[0] > 0:   # someone else's timer: put it back and wait without signals
-            signal.setitimer(signal.ITIMER_REAL, *old_timer)
-            signal.signal(signal.SIGALRM, previous)
-            raise _NotMainThread
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except _Timeout:
-            pass
-        finally:
-            armed[0] = False
-            signal.setitimer(signal.ITIMER_REAL, 0)
-    except _Timeout:
-        pass  # the alarm landed between flock's return and the disarm
-    finally:
-        signal.signal(signal.SIGALRM, previous)
-    # Either we already hold it (re-locking our own description is a no-op) or this is the last look.
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError as error:
-        if error.errno in CONTENDED:
-            return False
-        raise
-
-
-def _wait_in_thread(handle: Handle, timeout: float) -> bool:
-    """Off the main thread there is no timer signal: a helper thread blocks in flock on its own open
-    file description; if it is too late, it releases the moment it gets the lock."""
-    import threading
-
-    fd2 = os.open(f"/proc/self/fd/{handle.fd}", os.O_RDONLY | os.O_CLOEXEC)
-    guard = threading.Lock()
-    done = threading.Event()
-    state = {"abandoned": False, "got": False}
-
-    def blocker():
-        try:
-            fcntl.flock(fd2, fcntl.LOCK_EX)
-        except OSError:
-            os.close(fd2)
-            done.set()
-            return
-        with guard:
-            if state["abandoned"]:
-                os.close(fd2)
-            else:
-                state["got"] = True
-        done.set()
-
-    threading.Thread(target=blocker, name="lanelock-wait", daemon=True).start()
-    done.wait(timeout)
-    with guard:
-        if state["got"]:
-            os.close(handle.fd)
-            handle.fd = fd2
-            return True
-        state["abandoned"] = True
-    return False

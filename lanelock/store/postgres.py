@@ -21,8 +21,9 @@ import os
 import time
 from dataclasses import dataclass
 
+from ..errors import GateUnavailable, RecordNotWritten
 from ..holders import KernelView
-from ..paths import GateUnavailable
+from .base import LaneFacts, LaneStore
 
 NAMESPACE = 0x4C4E4C4B
 CONNECT_TIMEOUT = 2
@@ -80,21 +81,31 @@ class PgHandle:
             pass
 
 
-class PgStore:
+class PgStore(LaneStore):
     kind = "postgresql"
 
     def __init__(self, dsn: str):
         self.dsn = dsn
 
-    def where(self) -> str:
-        return redact(self.dsn)
+    def qualify(self, lane):
+        if lane.scope != "local":
+            return lane
+        from ..facts import hostname
+        from ..key import qualified
 
-    def names(self, stem: str) -> None:
-        return None   # no files: the holder record and the events live in tables
+        return qualified(lane, hostname())   # "localhost" is another machine on every host
 
-    def locator(self, lane) -> str:
-        key = lane_key(lane.name)
+    def locator(self, lane_name: str) -> str:
+        key = lane_key(lane_name)
         return f"{redact(self.dsn)}#advisory({key[0]},{key[1]})"
+
+    def locate(self, lane) -> dict:
+        # No files: the holder record and the events live in tables.
+        return {"lock_path": self.locator(lane.name), "sidecar_path": None, "journal_path": None}
+
+    def describe(self) -> str:
+        return (f"PostgreSQL advisory locks at {redact(self.dsn)}: a holder's lane frees when its "
+                "session ends (a vanished host: when TCP keepalives give up)")
 
     def connect(self, application_name: str):
         psycopg = _driver()
@@ -122,7 +133,7 @@ class PgStore:
     def ident(self, handle: PgHandle) -> tuple:
         return ("pg", self.dsn, handle.key)
 
-    def rotate(self, handle: PgHandle, max_bytes: int) -> None:
+    def open_events(self, handle: PgHandle, max_bytes: int) -> None:
         pass   # a table needs no rotation at these volumes
 
     def record_extra(self, handle: PgHandle) -> dict:
@@ -228,7 +239,7 @@ class PgStore:
                        (handle.key[1], handle.lane, json.dumps(record), handle.backend_pid),
                        fetch=False)
         except GateUnavailable as error:
-            raise OSError(0, str(error)) from None
+            raise RecordNotWritten(str(error)) from None
 
     def read_holder(self, handle: PgHandle) -> tuple[dict | None, str | None]:
         return self.holder_row(handle.conn, handle.key, handle.lane)
@@ -260,21 +271,23 @@ class PgStore:
                            (handle.lane, event.get("ts", time.time()), json.dumps(event)),
                            fetch=False)
         except GateUnavailable as error:
-            raise OSError(0, str(error)) from None
+            raise RecordNotWritten(str(error)) from None
 
-    def events(self, lane: str, since: float | None) -> list[dict]:
-        conn = self.connect(f"lanelock history {lane}")
+    def events(self, lane, since: float | None) -> tuple:
+        conn = self.connect(f"lanelock history {lane.name}")
         try:
             with conn.cursor() as cursor:
                 cursor.execute(SCHEMA_SQL)
                 cursor.execute("SELECT event FROM lanelock_events WHERE lane = %s AND ts >= %s "
-                               "ORDER BY ts, id", (lane, since if since is not None else 0.0))
-                return [row[0] for row in cursor.fetchall() if isinstance(row[0], dict)]
+                               "ORDER BY ts, id", (lane.name, since if since is not None else 0.0))
+                rows = cursor.fetchall()
         finally:
             conn.close()
+        events = [row[0] for row in rows if isinstance(row[0], dict)]
+        return events, len(rows) - len(events)
 
-    def lane_statuses(self, lane: str | None) -> list[dict]:
-        """status for one lane (or every lane the store knows): pg_locks joined with
+    def survey(self, lane=None) -> list:
+        """Facts for one lane (or every lane the store knows): pg_locks joined with
         pg_stat_activity is the truth; the holder row only labels it."""
         conn = self.connect("lanelock status")
         try:
@@ -284,17 +297,20 @@ class PgStore:
                     cursor.execute("SELECT lane FROM lanelock_holders ORDER BY lane")
                     lanes = [row[0] for row in cursor.fetchall()]
                 else:
-                    lanes = [lane]
-            return [self._status(conn, name) for name in lanes]
+                    lanes = [lane.name]
+            return [self._facts(conn, name) for name in lanes]
+        except _driver().Error as error:
+            raise GateUnavailable(f"lane store {redact(self.dsn)}: {_first_line(error)}") from None
         finally:
             conn.close()
 
-    def _status(self, conn, lane: str) -> dict:
+    def _facts(self, conn, lane: str) -> LaneFacts:
+        from ..facts import hostname
+        from ..holders import start_ticks
+
         key = lane_key(lane)
-        result = {"lane": lane, "lock_path": f"{redact(self.dsn)}#advisory({key[0]},{key[1]})",
-                  "sidecar_path": None, "exists": True, "state": "free", "verdict": "never-used",
-                  "message": "", "holders": [], "waiters": [], "kernel_source": "pg_locks",
-                  "holder": None, "last": None, "sidecar_problem": None}
+        facts = LaneFacts(lane, self.locator(lane))
+        facts.kernel_source = "pg_locks"
         with conn.cursor() as cursor:
             cursor.execute(
                 "SELECT l.pid, l.granted, a.application_name, host(a.client_addr) FROM pg_locks l "
@@ -305,34 +321,25 @@ class PgStore:
         for pid, granted, app, addr in rows:
             entry = {"pid": pid, "command": f"{app or '?'} from {addr or 'local socket'}",
                      "lanelock": bool(app and app.startswith("lanelock"))}
-            (result["holders"] if granted else result["waiters"]).append(entry)
+            (facts.holders if granted else facts.waiters).append(entry)
+        facts.held = bool(facts.holders)
         record, problem = self.holder_row(conn, key, lane)
-        result["sidecar_problem"] = problem
-        summary = _summary(record)
-        if result["holders"]:
-            holder = result["holders"][0]
-            if record and "released_at" not in record and record.get("backend_pid") == holder["pid"]:
-                result.update(state="held", verdict="held", holder=summary,
-                              message=f"held by lanelock turn {pid_host(record)} (session "
-                                      f"{record.get('session')}), since {record.get('acquired_at')}")
-            else:
-                kind = "held-unlabelled" if holder["lanelock"] else "held-foreign"
-                result.update(state="held", verdict=kind,
-                              message=f"held by PostgreSQL backend {holder['pid']} "
-                                      f"({holder['command']}); {problem or 'the holder row is stale'}")
-        elif problem and "collision" in problem:
-            result.update(verdict="collision", message=f"free; {problem}")
-        elif record is None:
-            result["message"] = "free; no turn has used this lane yet"
-        elif "released_at" in record:
-            result.update(verdict="released", last=summary,
-                          message=f"free; last holder {pid_host(record)} released cleanly at "
-                                  f"{record.get('released_at')} (exit {record.get('exit_status')})")
+        facts.record, facts.record_problem = record, problem
+        facts.collision = bool(problem and self.is_collision(problem))
+        facts.exists = record is not None or facts.held or facts.collision
+        if record is None:
+            return facts
+        facts.matches = facts.held and record.get("backend_pid") == facts.holders[0]["pid"]
+        if not facts.matches and facts.held:
+            facts.store_stale = "the holder row describes an earlier turn"
+        pid = record.get("pid")
+        if record.get("hostname") == hostname() and isinstance(pid, int):
+            ticks = start_ticks(pid)
+            facts.alive = ticks is not None and ticks == record.get("start_ticks")
+            facts.reused = ticks is not None and ticks != record.get("start_ticks")
         else:
-            result.update(verdict="died", last=summary,
-                          message=f"free; last holder {pid_host(record)} ended without releasing "
-                                  "(its session closed; the server dropped the lock)")
-        return result
+            facts.alive = False   # its session is gone (the lock is free): the turn has ended
+        return facts
 
     def lost(self, handle: PgHandle) -> bool:
         """Has the server ended our session (pg_terminate_backend, restart)? Then the lane is gone."""
@@ -363,19 +370,3 @@ def _socket(conn) -> int | None:
 def _first_line(error: Exception) -> str:
     text = str(error).strip() or type(error).__name__
     return text.splitlines()[0][:300]
-
-
-def _summary(record: dict | None) -> dict | None:
-    from ..inspection.status import summary
-
-    return summary(record, ("backend_pid",)) if record else None
-
-
-def pid_host(record: dict | None) -> str:
-    if not record:
-        return "?"
-    return f"pid {record.get('pid')} on {record.get('hostname') or '?'}"
-
-
-def default_dsn() -> str | None:
-    return os.environ.get("LANELOCK_STORE") or None

@@ -23,7 +23,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from ..store import journal
 from ..gate import REASON_BUSY, Gate
 
 PHASE_TIMEOUT = 30.0
@@ -282,28 +281,26 @@ class Duel:
 
     def _until_waiting(self, proc: subprocess.Popen) -> None:
         """Until D blocks in flock on the lane (seen in /proc/locks), so the hand-off is real."""
-        deadline = time.monotonic() + PHASE_TIMEOUT
-        from .. import holders
+        from ..errors import GateUnavailable
 
+        deadline = time.monotonic() + PHASE_TIMEOUT
         while time.monotonic() < deadline and proc.poll() is None:
             try:
-                st = os.stat(self.gate.lock_path)
-            except OSError:
+                (facts,) = self.gate.store.survey(self.gate.lane)
+            except GateUnavailable:
                 return
-            view = holders.kernel_view(st)
-            if view is None or view.waiters:
+            if facts.kernel_source == "probe" or facts.waiters:
                 return
             time.sleep(0.005)
 
     def _handoff_ms(self, a_pid: int, d_pid: int) -> float | None:
         """A's release to D's acquire, from both turns' journal lines (one monotonic clock)."""
-        if self.gate.store.kind == "postgresql":
-            try:
-                events = self.gate.store.events(self.gate.lane.name, None)
-            except Exception:  # noqa: BLE001 - the hand-off figure is a nicety, not the proof
-                return None
-        else:
-            events, _ = journal.read(self.gate.journal_path)
+        from ..errors import GateUnavailable
+
+        try:
+            events, _ = self.gate.store.events(self.gate.lane, None)
+        except GateUnavailable:   # the hand-off figure is a nicety, not the proof
+            return None
         released = [e for e in events if e.get("event") == "released" and e.get("pid") == a_pid]
         acquired = [e for e in events if e.get("event") == "acquired" and e.get("pid") == d_pid]
         if not released or not acquired:

@@ -1,0 +1,156 @@
+"""The one status engine: a store's LaneFacts in, a verdict and a plain-words sentence out.
+
+The lock's own truth (the kernel's /proc/locks, or the server's pg_locks) says whether the lane is
+held and by whom; the holder record only labels that holder, and only when it agrees with it. Every
+store's facts go through here, so `status` says the same thing in the same words whatever the store.
+
+Verdicts (documented under `status --json` in the README):
+  held, held-foreign, held-unlabelled, lock-file-replaced   -- state "held"
+  released, died, releasing, sidecar-stale, sidecar-bad, never-used, collision   -- state "free"
+  bad-lock-file, error   -- state "unknown"
+"""
+
+from __future__ import annotations
+
+import time
+
+from .. import holder as holder_facts
+from ..facts import boot_id, hostname
+from ..store.sidecar import field
+
+FUTURE_SLACK = 300.0   # seconds a record's clock may run ahead before it counts as "from the future"
+
+HELD, FREE, UNKNOWN = "held", "free", "unknown"
+
+
+def judge(facts) -> dict:
+    """The status of one lane (the `status --json` lane object)."""
+    result = {"lane": facts.lane, "lock_path": facts.lock_path, "sidecar_path": facts.sidecar_path,
+              "exists": facts.exists, "state": FREE, "verdict": "never-used", "message": "",
+              "holders": facts.holders, "waiters": facts.waiters,
+              "kernel_source": facts.kernel_source, "holder": None, "last": None,
+              "sidecar_problem": facts.record_problem}
+    if facts.error:
+        return _verdict(result, UNKNOWN, "error", facts.error)
+    if facts.problem_lock:
+        return _verdict(result, UNKNOWN, "bad-lock-file",
+                        f"{facts.problem_lock}: turns cannot take this gate and run without it")
+    if not facts.exists:
+        return _verdict(result, FREE, "never-used", "free; no turn has used this lane yet")
+    record = facts.record
+    released = record is not None and "released_at" in record
+    if facts.replaced and record is not None:
+        result["holder"] = holder_facts.from_record(record)
+        return _verdict(result, HELD, "lock-file-replaced",
+                        f"held by lanelock turn {_pid(record)} ({_who(record)}) {facts.replaced}; "
+                        "new turns deflect until it ends")
+    stale = _stale(facts) if record is not None else None
+    if facts.held is None:
+        return _verdict(result, UNKNOWN, "error",
+                        "cannot tell: /proc/locks unreadable and the probe failed")
+    if facts.held:
+        return _held(result, facts, record, released, stale)
+    if record is None:
+        if facts.collision:
+            return _verdict(result, FREE, "collision", f"free; {facts.record_problem}")
+        problem = facts.record_problem or "no holder record"
+        verdict = "never-used" if problem in ("no sidecar yet", "no holder row yet") else "sidecar-bad"
+        return _verdict(result, FREE, verdict, f"free; {problem}")
+    if stale:
+        return _verdict(result, FREE, "sidecar-stale", f"free; sidecar is stale: {stale}")
+    if field(record, "pid", int) is None:
+        return _verdict(result, FREE, "sidecar-bad", "free; the sidecar names no usable pid")
+    result["last"] = holder_facts.from_record(record)
+    if released:
+        status = record.get("exit_status")
+        return _verdict(result, FREE, "released",
+                        f"free; last holder {_pid(record)} ({_who(record)}) released cleanly at "
+                        f"{record.get('released_at')} (exit {status if status is not None else '?'}, "
+                        f"held {holder_facts.seconds(record.get('held_seconds'))})")
+    if facts.alive:
+        return _verdict(result, FREE, "releasing",
+                        f"free; holder {_pid(record)} is alive and letting go (or lost the lock)")
+    return _verdict(result, FREE, "died",
+                    f"free; last holder {_pid(record)} ({_who(record)}) died without releasing; "
+                    "the lock died with it")
+
+
+def _held(result: dict, facts, record, released: bool, stale: str | None) -> dict:
+    if record is not None and not released and not stale and facts.matches:
+        holder = result["holder"] = holder_facts.from_record(record)
+        if holder["held_for"] is not None:
+            how_long = f"for {holder_facts.seconds(holder['held_for'])}"
+        else:
+            how_long = f"since {record.get('acquired_at')}"
+        message = f"held by lanelock turn {_pid(record)} ({_who(record)}), {how_long}"
+        if facts.stopped:
+            holder["stopped"] = facts.stopped
+            message += f"; {facts.stopped['words']}"
+        return _verdict(result, HELD, "held", message)
+    why = facts.record_problem or stale or (
+        "the sidecar describes an earlier turn" if record is not None else "no sidecar")
+    if facts.holders:
+        first = facts.holders[0]
+        kind = "a lanelock turn" if first["lanelock"] else "a process that is not lanelock"
+        return _verdict(result, HELD, "held-unlabelled" if first["lanelock"] else "held-foreign",
+                        f"held by {kind}: pid {first['pid']} ({first['command']}); {why}")
+    return _verdict(result, HELD, "held-unlabelled",
+                    f"held (seen by a probe; /proc/locks unreadable); {why}")
+
+
+def _stale(facts) -> str | None:
+    """Why the record cannot describe the lane's current or last turn, or None."""
+    record = facts.record
+    lane = field(record, "lane", str)
+    if lane and lane != facts.lane and not facts.lane.startswith("?"):
+        return f"it is for another lane ({lane})"
+    acquired = field(record, "acquired_at", str)
+    when = _parse_time(acquired) if acquired else None
+    if acquired and when is None:
+        return f"its acquired_at {acquired[:40]!r} is not a time"
+    if when is not None and when > time.time() + FUTURE_SLACK:
+        return f"it claims a time in the future ({acquired[:40]})"
+    here = record.get("hostname") in (None, hostname())
+    record_boot = field(record, "boot_id", str)
+    if here and record_boot and boot_id() and record_boot != boot_id():
+        return "it is from a previous boot"
+    if facts.store_stale:
+        return facts.store_stale
+    if facts.reused and "released_at" not in record:
+        return f"pid {field(record, 'pid', int)} was reused by another process (start time differs)"
+    return None
+
+
+def _pid(record: dict) -> str:
+    facts = holder_facts.from_record(record)
+    return f"pid {facts['pid']}" + (f" on {facts['host']}" if facts["host"] else "")
+
+
+def _who(record: dict) -> str:
+    facts = holder_facts.from_record(record)
+    parts = [f"session {facts['session']}"]
+    if facts["model"]:
+        parts.append(f"model {facts['model']}")
+    if facts["command"]:
+        parts.append(f"command {facts['command'][:120]}")
+    return ", ".join(parts)
+
+
+def _verdict(result: dict, state: str, verdict: str, message: str) -> dict:
+    result.update(state=state, verdict=verdict, message=message)
+    return result
+
+
+def _parse_time(text: str) -> float | None:
+    from datetime import datetime, timezone
+
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    try:
+        return moment.timestamp()
+    except (OverflowError, OSError, ValueError):
+        return None

@@ -1,0 +1,51 @@
+"""lanelock's own lines on stderr -- notes, warnings, errors -- and nothing else writes them.
+
+Every line is `lanelock: ...`, one printable line (labels from a sidecar may carry newlines or
+escape sequences), written with one write(2) on fd 2. A closed or broken stderr is ignored: whether
+lanelock could say something must never change what runs or the exit status.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def sanitize(text: object, limit: int = 300) -> str:
+    """One printable line of at most limit characters."""
+    clean = "".join(ch if ch.isprintable() else "?" for ch in str(text))
+    return clean if len(clean) <= limit else clean[:limit] + "…"
+
+
+def line(message: str, limit: int = 2000) -> None:
+    data = f"lanelock: {sanitize(message, limit)}\n".encode("utf-8", "replace")
+    try:
+        while data:
+            data = data[os.write(2, data):]
+    except OSError:   # EBADF (2>&-), EPIPE (a reader that went away): say nothing, change nothing
+        pass
+
+
+def error(message: str) -> None:
+    line(message)
+
+
+def warn(message: str) -> None:
+    line(f"warning: {message}")
+
+
+class Say:
+    """The lines of one command: notes and warnings obey -q; errors always print."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+
+    def note(self, message: str) -> None:
+        if not self.quiet:
+            line(message)
+
+    def warn(self, message: str) -> None:
+        if not self.quiet:
+            warn(message)
+
+    def error(self, message: str) -> None:
+        error(message)

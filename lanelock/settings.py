@@ -1,0 +1,227 @@
+"""Every setting once: its flag, environment variable, config key, default, check and help.
+
+The precedence is written here and nowhere else: flag > environment > user file > system file >
+default. The one exception is the lock root: a user file cannot move it (a per-user root would split
+the gate silently), so config.load() leaves a user file's lock_dir out and reports it.
+
+Read by the gate (Gate), the wrapper (`run`), the lock-root logic, the click options, the fast `run`
+parser (run/args.py), `config show` and `config set`. A plain module -- no dataclasses, no typing --
+because `lanelock run` imports it in front of every turn.
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import config as config_files
+
+
+class Setting:
+    __slots__ = ("name", "flags", "kind", "env", "default", "check", "help", "metavar", "shown")
+
+    def __init__(self, name, *, flags=(), kind="text", env=None, default=None, check=None,
+                 help="", metavar=None, shown=None):
+        self.name = name
+        self.flags = flags        # ("--backend", "-b"): the first is the long name
+        self.kind = kind          # how a flag's text is read: see run/args.py
+        self.env = env            # environment variable, or None
+        self.default = default
+        self.check = check        # value -> None or the reason it is bad (config files, config set)
+        self.help = help
+        self.metavar = metavar
+        self.shown = shown        # what `config show` says of a default that is computed
+
+
+# -- checks: value -> None when valid, else the reason -------------------------------------------
+def _text(value) -> str | None:
+    if isinstance(value, str) and 0 < len(value) <= 4096 and "\x00" not in value:
+        return None
+    return "a non-empty string"
+
+
+def _seconds(value) -> str | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 86400 * 365:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+        return "a number of seconds, not negative"
+    return "a number of seconds (0 to one year)"
+
+
+def _exit_code(value) -> str | None:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 255:
+        return None
+    return "an exit status from 0 to 255"
+
+
+def _journal_bytes(value) -> str | None:
+    if isinstance(value, int) and not isinstance(value, bool) and 4096 <= value <= 1 << 34:
+        return None
+    return "a size in bytes from 4096 to 16 GiB"
+
+
+def _choice(*allowed):
+    def check(value) -> str | None:
+        return None if value in allowed else " or ".join(repr(word) for word in allowed)
+    return check
+
+
+def _backend(value) -> str | None:
+    problem = _text(value)
+    if problem:
+        return "HOST:PORT, [V6]:PORT or a URL"
+    from .key import BackendError, lane_for
+
+    try:
+        lane_for(value)
+    except BackendError as error:
+        return str(error)
+    return None
+
+
+def store_problem(value) -> str | None:
+    """Why a store URL is not one lanelock can use (None: it is). Only the form is judged here; a
+    well-formed store that cannot be reached fails open at the turn."""
+    if _text(value):
+        return "a postgresql:// URL"
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme.lower() not in ("postgresql", "postgres"):
+        shown = scheme if sep else value
+        return (f"unsupported lane store {shown[:40]!r}: only postgresql://USER@HOST/DB is "
+                "supported (leave it unset for the flock store under the lock root)")
+    if any(ch.isspace() for ch in value):
+        return "a store URL cannot contain white space"
+    return None
+
+
+def _chains(value) -> str | None:
+    message = "named fallback chains: [[chains.NAME]] with command = ... and optional backend = ..."
+    if not isinstance(value, dict):
+        return message
+    for entries in value.values():
+        if not isinstance(entries, list):
+            return message
+        for entry in entries:
+            if not isinstance(entry, dict) or set(entry) - {"backend", "command"}:
+                return message
+            command = entry.get("command")
+            if not (_text(command) is None or (isinstance(command, list) and command
+                                               and all(_text(word) is None for word in command))):
+                return message
+            if "backend" in entry and _backend(entry["backend"]):
+                return f"chain entry backend {entry['backend']!r}: {_backend(entry['backend'])}"
+    return None
+
+
+DEFAULT_BACKEND = "127.0.0.1:8080"
+DEFAULT_GRACE = 0.05   # seconds: long enough to ride out a probe, short enough to be invisible
+BUSY_EXIT = 75         # exitcodes.BUSY (EX_TEMPFAIL)
+JOURNAL_MAX_BYTES = 1 << 20
+
+TABLE = (
+    Setting("backend", flags=("--backend", "-b"), env="LANELOCK_BACKEND", default=DEFAULT_BACKEND,
+            check=_backend, metavar="BACKEND",
+            help="The local engine: HOST:PORT, [V6]:PORT or URL."),
+    Setting("lock_dir", flags=("--lock-dir",), env="LANELOCK_DIR", check=_text, metavar="DIR",
+            shown="computed", help="Lock root (system file only; default /run/lock/lanelock)."),
+    Setting("model", flags=("--model", "-m"), env="LANELOCK_MODEL", check=_text, metavar="NAME",
+            help="Model label."),
+    Setting("session", flags=("--session", "-s"), env="LANELOCK_SESSION", check=_text,
+            metavar="LABEL", shown="user@tty, or user@cron without a terminal",
+            help="Session label (default user@tty or user@cron)."),
+    Setting("key_by", flags=("--key-by",), kind="key-by", default="backend",
+            check=_choice("backend", "model"),
+            help="Key the lane on the backend (default) or backend+model."),
+    Setting("store", flags=("--store",), env="LANELOCK_STORE", kind="store", check=store_problem,
+            metavar="URL", shown="flock under the lock root",
+            help="postgresql://... lane store for several hosts (default: flock under the lock "
+                 "root)."),
+    Setting("gate", flags=("--gate/--no-gate",), kind="gate", default="auto",
+            check=_choice("auto", "always", "never"),
+            help="Force gating on or off, whatever the backend's classification."),
+    Setting("wait", flags=("--wait", "-w"), kind="optional-seconds", default=0, check=_seconds,
+            metavar="[SECONDS]",
+            help="Block in the kernel until the lane is free (up to SECONDS), then fall back."),
+    Setting("busy_exit_code", flags=("--busy-exit-code", "-E"), kind="exit", default=BUSY_EXIT,
+            check=_exit_code, metavar="N", help="Exit status when busy and no fallback ran."),
+    Setting("grace", flags=("--grace",), kind="seconds", default=DEFAULT_GRACE, check=_seconds,
+            metavar="SECONDS", help="Wait this long in the kernel before deflecting."),
+    Setting("kill_after", flags=("--kill-after",), kind="seconds", check=_seconds,
+            metavar="SECONDS", shown="off",
+            help="SIGKILL the child this long after forwarding it a signal it ignores."),
+    Setting("journal_max_bytes", default=JOURNAL_MAX_BYTES, check=_journal_bytes,
+            help="Rotate the journal past this size."),
+    Setting("chains", check=_chains, shown="none",
+            help="Named fallback chains: [[chains.NAME]] backend = ..., command = ..."),
+)
+SETTINGS = {setting.name: setting for setting in TABLE}
+
+
+def validate(name: str, value) -> str | None:
+    """None when the value is valid for the setting, else the reason."""
+    setting = SETTINGS.get(name)
+    if setting is None:
+        return f"unknown setting {name!r} (known: {', '.join(SETTINGS)})"
+    problem = setting.check(value) if setting.check else None
+    if problem is None:
+        return None
+    if setting.check in (_backend, store_problem):
+        return f"bad value for {name!r}: {problem}"
+    return f"bad value for {name!r}: {str(value)[:80]!r} (expected {problem})"
+
+
+class Settings:
+    """The effective value of every setting, and where each came from.
+
+    flags: values given on the command line or to the API (None: not given). The config files are
+    read once, here; a broken file is config_error (run fails open on it, read commands exit 2)."""
+
+    def __init__(self, flags: dict | None = None, *, config=None, config_error=None):
+        self.flags = {name: value for name, value in (flags or {}).items() if value is not None}
+        if config is None:
+            try:
+                config = config_files.load()
+            except config_files.ConfigError as error:
+                config, config_error = config_files.Config(), str(error)
+        self.config = config
+        self.config_error = config_error
+
+    def derive(self, **flags) -> "Settings":
+        """Other flags over the same files (a fallback entry's own backend, say)."""
+        return Settings(flags, config=self.config, config_error=self.config_error)
+
+    def lookup(self, name: str) -> tuple:
+        """(value, source); source is 'flag', 'env NAME', 'user file PATH', 'system file PATH'
+        or 'default'. An empty environment variable counts as unset."""
+        if name in self.flags:
+            return self.flags[name], "flag"
+        setting = SETTINGS[name]
+        if setting.env:
+            value = os.environ.get(setting.env)
+            if value:
+                return value, f"env {setting.env}"
+        if name in self.config.values:
+            return self.config.values[name], self.config.source(name)
+        return setting.default, "default"
+
+    def get(self, name: str):
+        return self.lookup(name)[0]
+
+    def source(self, name: str) -> str:
+        return self.lookup(name)[1]
+
+
+def effective() -> dict:
+    """Every setting's value and source, for `config show` (ConfigError for a broken file)."""
+    settings = Settings(config=config_files.load())
+    rows = {}
+    for setting in TABLE:
+        value, source = settings.lookup(setting.name)
+        if setting.name == "lock_dir" and value is None:
+            from .paths import default_root
+
+            root = default_root()
+            value, source = root.path, f"default: {root.detail}"
+        elif value is None and setting.shown:
+            source = f"default: {setting.shown}"
+        rows[setting.name] = {"value": value, "source": source}
+    return {"settings": rows, "files": settings.config.files, "ignored": settings.config.ignored}

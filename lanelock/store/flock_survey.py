@@ -1,0 +1,97 @@
+"""What the flock store can say about a lane without taking it: the lock file, the kernel's view
+of it (/proc/locks) and the holder record beside it. Facts only; inspection/judge.py decides.
+
+Never takes the lock (asking must never make a turn deflect), except where /proc/locks cannot be
+read: then it probes once and says so (kernel_source "probe"). Every look at another process is
+racy and shows '?' rather than failing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+
+from .. import holders
+from . import sidecar
+from .base import LaneFacts
+
+
+def lane_stems(root: str) -> list[str]:
+    """Every lane under the root, by lock file."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    return sorted(name[:-5] for name in names if name.endswith(".lock") and not name.startswith("."))
+
+
+def facts(root: str, stem: str, lane: str | None = None) -> LaneFacts:
+    found = LaneFacts(lane or _lane_from_stem(stem), os.path.join(root, f"{stem}.lock"),
+                      os.path.join(root, f"{stem}.json"))
+    try:
+        st = os.lstat(found.lock_path)
+    except FileNotFoundError:
+        return found
+    except OSError as error:
+        found.error = f"cannot inspect the lock file: {error.strerror}"
+        return found
+    found.exists = True
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+        found.problem_lock = f"the lock path is {kind}"
+        return found
+    record, problem = sidecar.read(found.sidecar_path)
+    found.record, found.record_problem = record, problem
+    view = holders.kernel_view(st)
+    if view is None:
+        found.kernel_source = "probe"
+        found.held = _probe_held(found.lock_path)
+    else:
+        found.held = bool(view.holders)
+        found.holders = [holders.describe_process(pid) for pid in view.holders]
+        found.waiters = [holders.describe_process(pid) for pid in view.waiters]
+    if record is None:
+        return found
+    pid = sidecar.field(record, "pid", int)
+    ticks = sidecar.field(record, "start_ticks", int)
+    now_ticks = holders.start_ticks(pid) if pid is not None else None
+    found.alive = now_ticks is not None and now_ticks == ticks
+    found.reused = now_ticks is not None and ticks is not None and now_ticks != ticks
+    kernel_pids = [holder["pid"] for holder in found.holders]
+    found.matches = pid is not None and (not kernel_pids or pid in kernel_pids)
+    inode = sidecar.field(record, "lock_inode", int)
+    if "released_at" not in record and inode is not None and inode != st.st_ino:
+        # A live holder still locking the old inode is two gates; a dead one is a stale record.
+        old = holders.holds_other_inode(pid, st, inode) if found.alive else None
+        if old is not None:
+            found.replaced = (f"on a removed or replaced lock file (inode {old}; the file here is "
+                              f"inode {st.st_ino})")
+        else:
+            found.store_stale = (f"it was written for lock inode {inode}, the file here is inode "
+                                 f"{st.st_ino}")
+    if found.held and found.matches and pid is not None:
+        found.stopped = holders.stopped(pid)
+    return found
+
+
+def _probe_held(lock_path: str) -> bool | None:
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _lane_from_stem(stem: str) -> str:
+    from ..key import name_from_stem
+
+    return name_from_stem(stem) or f"?{stem}"
