@@ -30,6 +30,7 @@ __all__ = ["Gate", "Turn", "describe_holder", "HELD", "DEFLECTED", "UNGATED", "F
 # A turn's states (LANELOCK_STATE, turn.state, the proxy's X-Lanelock-State).
 HELD, DEFLECTED, UNGATED, FAIL_OPEN, RELEASED = "held", "deflected", "ungated", "fail-open", "released"
 REASON_BUSY = "local_backend_busy"
+ARGV_BUDGET = 4096   # characters of argv a holder record keeps (the readers' limit is 64 KiB)
 BUSY_WORDS = "local model in use by another session"
 
 # In-process reentrancy: store ident -> the thread holding it. flock conflicts between two open
@@ -140,6 +141,7 @@ class Turn:
         self.session = session or gate.settings.get("session") or default_session()
         self.model = model
         self.argv = list(argv or [])
+        self._argv_cache: dict | None = None
         self.wait = wait
         self.state: str | None = None
         self.reason: str | None = None
@@ -151,6 +153,7 @@ class Turn:
         self._key: tuple | None = None
         self._started = 0.0
         self._acquired_at = ""
+        self._stopped_at: str | None = None
 
     @property
     def held(self) -> bool:
@@ -309,18 +312,51 @@ class Turn:
         self._handle = None
         self.state = RELEASED
 
+    def mark_stopped(self, stopped: bool) -> None:
+        """The command was stopped (^Z, SIGSTOP) or continued: the holder record says since when,
+        so `status` and deflection lines can tell a paused holder from a busy one."""
+        if self.state != HELD or self.nested or self.lost or self._handle is None:
+            return
+        if stopped == (self._stopped_at is not None):
+            return
+        self._stopped_at = utc_now() if stopped else None
+        self._write_sidecar(self._record())
+
     # -- records ---------------------------------------------------------------------------------
     def _record(self) -> dict:
         record = {
             "schema": sidecar.SCHEMA, "lane": self.gate.lane.name, "backend": self.gate.lane.given,
             "pid": os.getpid(), "start_ticks": own_start_ticks(), "boot_id": boot_id(),
-            "session": self.session, "model": self.model, "argv": self.argv,
+            "session": self.session, "model": self.model, **self._argv_fields(),
             "user": user_name(), "uid": os.getuid(), "hostname": hostname(),
             "acquired_at": self._acquired_at, "acquired_monotonic": self._started,
         }
         if self._handle is not None:
             record.update(self.gate.store.record_extra(self._handle))
+        if self._stopped_at is not None:
+            record["stopped_at"] = self._stopped_at
         return record
+
+    def _argv_fields(self) -> dict:
+        """argv for the record, bounded: a prompt passed as an argument can be megabytes, and a
+        record over the readers' limit would lose the turn's labels. Words past the budget are
+        dropped and long words cut; argv_bytes keeps the full length."""
+        if self._argv_cache is None:
+            total = sum(len(word) for word in self.argv)
+            if total <= ARGV_BUDGET and len(self.argv) <= 64:
+                self._argv_cache = {"argv": self.argv}
+            else:
+                kept, used = [], 0
+                for word in self.argv[:64]:
+                    word = word if len(word) <= 512 else word[:512] + "…"
+                    if used + len(word) > ARGV_BUDGET:
+                        break
+                    kept.append(word)
+                    used += len(word)
+                self._argv_cache = {"argv": kept, "argv_truncated": True,
+                                    "argv_bytes": total + len(self.argv),
+                                    "argv_words": len(self.argv)}
+        return self._argv_cache
 
     def _event(self, event: str, at: tuple[float, str] | None = None, **extra) -> dict:
         # "monotonic" is one system-wide clock: durations between turns survive wall-clock jumps.
@@ -362,7 +398,10 @@ def describe_holder(gate: Gate, handle) -> dict:
     view = store.kernel(handle)
     record, problem = store.read_holder(handle)
     if record is not None and "released_at" not in record and store.holder_agrees(record, view):
-        return holder_facts.from_record(record)
+        found = holder_facts.from_record(record)
+        if found["host"] is None and found["pid"] is not None:
+            found["stopped"] = holder_facts.stopped(found["pid"], record)
+        return found
     pid, command = store.unlabelled(view)
     if problem and store.is_collision(problem):   # another lane's turn holds the same key
         return holder_facts.unlabelled(pid, command, problem, lanelock=True)

@@ -10,12 +10,11 @@ from . import exitcodes, say
 
 
 def guarded(call) -> int:
+    protect_streams()
     try:
         result = call()
     except KeyboardInterrupt:
         return die_of_sigint()
-    except BrokenPipeError:
-        return exitcodes.OK
     except Exception as error:  # a bug: one line, not a traceback, unless asked for
         if os.environ.get("LANELOCK_DEBUG"):
             raise
@@ -29,7 +28,7 @@ def die_of_sigint() -> int:
     """^C while waiting for the lane: die of SIGINT so a calling shell loop stops, as it would."""
     import signal
 
-    sys.stderr.flush()
+    flush_quietly()
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGINT)
     return exitcodes.SIGNAL_BASE + signal.SIGINT
@@ -39,3 +38,63 @@ def usage(message: str, command_path: str) -> int:
     hint = f" (see '{command_path} --help')" if command_path else ""
     say.error(f"{message}{hint}")
     return exitcodes.USAGE
+
+
+class _Dropping:
+    """sys.stdout or sys.stderr, dropping what cannot be written: a closed descriptor (`>&-`,
+    where Python makes the stream None) or a reader that went away (`| head -1`). Whether
+    lanelock could print must never change a command's exit status."""
+
+    def __init__(self, stream, fd: int):
+        self._stream, self._fd = stream, fd
+        self.broken = stream is None
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                return self._stream.write(text)
+            except (OSError, ValueError):
+                self._break()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self._stream.flush()
+            except (OSError, ValueError):
+                self._break()
+
+    def isatty(self) -> bool:
+        return not self.broken and self._stream.isatty()
+
+    def __getattr__(self, name):
+        if self._stream is None:
+            raise AttributeError(name)
+        return getattr(self._stream, name)
+
+    def _break(self) -> None:
+        self.broken = True
+        # What Python still buffers for this descriptor is flushed again at exit: point the
+        # descriptor at /dev/null so that flush succeeds instead of failing a second time.
+        try:
+            null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+            os.dup2(null, self._fd)
+            os.close(null)
+        except OSError:
+            pass
+
+
+def protect_streams() -> None:
+    if not isinstance(sys.stdout, _Dropping):
+        sys.stdout = _Dropping(sys.stdout, 1)
+    if not isinstance(sys.stderr, _Dropping):
+        sys.stderr = _Dropping(sys.stderr, 2)
+
+
+def flush_quietly() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass

@@ -23,8 +23,9 @@ def from_record(record: dict) -> dict:
     here = record.get("hostname") in (None, hostname())
     facts["host"] = None if here else field(record, "hostname", str)
     facts["command"] = argv_text(field(record, "argv", list, []), 300)
-    if "argv_bytes" in record:
-        facts["argv_bytes"] = field(record, "argv_bytes", int)
+    if record.get("argv_truncated"):
+        facts["command"] += " …"
+    facts["argv_bytes"] = field(record, "argv_bytes", int)
     if "backend_pid" in record:
         facts["backend_pid"] = field(record, "backend_pid", int)
     since = field(record, "acquired_monotonic", float)
@@ -54,13 +55,30 @@ def words(holder: dict | None) -> str:
         parts.append(f"model {holder['model']}")
     if holder.get("held_for") is not None:
         parts.append(f"held {seconds(holder['held_for'])}")
-    if holder.get("stopped"):
-        parts.append(holder["stopped"])
+    if isinstance(holder.get("stopped"), dict):
+        parts.append(str(holder["stopped"].get("words")))
     if not holder.get("lanelock") and holder.get("command"):
         parts.append(f"not a lanelock turn: {holder['command']}")
     elif holder.get("lanelock") and holder.get("note"):
         parts.append(holder["note"])
     return sanitize(", ".join(parts), 600)
+
+
+def stopped(wrapper: int, record: dict | None = None) -> dict | None:
+    """{pid, since, words} when the holder (the wrapper or its command) is stopped -- it keeps the
+    lane until resumed -- else None. since: when the wrapper saw it stop (the record's stopped_at)."""
+    from .holders import stopped_process
+
+    pid = stopped_process(wrapper)
+    if pid is None:
+        return None
+    since = field(record, "stopped_at", str)
+    when = f" since {since}" if since else ""
+    how = f"fg in its shell, or kill -CONT {pid}" + (
+        f" and kill -CONT {wrapper}" if pid != wrapper else "")
+    return {"pid": pid, "since": since,
+            "words": f"pid {pid} is stopped{when}: it keeps the lane until resumed ({how}) or "
+                     f"ended (kill {wrapper})"}
 
 
 def seconds(value) -> str:

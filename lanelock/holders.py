@@ -144,6 +144,24 @@ def describe_process(pid: int) -> dict:
     return {"pid": pid, "command": argv_text(cmdline, 300) or "?", "lanelock": is_lanelock}
 
 
-def stopped(pid: int) -> dict | None:
-    """Filled in by the stopped-holder work (issue 15); None: not known to be stopped."""
+def stopped_process(pid: int) -> int | None:
+    """pid, or the first of its children, when it is stopped (job control or SIGSTOP)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", "rb") as handle:
+            children = [int(word) for word in handle.read().split()]
+    except (OSError, ValueError):
+        children = []
+    for candidate in (pid, *children):
+        if _state(candidate) in (b"T", b"t"):
+            return candidate
     return None
+
+
+def _state(pid: int) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            data = handle.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2:].split()
+    return fields[0] if fields else None

@@ -169,15 +169,48 @@ def _check_host(host: str, text: str) -> str:
 
 
 def _address(host: str):
-    """The IPv4/IPv6 address a host string spells (IPv4-mapped unwrapped), else None."""
+    """The IPv4/IPv6 address a host string spells (IPv4-mapped unwrapped), else None. IPv4 is
+    read as inet_aton(3) reads it -- what curl, Python's socket and glibc connect to -- so
+    127.1, 0x7f.1, 0177.0.0.1 and 2130706433 are all 127.0.0.1 (PITFALLS 15)."""
     import ipaddress
 
     try:
         address = ipaddress.ip_address(host.split("%", 1)[0])  # drop an IPv6 zone id
     except ValueError:
-        return None
+        number = inet_aton(host)
+        return ipaddress.IPv4Address(number) if number is not None else None
     mapped = getattr(address, "ipv4_mapped", None)
     return mapped or address
+
+
+def inet_aton(text: str) -> int | None:
+    """The IPv4 address inet_aton(3) makes of text, as an integer, or None. One to four parts
+    separated by dots, each decimal, octal (leading 0) or hex (0x); the last part fills the
+    bytes that are left: a.b.c.d, a.b.c (c: 16 bits), a.b (b: 24 bits), a (32 bits)."""
+    parts = text.split(".")
+    if not 1 <= len(parts) <= 4 or not text.isascii():
+        return None
+    values = []
+    for part in parts:
+        if not part or not part[0].isdigit():
+            return None
+        try:
+            if part[:2].lower() == "0x":
+                value = int(part[2:], 16)   # "0x" alone: int() refuses, as inet_aton does
+            elif part[0] == "0" and len(part) > 1:
+                value = int(part[1:], 8)
+            else:
+                value = int(part, 10)
+        except ValueError:
+            return None
+        values.append(value)
+    last_bits = 8 * (5 - len(values))
+    if any(value > 255 for value in values[:-1]) or values[-1] >= 1 << last_bits:
+        return None
+    number = values[-1]
+    for index, value in enumerate(values[:-1]):
+        number |= value << (24 - 8 * index)
+    return number
 
 
 def lane_for(backend: str, *, model: str | None = None, key_by: str = "backend") -> Lane:

@@ -8,7 +8,12 @@
   fork is off the hand-off path, where flock(1)'s whole cost is one fork of a small C program.
 - INT/TERM/HUP/QUIT/USR1/USR2 sent to the wrapper are forwarded to the child (flock(1) does not,
   bootkube#502); the wrapper waits and exits with the child's status. A signal the terminal sent to
-  the whole foreground group (si_code SI_KERNEL) already reached the child and is not sent twice.
+  the whole foreground group (si_code SI_KERNEL) already reached the child and is not sent twice --
+  but only when the child is in our process group, and never a hangup that came to us as the
+  session leader: the kernel sends that to the leader alone (tmux, `ssh -t`, a pty; PITFALLS 14),
+  and a child that never hears of it would keep the lane forever.
+- A stopped child (SIGSTOP, ^Z) keeps the lane, as flock does; the wrapper tells the turn (on_stop)
+  so the holder record says since when, and on ^Z it records that before stopping itself.
 - Signals are taken with sigwaitinfo() while blocked: no handler races, no polling.
 """
 
@@ -138,12 +143,12 @@ class Starter:
 
 
 def run(starter: Starter, changes: dict[str, str | None], *, kill_after: float | None = None,
-        on_spawn=None) -> Outcome:
+        on_spawn=None, on_stop=None) -> Outcome:
     """Start the starter's command with our environment plus changes, and wait for it. Returns
     the child's exit status mapped to the shell's convention. on_spawn() runs in the wrapper once
     the child exists, with our signals blocked, so a thread it starts inherits the block and can
     never swallow the SIGCHLD we wait for."""
-    watched = {signal.SIGCHLD, *FORWARDED}
+    watched = {signal.SIGCHLD, signal.SIGTSTP, *FORWARDED}
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, watched)
     try:
         failure = starter.go(changes)
@@ -152,7 +157,7 @@ def run(starter: Starter, changes: dict[str, str | None], *, kill_after: float |
         if on_spawn is not None:
             on_spawn()
         pid, starter.pid = starter.pid, None
-        return _supervise(pid, watched, kill_after)
+        return _supervise(pid, watched, kill_after, on_stop)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         starter.restore()
@@ -224,7 +229,7 @@ def _spawn_failure(command: str, code: int) -> Outcome:
     return Outcome(exitcodes.CANNOT_EXECUTE, error=f"{command}: cannot execute: {os.strerror(code)}")
 
 
-def _supervise(pid: int, watched: set, kill_after: float | None) -> Outcome:
+def _supervise(pid: int, watched: set, kill_after: float | None, on_stop=None) -> Outcome:
     tty_signal = None
     deadline = None
     while True:
@@ -237,11 +242,24 @@ def _supervise(pid: int, watched: set, kill_after: float | None) -> Outcome:
                 deadline = None
                 continue
         if info.si_signo == signal.SIGCHLD:
+            if info.si_pid == pid and info.si_code in (os.CLD_STOPPED, os.CLD_CONTINUED) \
+                    and on_stop is not None:
+                on_stop(info.si_code == os.CLD_STOPPED)
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 break
             continue
-        if info.si_code == SI_KERNEL and info.si_signo in FROM_TERMINAL:
+        from_terminal = info.si_code == SI_KERNEL and _group_got_it(pid, info.si_signo)
+        if info.si_signo == signal.SIGTSTP:
+            # ^Z: the child stops itself (it is in our group); kill -TSTP: it hears it from us.
+            # Either way we stop too, as job control expects, having first said so.
+            if not from_terminal:
+                _kill(pid, signal.SIGTSTP)
+            if on_stop is not None:
+                on_stop(True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            continue
+        if from_terminal and info.si_signo in FROM_TERMINAL:
             tty_signal = info.si_signo   # the child is in our foreground group and got it too
         else:
             _kill(pid, info.si_signo)
@@ -250,6 +268,18 @@ def _supervise(pid: int, watched: set, kill_after: float | None) -> Outcome:
             deadline = time.monotonic() + kill_after
     died_of = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
     return Outcome(exitcodes.from_wait_status(status), signal=died_of, tty_signal=tty_signal)
+
+
+def _group_got_it(child: int, signo: int) -> bool:
+    """Did a signal the kernel sent us for the terminal reach the child too? Only when it went to
+    our whole process group and the child is in it. A hangup goes to the session leader alone:
+    when we are the leader, the child has not had it."""
+    if signo == signal.SIGHUP and os.getsid(0) == os.getpid():
+        return False
+    try:
+        return os.getpgid(child) == os.getpgrp()
+    except OSError:
+        return False
 
 
 def _kill(pid: int, signo: int) -> None:
@@ -263,10 +293,9 @@ def reraise_terminal_signal(outcome: Outcome) -> None:
     """A child killed by the terminal's ^C or ^\\: die of the same signal, so the calling shell
     sees exactly what it would without lanelock (bash stops a loop only for a signal death)."""
     if outcome.signal is not None and outcome.signal == outcome.tty_signal:
-        import sys
+        from ..guard import flush_quietly
 
-        sys.stdout.flush()
-        sys.stderr.flush()
+        flush_quietly()
         signal.signal(outcome.signal, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {outcome.signal})
         os.kill(os.getpid(), outcome.signal)

@@ -100,8 +100,10 @@ def _run(argv, changes, options: Options, say: Say, turn: Turn | None,
     try:
         if starter is None:
             starter = runner.Starter(argv)
+        holding = turn is not None and turn.held and not turn.nested
         outcome = runner.run(starter, changes, kill_after=options.kill_after,
-                             on_spawn=watch.start if watch else None)
+                             on_spawn=watch.start if watch else None,
+                             on_stop=turn.mark_stopped if holding else None)
     except OSError as error:
         if starter is not None:
             starter.cancel()

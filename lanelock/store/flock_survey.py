@@ -71,7 +71,9 @@ def facts(root: str, stem: str, lane: str | None = None) -> LaneFacts:
             found.store_stale = (f"it was written for lock inode {inode}, the file here is inode "
                                  f"{st.st_ino}")
     if found.held and found.matches and pid is not None:
-        found.stopped = holders.stopped(pid)
+        from ..holder import stopped
+
+        found.stopped = stopped(pid, record)
     return found
 
 

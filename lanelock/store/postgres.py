@@ -339,6 +339,10 @@ class PgStore(LaneStore):
             facts.reused = ticks is not None and ticks != record.get("start_ticks")
         else:
             facts.alive = False   # its session is gone (the lock is free): the turn has ended
+        if facts.matches and record.get("hostname") == hostname() and isinstance(pid, int):
+            from ..holder import stopped
+
+            facts.stopped = stopped(pid, record)
         return facts
 
     def lost(self, handle: PgHandle) -> bool:
