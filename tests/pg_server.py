@@ -39,6 +39,8 @@ class Server:
         self.data = os.path.join(self.dir, "data")
         self.port = _free_port()
         self.proc: subprocess.Popen | None = None
+        self.listen = "127.0.0.1"          # listen_addresses
+        self.trust: str | None = None      # another client network to trust (a test host's)
 
     @property
     def dsn(self) -> str:
@@ -54,9 +56,12 @@ class Server:
         subprocess.run(self._as_user([os.path.join(self.bindir, "initdb"), "-D", self.data,
                                       "-U", "postgres", "--auth=trust", "-E", "UTF8"]),
                        check=True, capture_output=True)
+        if self.trust:
+            with open(os.path.join(self.data, "pg_hba.conf"), "a") as hba:
+                hba.write(f"host all all {self.trust} trust\n")
         self.proc = subprocess.Popen(self._as_user([
             os.path.join(self.bindir, "postgres"), "-D", self.data, "-p", str(self.port),
-            "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={self.dir}",
+            "-c", f"listen_addresses={self.listen}", "-c", f"unix_socket_directories={self.dir}",
             "-c", "fsync=off", "-c", "max_connections=60"]),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 60

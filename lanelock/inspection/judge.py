@@ -86,6 +86,8 @@ def _held(result: dict, facts, record, released: bool, stale: str | None) -> dic
         if facts.stopped:
             holder["stopped"] = facts.stopped
             message += f"; {facts.stopped['words']}"
+        if facts.bound and holder["host"]:
+            message += f"; {facts.bound}"
         return _verdict(result, HELD, "held", message)
     why = facts.record_problem or stale or (
         "the sidecar describes an earlier turn" if record is not None else "no sidecar")

@@ -23,7 +23,7 @@ class LaneFacts:
 
     __slots__ = ("lane", "lock_path", "sidecar_path", "exists", "kernel_source", "problem_lock",
                  "error", "held", "holders", "waiters", "record", "record_problem", "matches",
-                 "replaced", "store_stale", "alive", "reused", "collision", "stopped")
+                 "replaced", "store_stale", "alive", "reused", "collision", "stopped", "bound")
 
     def __init__(self, lane: str, lock_path: str, sidecar_path: str | None = None):
         self.lane = lane
@@ -44,7 +44,8 @@ class LaneFacts:
         self.alive: bool | None = None      # the record's process is alive (None: cannot tell)
         self.reused = False           # the record's pid now belongs to another process
         self.collision = False        # another lane's turn holds the same store key
-        self.stopped: dict | None = None    # the holder is stopped: {pid, since, command}
+        self.stopped: dict | None = None    # the holder is stopped: {pid, since, words}
+        self.bound: str | None = None       # how a holder whose host vanished loses the lane
 
 
 class LaneStore(ABC):

@@ -9,60 +9,27 @@ Lane -> advisory key (two-int form): key1 = NAMESPACE (0x4C4E4C4B, "LNLK"), key2
 bytes of sha256(lane name) as a signed int. The holder row records the full lane name, so a hash
 collision between two lanes is reported, never silent.
 
-A vanished holder host: TCP keepalives (idle 5 s, interval 2 s, 3 probes) and tcp_user_timeout 10 s
-make the server drop its session, and so the lock, within about 15 s (target <= 30 s).
+A vanished holder host: the server holds the lock until its own socket gives up, so every lanelock
+session sets the server's keepalives (pg_session.py): the lane frees within about 11 s of the
+host's disappearance (PITFALLS 12).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 
 from ..errors import GateUnavailable, RecordNotWritten
 from ..holders import KernelView
 from .base import LaneFacts, LaneStore
-
-NAMESPACE = 0x4C4E4C4B
-CONNECT_TIMEOUT = 2
-KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
-              "keepalives_count": 3, "tcp_user_timeout": 10000}
-SCHEMA_SQL = """
-CREATE TABLE IF NOT EXISTS lanelock_holders (
-    key2 integer PRIMARY KEY, lane text NOT NULL, record jsonb NOT NULL,
-    backend_pid integer NOT NULL, updated_at timestamptz NOT NULL DEFAULT now());
-CREATE TABLE IF NOT EXISTS lanelock_events (
-    id bigserial PRIMARY KEY, lane text NOT NULL, ts double precision NOT NULL, event jsonb NOT NULL);
-CREATE INDEX IF NOT EXISTS lanelock_events_lane_ts ON lanelock_events (lane, ts);
-"""
-MISSING_DRIVER = "the PostgreSQL store needs psycopg: pip install 'lanelock[postgres]'"
-
+from .pg_session import BOUND, NAMESPACE, SCHEMA_SQL, connect, driver, ensure_schema, first_line, redact
 
 def lane_key(lane_name: str) -> tuple[int, int]:
     """The documented advisory key of a lane: (NAMESPACE, signed int32 of sha256(name)[:4])."""
     return NAMESPACE, int.from_bytes(hashlib.sha256(lane_name.encode()).digest()[:4], "big",
                                      signed=True)
-
-
-def _driver():
-    try:
-        import psycopg
-    except ImportError:
-        raise GateUnavailable(MISSING_DRIVER) from None
-    return psycopg
-
-
-def redact(dsn: str) -> str:
-    """The DSN without its password, for messages and `where`."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(dsn)
-    if parts.password is None:
-        return dsn
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 @dataclass
@@ -104,30 +71,25 @@ class PgStore(LaneStore):
         return {"lock_path": self.locator(lane.name), "sidecar_path": None, "journal_path": None}
 
     def describe(self) -> str:
-        return (f"PostgreSQL advisory locks at {redact(self.dsn)}: a holder's lane frees when its "
-                "session ends (a vanished host: when TCP keepalives give up)")
+        return f"PostgreSQL advisory locks at {redact(self.dsn)}: {BOUND}"
 
     def connect(self, application_name: str):
-        psycopg = _driver()
-        try:
-            return psycopg.connect(self.dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT,
-                                   application_name=application_name[:63], **KEEPALIVES)
-        except psycopg.Error as error:
-            raise GateUnavailable(f"cannot reach the lane store {redact(self.dsn)}: "
-                                  f"{_first_line(error)}") from None
+        return connect(self.dsn, application_name)
 
     def open(self, lane_obj, *, create: bool = True) -> PgHandle:
         lane = lane_obj.name
         conn = self.connect(f"lanelock {lane}")
-        psycopg = _driver()
+        psycopg = driver()
+        # The tables only label turns: a schema that cannot be set up (no CREATE privilege) must
+        # not decide whether a turn is gated, so its failure shows later, as record warnings.
+        ensure_schema(conn)
         try:
             with conn.cursor() as cursor:
-                cursor.execute(SCHEMA_SQL)
                 cursor.execute("SELECT pg_backend_pid()")
                 backend = cursor.fetchone()[0]
         except psycopg.Error as error:
             conn.close()
-            raise GateUnavailable(f"lane store {redact(self.dsn)}: {_first_line(error)}") from None
+            raise GateUnavailable(f"lane store {redact(self.dsn)}: {first_line(error)}") from None
         return PgHandle(conn, lane, lane_key(lane), backend, fd=_socket(conn))
 
     def ident(self, handle: PgHandle) -> tuple:
@@ -176,7 +138,7 @@ class PgStore(LaneStore):
 
     def wait_lock(self, handle: PgHandle, timeout: float | None) -> bool:
         """A blocking lock with a server-side timeout: the server wakes us, no polling."""
-        psycopg = _driver()
+        psycopg = driver()
         millis = 0 if timeout is None else max(1, int(timeout * 1000))
         try:
             with handle.conn.cursor() as cursor:
@@ -189,7 +151,7 @@ class PgStore(LaneStore):
                 finally:
                     cursor.execute("SET lock_timeout = 0")
         except psycopg.Error as error:
-            raise GateUnavailable(f"lane store: {_first_line(error)}") from None
+            raise GateUnavailable(f"lane store: {first_line(error)}") from None
 
     def still_current(self, handle: PgHandle) -> bool:
         """The session (and so the lock) is ours: a transaction-mode pooler would hand later
@@ -251,7 +213,7 @@ class PgStore(LaneStore):
                                "WHERE key2 = %s", (key[1],))
                 row = cursor.fetchone()
         except Exception as error:
-            return None, f"holder row unreadable: {_first_line(error)}"
+            return None, f"holder row unreadable: {first_line(error)}"
         if row is None:
             return None, "no holder row yet"
         row_lane, record, backend = row
@@ -275,9 +237,9 @@ class PgStore(LaneStore):
 
     def events(self, lane, since: float | None) -> tuple:
         conn = self.connect(f"lanelock history {lane.name}")
+        ensure_schema(conn)
         try:
             with conn.cursor() as cursor:
-                cursor.execute(SCHEMA_SQL)
                 cursor.execute("SELECT event FROM lanelock_events WHERE lane = %s AND ts >= %s "
                                "ORDER BY ts, id", (lane.name, since if since is not None else 0.0))
                 rows = cursor.fetchall()
@@ -290,17 +252,17 @@ class PgStore(LaneStore):
         """Facts for one lane (or every lane the store knows): pg_locks joined with
         pg_stat_activity is the truth; the holder row only labels it."""
         conn = self.connect("lanelock status")
+        ensure_schema(conn)
         try:
             with conn.cursor() as cursor:
-                cursor.execute(SCHEMA_SQL)
                 if lane is None:
                     cursor.execute("SELECT lane FROM lanelock_holders ORDER BY lane")
                     lanes = [row[0] for row in cursor.fetchall()]
                 else:
                     lanes = [lane.name]
             return [self._facts(conn, name) for name in lanes]
-        except _driver().Error as error:
-            raise GateUnavailable(f"lane store {redact(self.dsn)}: {_first_line(error)}") from None
+        except driver().Error as error:
+            raise GateUnavailable(f"lane store {redact(self.dsn)}: {first_line(error)}") from None
         finally:
             conn.close()
 
@@ -311,6 +273,7 @@ class PgStore(LaneStore):
         key = lane_key(lane)
         facts = LaneFacts(lane, self.locator(lane))
         facts.kernel_source = "pg_locks"
+        facts.bound = BOUND
         with conn.cursor() as cursor:
             cursor.execute(
                 "SELECT l.pid, l.granted, a.application_name, host(a.client_addr) FROM pg_locks l "
@@ -355,13 +318,13 @@ class PgStore(LaneStore):
 
 
     def _call(self, handle: PgHandle, sql: str, params, fetch: bool = True):
-        psycopg = _driver()
+        psycopg = driver()
         try:
             with handle.conn.cursor() as cursor:
                 cursor.execute(sql, params)
                 return cursor.fetchone()[0] if fetch else None
         except psycopg.Error as error:
-            raise GateUnavailable(f"lane store: {_first_line(error)}") from None
+            raise GateUnavailable(f"lane store: {first_line(error)}") from None
 
 
 def _socket(conn) -> int | None:
@@ -369,8 +332,3 @@ def _socket(conn) -> int | None:
         return conn.pgconn.socket
     except Exception:  # psycopg internals: without the socket we only cannot watch for loss
         return None
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0][:300]

@@ -1,0 +1,100 @@
+"""Connecting to the PostgreSQL lane store: the session every lanelock connection gets, and the
+tables, set up once per database without racing.
+
+- The server's keepalives, not only libpq's: libpq's parameters let the *client* notice a dead
+  link; the *server* keeps the session -- and the advisory lock -- until its own socket gives up,
+  hours with the defaults (PITFALLS 12). tcp_keepalives_idle/interval/count and tcp_user_timeout
+  are set per session through the connection's options.
+- Concurrent CREATE TABLE IF NOT EXISTS is not safe (a unique violation on
+  pg_type_typname_nsp_index, PITFALLS 13): the first turns on a fresh database serialise the setup
+  behind a transaction-level advisory lock, and once the tables exist nobody takes it.
+"""
+
+from __future__ import annotations
+
+from ..errors import GateUnavailable
+
+NAMESPACE = 0x4C4E4C4B
+SCHEMA_LOCK = NAMESPACE << 32   # one-bigint advisory key space: never a lane's two-int key
+CONNECT_TIMEOUT = 2
+CLIENT_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
+                     "keepalives_count": 3, "tcp_user_timeout": 10000}
+SERVER_KEEPALIVES = {"tcp_keepalives_idle": 5, "tcp_keepalives_interval": 2,
+                     "tcp_keepalives_count": 3, "tcp_user_timeout": 10000}
+BOUND_SECONDS = SERVER_KEEPALIVES["tcp_keepalives_idle"] + \
+    SERVER_KEEPALIVES["tcp_keepalives_interval"] * SERVER_KEEPALIVES["tcp_keepalives_count"]
+BOUND = (f"a holder's lane frees when its session ends; a holder whose host vanishes loses it "
+         f"within about {BOUND_SECONDS} s (server keepalives: idle "
+         f"{SERVER_KEEPALIVES['tcp_keepalives_idle']} s, then "
+         f"{SERVER_KEEPALIVES['tcp_keepalives_count']} probes "
+         f"{SERVER_KEEPALIVES['tcp_keepalives_interval']} s apart)")
+SCHEMA_SQL = """
+CREATE TABLE IF NOT EXISTS lanelock_holders (
+    key2 integer PRIMARY KEY, lane text NOT NULL, record jsonb NOT NULL,
+    backend_pid integer NOT NULL, updated_at timestamptz NOT NULL DEFAULT now());
+CREATE TABLE IF NOT EXISTS lanelock_events (
+    id bigserial PRIMARY KEY, lane text NOT NULL, ts double precision NOT NULL, event jsonb NOT NULL);
+CREATE INDEX IF NOT EXISTS lanelock_events_lane_ts ON lanelock_events (lane, ts);
+"""
+MISSING_DRIVER = "the PostgreSQL store needs psycopg: pip install 'lanelock[postgres]'"
+
+
+def driver():
+    try:
+        import psycopg
+    except ImportError:
+        raise GateUnavailable(MISSING_DRIVER) from None
+    return psycopg
+
+
+def redact(dsn: str) -> str:
+    """The DSN without its password, for messages and `where`."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(dsn)
+    if parts.password is None:
+        return dsn
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def connect(dsn: str, application_name: str):
+    """An autocommit connection with lanelock's session settings. GateUnavailable when the
+    server cannot be reached within the connect timeout."""
+    psycopg = driver()
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        given = conninfo_to_dict(dsn).get("options") or ""
+    except psycopg.Error:
+        given = ""
+    server = " ".join(f"-c {name}={value}" for name, value in SERVER_KEEPALIVES.items())
+    try:
+        return psycopg.connect(dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT,
+                               application_name=application_name[:63],
+                               options=f"{given} {server}".strip(), **CLIENT_KEEPALIVES)
+    except psycopg.Error as error:
+        raise GateUnavailable(f"cannot reach the lane store {redact(dsn)}: "
+                              f"{first_line(error)}") from None
+
+
+def ensure_schema(conn) -> str | None:
+    """The tables exist afterwards, or the reason they could not be made (never raises)."""
+    psycopg = driver()
+    try:
+        with conn.cursor() as cursor:
+            cursor.execute("SELECT to_regclass('lanelock_holders') IS NOT NULL AND "
+                           "to_regclass('lanelock_events') IS NOT NULL")
+            if cursor.fetchone()[0]:
+                return None
+            with conn.transaction():
+                cursor.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
+                cursor.execute(SCHEMA_SQL)
+        return None
+    except psycopg.Error as error:
+        return f"lane store tables: {first_line(error)}"
+
+
+def first_line(error: Exception) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0][:300]

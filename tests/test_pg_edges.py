@@ -1,0 +1,188 @@
+"""Issue 15, the PostgreSQL store's edges: the first turns on a fresh database, and a holder whose
+host vanishes mid-turn (a network namespace whose link is cut). A real server from Debian's
+postgresql package; skipped without it unless LANELOCK_REQUIRE_PG is set.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from conftest import LANELOCK, TIMEOUT, environ, read_line
+
+pg_server = pytest.importorskip("pg_server")
+psycopg = pytest.importorskip("psycopg")
+
+
+@pytest.fixture(scope="module")
+def server():
+    if pg_server.binaries() is None:
+        if os.environ.get("LANELOCK_REQUIRE_PG"):
+            pytest.fail("PostgreSQL server binaries missing")
+        pytest.skip("no PostgreSQL server (apt-get install postgresql)")
+    running = pg_server.Server().start()
+    yield running
+    running.stop()
+
+
+def fresh_database(server) -> str:
+    name = f"lanes_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return server.dsn.rsplit("/", 1)[0] + f"/{name}"
+
+
+def first_turns_at_once(procs, dsn: str, count: int = 10) -> list:
+    """count turns released together onto a database lanelock never saw: each waits for one line
+    on a shared pipe (fd 3), written all at once; the one that gets the lane prints LOCAL and
+    holds until told. Returns the Popens."""
+    go_read, go_write = os.pipe()
+    turns = []
+    for _ in range(count):
+        turn = procs.start(["sh", "-c", 'read go <&3; exec 3<&-; exec "$@"', "sh", *LANELOCK,
+                            "run", "--store", dsn, "-b", "localhost:7030", "--",
+                            "sh", "-c", "echo LOCAL; read done"],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env=environ(), pass_fds=(go_read,),
+                           preexec_fn=lambda: os.dup2(go_read, 3))
+        turns.append(turn)
+    os.close(go_read)
+    os.write(go_write, b"go\n" * count)
+    os.close(go_write)
+    return turns
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_the_first_turns_on_a_fresh_database_agree_on_one_holder(round_, server, procs, tmp_path):
+    dsn = fresh_database(server)
+    turns = first_turns_at_once(procs, dsn)
+    locals_ = []
+    pending = {turn.stdout.fileno(): turn for turn in turns}
+    deadline = time.monotonic() + TIMEOUT
+    while pending and len(locals_) + sum(t.poll() is not None for t in turns) < len(turns):
+        ready, _, _ = select.select(list(pending), [], [], max(0.0, deadline - time.monotonic()))
+        assert ready, "turns neither held nor ended"
+        for fd in ready:
+            turn = pending.pop(fd)
+            line = read_line(turn.stdout)
+            if line == "LOCAL\n":
+                locals_.append(turn)
+    deflected = [turn for turn in turns if turn not in locals_]
+    for turn in deflected:
+        turn.wait(timeout=TIMEOUT)
+    assert len(locals_) == 1, [turn.returncode for turn in turns]
+    assert [turn.returncode for turn in deflected] == [75] * (len(turns) - 1)
+    locals_[0].stdin.write(b"\n")
+    locals_[0].stdin.close()
+    assert locals_[0].wait(timeout=TIMEOUT) == 0
+    for turn in turns:
+        err = turn.stderr.read().decode()
+        assert "warning" not in err and "gate unavailable" not in err, err
+
+
+def test_every_session_sets_the_servers_keepalives(server):
+    from lanelock.store.pg_session import SERVER_KEEPALIVES, connect
+
+    conn = connect(server.dsn, "lanelock test")
+    try:
+        for name, value in SERVER_KEEPALIVES.items():
+            shown = conn.execute(f"SHOW {name}").fetchone()[0]
+            assert shown.rstrip("ms") == str(value), (name, shown)
+    finally:
+        conn.close()
+
+
+def test_where_states_the_bound_for_a_vanished_host(server, run_cmd):
+    where = run_cmd([*LANELOCK, "where", "--store", server.dsn, "--json"])
+    assert "within about 11 s" in where.stdout, where.stdout
+
+
+# -- a holder whose host vanishes -----------------------------------------------------------------
+class Namespace:
+    """A test host: a network namespace joined to this one by a veth pair (10.213.x.0/30)."""
+
+    def __init__(self):
+        tag = uuid.uuid4().hex[:6]
+        self.name, self.outer, self.inner = f"ll{tag}", f"llh{tag}", f"lln{tag}"
+        self.host_ip, self.ns_ip = "10.213.77.1", "10.213.77.2"
+
+    def up(self) -> "Namespace":
+        for argv in (["ip", "netns", "add", self.name],
+                     ["ip", "link", "add", self.outer, "type", "veth", "peer", "name", self.inner],
+                     ["ip", "link", "set", self.inner, "netns", self.name],
+                     ["ip", "addr", "add", f"{self.host_ip}/30", "dev", self.outer],
+                     ["ip", "link", "set", self.outer, "up"],
+                     ["ip", "netns", "exec", self.name, "ip", "addr", "add", f"{self.ns_ip}/30",
+                      "dev", self.inner],
+                     ["ip", "netns", "exec", self.name, "ip", "link", "set", self.inner, "up"],
+                     ["ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up"]):
+            subprocess.run(argv, check=True, capture_output=True, timeout=TIMEOUT)
+        return self
+
+    def cut(self) -> None:
+        subprocess.run(["ip", "link", "set", self.outer, "down"], check=True, timeout=TIMEOUT)
+
+    def down(self) -> None:
+        subprocess.run(["ip", "link", "del", self.outer], capture_output=True, timeout=TIMEOUT)
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=TIMEOUT)
+
+
+@pytest.fixture
+def namespace():
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        pytest.skip("needs root and iproute2 for a network namespace")
+    ns = Namespace()
+    try:
+        ns.up()
+    except subprocess.CalledProcessError as error:
+        ns.down()
+        pytest.skip(f"cannot make a network namespace here: {error.stderr!r}")
+    yield ns
+    ns.down()
+
+
+@pytest.fixture
+def reachable_server(namespace):
+    """A server that also listens on the veth address, trusting the namespace's address."""
+    if pg_server.binaries() is None:
+        pytest.skip("no PostgreSQL server")
+    running = pg_server.Server()
+    running.listen = f"127.0.0.1,{namespace.host_ip}"
+    running.trust = f"{namespace.ns_ip}/32"
+    running.start()
+    yield running
+    running.stop()
+
+
+@pytest.mark.slow
+def test_a_holder_whose_host_vanishes_loses_the_lane_within_the_bound(namespace, reachable_server,
+                                                                      procs, run_cmd):
+    from lanelock.store.pg_session import BOUND_SECONDS
+
+    port = reachable_server.port
+    remote = f"postgresql://postgres@{namespace.host_ip}:{port}/postgres"
+    local = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+    holder = procs.start(["ip", "netns", "exec", namespace.name, *LANELOCK, "run", "--store",
+                          remote, "-b", "localhost:7031", "--", "sh", "-c",
+                          'echo "ready $$"; read done'],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=environ())
+    assert read_line(holder.stdout).startswith("ready"), holder.stderr.read()
+    busy = run_cmd([*LANELOCK, "probe", "--store", local, "-b", "localhost:7031"])
+    assert busy.returncode == 1, busy
+    namespace.cut()   # a power loss or a dropped Wi-Fi: no FIN, no RST, nothing
+    cut_at = time.monotonic()
+    # --wait blocks on the server, which wakes it the moment the dead session's lock goes.
+    waiter = run_cmd([*LANELOCK, "run", "--store", local, "-b", "localhost:7031",
+                      "--wait", "120", "--", "true"], timeout=150)
+    freed_after = time.monotonic() - cut_at
+    assert waiter.returncode == 0, waiter
+    assert freed_after <= BOUND_SECONDS + 4, f"lane freed {freed_after:.1f}s after the cut"
+    print(f"lane freed {freed_after:.1f}s after the cut (bound {BOUND_SECONDS}s)")
