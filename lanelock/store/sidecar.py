@@ -1,8 +1,9 @@
 """The holder record beside each lock: who claimed the lane, for `status` and deflection messages.
 
-Written only by the holder, while it holds the lock, so writers never race each other. Written to a
-temp file (O_EXCL, O_NOFOLLOW) and renamed into place, or -- when the file at the name is already
-our own, single-named record -- rewritten in place; nothing is ever written through a symlink or a
+Written only by the holder, while it holds the lock, so writers never race each other. Shared by
+every user of the lane (mode 0666, see MODE). Written to a temp file (O_EXCL, O_NOFOLLOW) and
+renamed into place, or -- when the file at the name is already a single-named record we can write
+-- rewritten in place; nothing is ever written through a symlink or a
 hard link planted at either name (filelock CVE-2025-68146), and a planted sidecar symlink is refused
 with a warning. The release adds its keys in place, through the descriptor the holder kept on its
 own record. Both in-place writes are on the hand-off path; a reader that catches one half done sees
@@ -19,6 +20,11 @@ import stat
 
 SCHEMA = 1
 MAX_BYTES = 64 * 1024
+# Every user of a lane writes its turns here (one root is shared by all users, and in a sticky
+# directory nobody may replace another user's file): the record is writable by all, like the
+# journal. Readers trust a record only when its pid and start time match the lock's holder, so
+# another user can at most mislabel a turn, never make one deflect or run.
+MODE = 0o666
 _FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
@@ -44,7 +50,8 @@ class Written:
 def write(dir_fd: int, name: str, record: dict) -> Written:
     """Put record at name; returns the open record for extend().
 
-    Our own record file (a regular file of ours with no other name) is rewritten in place: a
+    A record file (a regular file with no other name, which we could open for writing) is
+    rewritten in place: a
     pwrite and an ftruncate, where a new file, an unlink and a rename cost ext4 three journalled
     metadata changes on the hand-off path. Anything else at the name -- no file, another user's,
     a hard link -- is replaced by a temp file renamed over it. A symlink or a non-regular file is
@@ -70,18 +77,19 @@ def write(dir_fd: int, name: str, record: dict) -> Written:
 
 
 def _rewrite(fd: int, name: str, data: bytes) -> Written | None:
-    """In place, when fd is our own single-named regular file; None (fd closed) otherwise."""
+    """In place, when fd is a single-named regular file (any user's: see MODE); None (fd closed)
+    otherwise."""
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise SidecarError(errno.EPERM, f"{name} is not a regular file; not writing through it")
-        if st.st_nlink == 1 and st.st_uid == os.geteuid():
+        if st.st_nlink == 1:
             # Longer than the old record: the pwrite covers it all; shorter: the ftruncate cuts
             # the old tail. A reader between the two sees invalid JSON and read() looks again.
             if os.pwrite(fd, data, 0) == len(data):
                 os.ftruncate(fd, len(data))
-                if st.st_mode & 0o777 != 0o644:   # readable by every user's `status`
-                    os.fchmod(fd, 0o644)
+                if st.st_mode & 0o777 != MODE and st.st_uid == os.geteuid():
+                    os.fchmod(fd, MODE)   # an older lanelock's 0644 record: share it from now on
                 return Written(fd, len(data))
     except SidecarError:
         os.close(fd)
@@ -104,18 +112,18 @@ def _replace(dir_fd: int, name: str, data: bytes) -> Written:
         raise SidecarError(errno.EPERM, f"{name} is {kind}; not writing through it")
     temp = f".{name}.{os.getpid()}.tmp"
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FLAGS, 0o644, dir_fd=dir_fd)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FLAGS, 0o600, dir_fd=dir_fd)
     except FileExistsError:
         # A leftover of a killed writer with our pid, or something planted: remove the name only.
         _unlink(temp, dir_fd)
         try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FLAGS, 0o644, dir_fd=dir_fd)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FLAGS, 0o600, dir_fd=dir_fd)
         except OSError as error:
             raise SidecarError(error.errno, f"cannot write {temp}: {error.strerror}") from None
     except OSError as error:
         raise SidecarError(error.errno, f"cannot write {temp}: {error.strerror}") from None
     try:
-        os.fchmod(fd, 0o644)
+        os.fchmod(fd, MODE)   # the umask must not narrow it: every user's turns write here
         _write_all(fd, data)
         if st is not None:
             # ext4 flushes a file's data to disk when it is renamed over an existing one
