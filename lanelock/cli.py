@@ -37,6 +37,28 @@ def _setting_help(setting) -> str:
     return setting.help + (f" ({'; '.join(extra)})" if extra else "")
 
 
+class Seconds(click.FloatRange):
+    """A number of seconds, 0 or more (click's FloatRange(min=0), which run/args.py mirrors),
+    with messages that say what was expected."""
+
+    def __init__(self, flag: str, optional: bool = False):
+        super().__init__(min=0)
+        self.flag, self.optional = flag, optional
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float):
+            return value
+        try:
+            number = float(value)
+        except ValueError:
+            hint = (f"; {self.flag}'s value is optional: write {self.flag}=SECONDS, or end "
+                    f"lanelock's options with -- before the command") if self.optional else ""
+            self.fail(f"{value!r} is not a number of seconds{hint}", param, ctx)
+        if number != number or number < 0:
+            self.fail(f"{value} is negative: SECONDS must be 0 or more", param, ctx)
+        return number
+
+
 def setting_option(name: str):
     """The click option of a setting, from the settings table (run/args.py reads the same)."""
     from .settings import SETTINGS
@@ -49,9 +71,10 @@ def setting_option(name: str):
     if kind == "key-by":
         kwargs["type"] = click.Choice(["backend", "model"])
     elif kind == "seconds":
-        kwargs["type"] = click.FloatRange(min=0)
+        kwargs["type"] = Seconds(setting.flags[0])
     elif kind == "optional-seconds":
-        kwargs.update(type=click.FloatRange(min=0), is_flag=False, flag_value=float("inf"))
+        kwargs.update(type=Seconds(setting.flags[0], optional=True), is_flag=False,
+                      flag_value=float("inf"))
     elif kind == "exit":
         kwargs["type"] = click.IntRange(0, 255)
     if name == "backend":
@@ -165,7 +188,8 @@ def where(backend, lock_dir, model, key_by, store, json_):
 @lane_options
 @click.option("--all", "all_lanes", is_flag=True, help="Every lane under the lock root.")
 @click.option("--json", "json_", is_flag=True, help="Print the facts as JSON.")
-@click.option("--watch", is_flag=True, help="Refresh a live view until ^C.")
+@click.option("--watch", is_flag=True, help="Refresh a live view until ^C (with --json: one JSON "
+                                            "object per line per refresh).")
 def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
     """Who holds the lane, from the kernel's /proc/locks, cross-checked with the sidecar.
 
@@ -185,11 +209,20 @@ def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
     def fetch():
         return statuses(gate.store, None if all_lanes else gate.lane)
 
-    if watch and not json_:
+    if not all_lanes and gate.gated:
         try:
-            render.watch(fetch)
+            notes += _other_keyings(gate, statuses)
+        except GateUnavailable:
+            pass
+
+    if watch:
+        try:
+            render.watch(fetch, as_json=json_, notes=notes)
         except KeyboardInterrupt:
             return exitcodes.OK
+        except GateUnavailable as error:
+            render.fail(str(error))
+            return exitcodes.USAGE
     try:
         results = fetch()
     except GateUnavailable as error:
@@ -197,6 +230,19 @@ def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
         return exitcodes.USAGE
     render.status(results, json_, notes=notes)
     return exitcodes.OK
+
+
+def _other_keyings(gate, statuses) -> list[str]:
+    """Lanes of the same backend keyed another way (--key-by model): separate gates, which a user
+    looking at one of them should know about."""
+    base = gate.lane.name.partition("#")[0]
+    others = [lane for lane in statuses(gate.store, None)
+              if lane["lane"].partition("#")[0] == base and lane["lane"] != gate.lane.name]
+    if not others:
+        return []
+    listed = ", ".join(f"{lane['lane']} ({lane['state']})" for lane in others)
+    return [f"the same backend has lanes keyed another way (--key-by), each its own gate that "
+            f"does not exclude this one: {listed}"]
 
 
 @cli.command(context_settings=CONTEXT)
@@ -348,6 +394,9 @@ def duel(backend, lock_dir, store, hold, fallback, users, profile_env, cron_env,
     return exitcodes.OK if result["result"] == "PASS" else exitcodes.FAILED
 
 
+_NEGATIVE = __import__("re").compile(r"-\d+(\.\d*)?|-\.\d+")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one-line `lanelock:` errors with documented codes, never a traceback."""
     from .guard import guarded
@@ -360,10 +409,17 @@ def _click_main(argv: list[str] | None):
 
     try:
         return cli.main(args=argv, prog_name="lanelock", standalone_mode=False)
+    except click.NoSuchOption as error:
+        if _NEGATIVE.fullmatch(error.option_name or ""):
+            error.message = (f"{error.option_name} is a negative number, not an option: seconds "
+                             "and counts are 0 or more")
+        return guard.usage(error.format_message(), error.ctx.command_path if error.ctx else "")
     except click.UsageError as error:
         return guard.usage(error.format_message(), error.ctx.command_path if error.ctx else "")
     except click.ClickException as error:
-        sys.stderr.write(f"lanelock: {error.format_message()}\n")
+        from . import say
+
+        say.error(error.format_message())
         return error.exit_code
     except click.exceptions.Exit as error:
         return error.exit_code

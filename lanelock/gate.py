@@ -90,7 +90,8 @@ class Gate:
             "root": self.root.path, "root_source": self.root.source,
             "root_detail": self.root.detail, **self.paths,
             "config_files": list(self.config.files),
-            "warnings": list(self.config.ignored) + ([self.config_error] if self.config_error else []),
+            "warnings": list(self.config.ignored) + ([self.config_error] if self.config_error
+                                                     else []) + self.store.problems(),
         }
 
     def turn(self, *, session: str | None = None, model: str | None = None,

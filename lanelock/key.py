@@ -108,6 +108,9 @@ def split_backend(text: str) -> tuple[str, int, str]:
         if not rest.startswith(":"):
             raise BackendError(f"backend {text!r} has no port (expected [ADDRESS]:PORT)")
         return _check_host(host, text), _check_port(rest[1:], text), text
+    if "/" in text:   # localhost:8080/v1: a URL without its scheme
+        raise BackendError(f"backend {text!r}: a path needs a scheme "
+                           f"(http://{text}), or leave the path out (HOST:PORT)")
     host, sep, port = text.rpartition(":")
     if not sep:
         raise BackendError(f"backend {text!r} has no port (expected HOST:PORT or a URL)")

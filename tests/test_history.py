@@ -119,7 +119,7 @@ def test_a_deflection_then_a_local_turn_is_the_way_back(lanelock, holder, root):
     assert done.returncode == 0 and "\x1b" not in done.stdout
     lines = done.stdout.splitlines()
     assert sum("back on local" in line for line in lines) == 1
-    deflection_lines = [line for line in lines if line.split()[1:2] == ["deflected"]]
+    deflection_lines = [line for line in lines if line.split()[3:4] == ["deflected"]]
     assert len(deflection_lines) == 1 and f"held by pid {held.pid}" in deflection_lines[0]
     assert "way back to local 1x" in lines[-1]
 
@@ -144,7 +144,7 @@ def test_a_waiting_turn_logs_how_long_it_waited(lanelock, holder, procs, root):
     assert (summary["turns"], summary["local"], summary["deflected"], summary["way_back"]) == (2, 2, 0, 0)
     done = lanelock("history")
     assert done.returncode == 0
-    assert any(line.split()[1:2] == ["waited"] and "waited " in line for line in done.stdout.splitlines())
+    assert any(line.split()[3:4] == ["waited"] and "waited " in line for line in done.stdout.splitlines())
 
 
 # -- --since -----------------------------------------------------------------------------------------

@@ -21,21 +21,22 @@ class SinceError(ValueError):
 
 
 def parse_since(text: str | None, now: float | None = None) -> float | None:
-    """'90s', '30m', '2h', '1d', '1w' ago, or an ISO date/time (UTC unless it says otherwise)."""
+    """'90s', '30m', '2h', '1d', '1w' ago, or an ISO date/time (local time unless it says
+    otherwise, as the table and the timeline)."""
     if not text:
         return None
     now = time.time() if now is None else now
     match = _DURATION.match(text)
     if match:
         return now - float(match.group(1)) * _UNITS[match.group(2)]
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     try:
         moment = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError:
         raise SinceError(f"--since {text!r}: expected a duration (30m, 2h, 1d) or an ISO date") from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
+    if moment.tzinfo is None:   # local time, as the table and timeline show it
+        moment = moment.astimezone()
     return moment.timestamp()
 
 
@@ -116,7 +117,7 @@ def timeline(events: list[dict]) -> list[tuple[str, list[str]]]:
             if event["event"] == "deflected" and hour <= event["ts"] < hour + 3600:
                 # A deflection happens while someone holds the lane, so it outranks "local".
                 cells[int((event["ts"] - hour) // 60)] = DEFLECTED
-        label = time.strftime("%Y-%m-%d %H:00", time.localtime(hour))
+        label = time.strftime("%Y-%m-%d %H:00 %Z", time.localtime(hour))
         rows.append((label, cells))
         if len(rows) >= 48:   # two days of bars is a glance; --since narrows it
             break

@@ -135,10 +135,19 @@ def status_table(results: list[dict]):
     return table
 
 
-def watch(fetch, interval: float = 0.5) -> None:
-    """Refresh the status table until ^C (rich Live on a terminal; plain lines otherwise)."""
+def watch(fetch, interval: float = 0.5, *, as_json: bool = False, notes=()) -> None:
+    """Refresh the status table until ^C (rich Live on a terminal; plain lines otherwise; with
+    as_json, JSON lines: one {"time", "lanes"} object per refresh)."""
     import time
 
+    for note in notes:
+        warn(note)
+    if as_json:
+        while True:
+            sys.stdout.write(json.dumps({"time": time.time(), "lanes": fetch()}, sort_keys=True)
+                             + "\n")
+            sys.stdout.flush()
+            time.sleep(interval)
     console = _console()
     if console is None:
         while True:
@@ -166,20 +175,20 @@ def history(data: dict, lane: str, as_json: bool, rows: list) -> None:
     console = _console()
     lines = []
     for event in data["events"]:
-        stamp = str(event.get("time", "?"))[:23]
+        stamp = local_time(event.get("ts"))
         who = sanitize(f"{event.get('session') or '?'}", 40)
         lines.append((stamp, event["event"], who, str(event.get("pid", "?")),
                       sanitize(describe(event), 200)))
     if console is None:
         for line in lines:
             sys.stdout.write("  ".join(f"{cell:<{width}}" for cell, width in
-                                       zip(line, (24, 10, 24, 8, 0))).rstrip() + "\n")
+                                       zip(line, (28, 10, 24, 8, 0))).rstrip() + "\n")
     else:
         from rich.markup import escape
         from rich.table import Table
 
         table = Table(show_header=True, header_style="bold")
-        for column in ("time (UTC)", "event", "session", "pid", "detail"):
+        for column in ("time", "event", "session", "pid", "detail"):
             table.add_column(column)
         for line in lines:
             table.add_row(*(escape(cell) for cell in line))
@@ -197,6 +206,21 @@ def history(data: dict, lane: str, as_json: bool, rows: list) -> None:
         f"deflection rate {summary['deflection_rate'] * 100:.0f}%; busy "
         f"{summary['busy_fraction'] * 100:.0f}% of the span; longest hold "
         f"{summary['longest_hold']:.1f}s; way back to local {summary['way_back']}x\n")
+
+
+def local_time(ts) -> str:
+    """2026-12-03 10:02:03.123 CET: local time with its zone, as `date` shows it (history's
+    table, timeline and --since all speak local time)."""
+    import time
+
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        return "?"
+    try:
+        moment = time.localtime(ts)
+    except (OverflowError, OSError, ValueError):
+        return "?"
+    return (time.strftime("%Y-%m-%d %H:%M:%S", moment) + f".{int(ts % 1 * 1000):03d} "
+            + time.strftime("%Z", moment))
 
 
 def config(data: dict, as_json: bool) -> None:

@@ -153,7 +153,7 @@ def run(starter: Starter, changes: dict[str, str | None], *, kill_after: float |
     try:
         failure = starter.go(changes)
         if failure:
-            return _spawn_failure(starter.argv[0], failure)
+            return _spawn_failure(starter.argv[0], failure, starter.path)
         if on_spawn is not None:
             on_spawn()
         pid, starter.pid = starter.pid, None
@@ -223,10 +223,43 @@ def _parked(path, argv, parent, go_read, status_write, prctl, inherited_int,
     launch.wait_and_exec(go_read, status_write, path, argv, env)
 
 
-def _spawn_failure(command: str, code: int) -> Outcome:
+SHELL_BUILTINS = frozenset(
+    "cd export source . alias unalias set unset exit ulimit umask eval exec read type wait jobs "
+    "fg bg trap shift return declare local readonly pushd popd dirs history hash builtin".split())
+
+
+def _spawn_failure(command: str, code: int, path: str = "") -> Outcome:
+    """The one line that says why the command did not start, in words that lead somewhere."""
+    if not command:
+        return Outcome(exitcodes.NOT_FOUND, error="the command is empty (an empty argument "
+                                                   "after --?)")
     if code in _NOT_FOUND:
+        if "/" not in command and command in SHELL_BUILTINS:
+            return Outcome(exitcodes.NOT_FOUND, error=(
+                f"{command}: a shell builtin, not a program: run it in a shell, e.g. "
+                f"lanelock run -- sh -c '{command} ...'"))
+        interpreter = _missing_interpreter(path or command)
+        if interpreter:
+            return Outcome(exitcodes.NOT_FOUND, error=(
+                f"{command}: its interpreter {interpreter} was not found (the script's #! line)"))
         return Outcome(exitcodes.NOT_FOUND, error=f"{command}: command not found")
     return Outcome(exitcodes.CANNOT_EXECUTE, error=f"{command}: cannot execute: {os.strerror(code)}")
+
+
+def _missing_interpreter(command: str) -> str | None:
+    """execve() says ENOENT both for a missing file and for a script whose #! interpreter is
+    missing; only the second has a file to read."""
+    if "/" not in command:
+        return None
+    try:
+        with open(command, "rb") as handle:
+            first = handle.readline(256)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    words = first[2:].split()
+    return words[0].decode("utf-8", "replace") if words else "(none)"
 
 
 def _supervise(pid: int, watched: set, kill_after: float | None, on_stop=None) -> Outcome:

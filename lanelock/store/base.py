@@ -65,6 +65,10 @@ class LaneStore(ABC):
         """One line for `where`: the store and what bounds it (e.g. how fast a dead host's lane
         frees)."""
 
+    @abstractmethod
+    def problems(self) -> list:
+        """What would make a turn here fail open, found without taking anything (for `where`)."""
+
     # -- the lock -----------------------------------------------------------------------------------
     @abstractmethod
     def open(self, lane, *, create: bool = True):

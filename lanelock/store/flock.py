@@ -69,6 +69,20 @@ class FlockStore(LaneStore):
     def path(self, name: str) -> str:
         return os.path.join(self.root.path, name)
 
+    def problems(self) -> list:
+        try:
+            os.close(open_root(self.root, create=False))
+        except FileNotFoundError:
+            parent = os.path.dirname(self.root.path)
+            if os.path.isdir(parent):
+                return []   # the first turn creates it
+            why = f"cannot create lock root {self.root.path}: {parent} is not a directory"
+        except GateUnavailable as error:
+            why = str(error)
+        else:
+            return []
+        return [f"{why}: turns here would run ungated (fail open)"]
+
     def qualify(self, lane):
         return lane   # one machine, one root: "localhost" is this machine
 

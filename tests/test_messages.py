@@ -1,0 +1,110 @@
+"""Issue 16, items 3 and 4: messages that used to send a user the wrong way, and small things a
+user notices. Each asserts the one `lanelock:` line and the exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+
+import pytest
+
+from conftest import LANELOCK, TIMEOUT, environ, read_line
+
+
+def one_line(result) -> str:
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lanelock: "), result.stderr
+    return lines[0]
+
+
+def test_a_path_without_a_scheme_says_so(lanelock):
+    result = lanelock("where", "-b", "localhost:8080/v1")
+    assert result.returncode == 2
+    assert "a path needs a scheme (http://localhost:8080/v1)" in one_line(result)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["run", "-w", "echo", "hi"], "--wait's value is optional: write --wait=SECONDS"),
+    (["run", "--wait", "-1", "--", "true"], "-1 is a negative number, not an option"),
+    (["run", "--wait=-1", "--", "true"], "-1 is a negative number"),
+    (["run", "--grace", "-1", "--", "true"], "-1 is negative: SECONDS must be 0 or more"),
+    (["run", "--kill-after", "soon", "--", "true"], "'soon' is not a number of seconds"),
+    (["config", "set", "grace", "-1"], "-1 is a negative number, not an option"),
+])
+def test_option_values_are_explained(args, words, lanelock):
+    result = lanelock(*args)
+    assert result.returncode == 2
+    assert words in one_line(result)
+
+
+@pytest.mark.parametrize("command, words", [
+    (["cd", "/"], "cd: a shell builtin, not a program: run it in a shell, e.g. lanelock run -- sh -c"),
+    ([""], "the command is empty"),
+])
+def test_commands_that_cannot_start_are_explained(command, words, lanelock):
+    result = lanelock("run", "--", *command)
+    assert result.returncode == 127
+    assert words in one_line(result)
+
+
+def test_a_script_whose_interpreter_is_missing_names_it(lanelock, tmp_path):
+    script = tmp_path / "x.sh"
+    script.write_text("#!/usr/bin/no-such-interpreter\necho hi\n")
+    script.chmod(0o755)
+    for spelled, env in ((str(script), None), ("x.sh", {"PATH": f"{tmp_path}:/usr/bin:/bin"})):
+        result = lanelock("run", "--", spelled, env=env)
+        assert result.returncode == 127
+        assert "its interpreter /usr/bin/no-such-interpreter was not found" in one_line(result)
+
+
+def test_status_json_watch_streams_one_object_per_refresh(procs):
+    proc = procs.start([*LANELOCK, "status", "--json", "--watch", "-b", "localhost:7210"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ())
+    first, second = json.loads(read_line(proc.stdout)), json.loads(read_line(proc.stdout))
+    assert first["lanes"][0]["lane"] == second["lanes"][0]["lane"] == "localhost:7210"
+    assert second["time"] > first["time"]
+
+
+def test_where_warns_when_the_lock_root_is_a_regular_file(lanelock, tmp_path):
+    root = tmp_path / "not-a-dir"
+    root.write_text("")
+    result = lanelock("where", "--lock-dir", str(root))
+    assert result.returncode == 0
+    assert "turns here would run ungated (fail open)" in one_line(result)
+
+
+def test_history_speaks_local_time_with_its_zone(lanelock):
+    assert lanelock("run", "-b", "localhost:7211", "--", "true").returncode == 0
+    for zone, name in (("Europe/Berlin", "CET"), ("UTC", "UTC"), ("America/New_York", "EST")):
+        shown = lanelock("history", "-b", "localhost:7211", env={"TZ": zone}).stdout
+        date = subprocess.run(["date", "+%Y-%m-%d %H"], env=environ({"TZ": zone}),
+                              capture_output=True, text=True).stdout.strip()
+        assert f"{date}:" in shown and f" {name} " in shown, (zone, shown)
+    events = json.loads(lanelock("history", "-b", "localhost:7211", "--json").stdout)["events"]
+    after = lanelock("history", "-b", "localhost:7211", "--json", "--since",
+                     subprocess.run(["date", "-d", "@" + str(int(events[0]["ts"]) + 3600),
+                                     "+%Y-%m-%dT%H:%M:%S"], env=environ({"TZ": "Europe/Berlin"}),
+                                    capture_output=True, text=True).stdout.strip(),
+                     env={"TZ": "Europe/Berlin"})
+    assert json.loads(after.stdout)["events"] == []   # a naive --since is local time too
+
+
+def test_status_keeps_the_commands_quoting(holder, lanelock):
+    holder("-b", "localhost:7212")
+    shown = lanelock("status", "-b", "localhost:7212").stdout
+    assert "command sh -c 'echo \"ready $$\"; read code; exit \"${code:-0}\"'" in shown, shown
+
+
+def test_backend_error_is_importable_from_the_package():
+    import lanelock
+
+    with pytest.raises(lanelock.BackendError):
+        lanelock.Gate("bad::")
+
+
+def test_status_names_the_lanes_of_the_same_backend_keyed_by_model(holder, lanelock):
+    holder("-b", "localhost:7213", "--key-by", "model", "-m", "qwen")
+    result = lanelock("status", "-b", "localhost:7213")
+    assert "localhost:7213#qwen (held)" in result.stderr and "does not exclude" in result.stderr
