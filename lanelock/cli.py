@@ -109,7 +109,8 @@ def run_options(function):
     return lane_options(function)
 
 
-def make_gate(backend, lock_dir, model, key_by, gate=None, grace=None, warn=None, store=None):
+def make_gate(backend, lock_dir, model, key_by, gate=None, grace=None, warn=None, store=None,
+              settings=None):
     from .errors import UsageProblem
     from .gate import Gate
     from .key import BackendError
@@ -117,7 +118,7 @@ def make_gate(backend, lock_dir, model, key_by, gate=None, grace=None, warn=None
     try:
         kwargs = {"warn": warn} if warn else {}
         return Gate(backend, model=model, key_by=key_by, lock_dir=lock_dir, gate=gate,
-                    grace=grace, store=store, **kwargs)
+                    grace=grace, store=store, settings=settings, **kwargs)
     except (BackendError, UsageProblem) as error:
         raise click.UsageError(str(error)) from None
 
@@ -269,6 +270,72 @@ def history(backend, lock_dir, model, key_by, store, since, json_):
     rows = lane_history.timeline(data["events"]) if not json_ else []
     render.history(data, gate.lane.name, json_, rows)
     return exitcodes.OK
+
+
+@cli.command(context_settings=CONTEXT)
+@setting_option("proxy_listen")
+@setting_option("backend")
+@click.option("--fallback", "fallbacks", metavar="URL", multiple=True,
+              help="Where a busy lane's requests go: an OpenAI-compatible base URL "
+                   "(https://api.example.com/v1), or @HOST:PORT for another local engine on its "
+                   "own lane; repeatable, tried in order.")
+@click.option("--fallback-model", metavar="NAME", default=None,
+              help="The model a URL fallback is asked for (replaces the request's model).")
+@click.option("--fallback-key-env", metavar="VAR", default=None,
+              help="Environment variable holding the URL fallbacks' API key (sent as "
+                   "'Authorization: Bearer'; never logged).")
+@setting_option("wait")
+@setting_option("proxy_linger")
+@setting_option("proxy_session_header")
+@click.option("--token-env", metavar="VAR", default=None,
+              help="Require 'Authorization: Bearer $VAR' on every request (needed to listen "
+                   "beyond loopback).")
+@setting_option("store")
+@setting_option("lock_dir")
+@click.option("--quiet", "-q", is_flag=True, help="No notes or warnings from lanelock.")
+@click.option("--verbose", "-v", is_flag=True, help="One line per request.")
+def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, wait, proxy_linger,
+          proxy_session_header, token_env, store, lock_dir, quiet, verbose):
+    """Serve the lane to HTTP clients: a loopback proxy that holds the lane per generation request.
+
+    Point a client's base URL at it (http://127.0.0.1:8089/v1). A busy lane sends the request to
+    --fallback, or answers 503 with Retry-After. Needs: pip install 'lanelock[proxy]'.
+    """
+    import asyncio
+
+    from .errors import UsageProblem
+    from .say import Say
+    from .settings import Settings
+
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        raise click.UsageError("the proxy needs aiohttp: pip install 'lanelock[proxy]'") from None
+    from .proxy.app import Options
+    from .proxy.routes import parse_fallback
+    from .proxy.serve import build, serve
+
+    say = Say(quiet)
+    settings = Settings({"backend": backend, "store": store, "lock_dir": lock_dir or None,
+                         "wait": wait, "proxy_listen": proxy_listen, "proxy_linger": proxy_linger,
+                         "proxy_session_header": proxy_session_header})
+    gate = strict_gate(None, None, None, None, settings=settings, warn=say.warn)
+    try:
+        entries = [parse_fallback(text) for text in fallbacks]
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    wait_value = settings.get("wait")
+    options = Options(fallbacks=entries, fallback_model=fallback_model,
+                      wait=None if wait_value == float("inf") else float(wait_value or 0),
+                      linger=float(settings.get("proxy_linger")),
+                      session_header=settings.get("proxy_session_header"),
+                      paths=settings.get("proxy_paths"), quiet=quiet, verbose=verbose)
+    try:
+        app, host, port = build(gate, options, say, settings.get("proxy_listen"), token_env,
+                                fallback_key_env)
+    except UsageProblem as error:
+        raise click.UsageError(str(error)) from None
+    return asyncio.run(serve(app, host, port, say))
 
 
 @cli.group(context_settings=CONTEXT)

@@ -29,6 +29,7 @@ __all__ = ["Gate", "Turn", "describe_holder", "HELD", "DEFLECTED", "UNGATED", "F
 
 # A turn's states (LANELOCK_STATE, turn.state, the proxy's X-Lanelock-State).
 HELD, DEFLECTED, UNGATED, FAIL_OPEN, RELEASED = "held", "deflected", "ungated", "fail-open", "released"
+CANCELLED = "cancelled"   # an asyncio turn whose task was cancelled while it waited
 REASON_BUSY = "local_backend_busy"
 ARGV_BUDGET = 4096   # characters of argv a holder record keeps (the readers' limit is 64 KiB)
 BUSY_WORDS = "local model in use by another session"
@@ -95,10 +96,14 @@ class Gate:
         }
 
     def turn(self, *, session: str | None = None, model: str | None = None,
-             argv: list[str] | None = None, wait: float | None = 0.0) -> "Turn":
-        """A turn on this lane; the lock is taken on __enter__ (or acquire()). wait: seconds to
-        block for the lane (None: forever); 0 deflects after the short grace period."""
-        return Turn(self, session=session, model=model or self.model, argv=argv, wait=wait)
+             argv: list[str] | None = None, wait: float | None = 0.0,
+             labels: dict | None = None) -> "Turn":
+        """A turn on this lane; the lock is taken on entering it (`with`, or `async with` in
+        asyncio code, which never blocks the event loop), or by acquire(). wait: seconds to block
+        for the lane (None: forever); 0 deflects after the short grace period. labels: more
+        facts for the holder record and the journal (the proxy's client and path)."""
+        return Turn(self, session=session, model=model or self.model, argv=argv, wait=wait,
+                    labels=labels)
 
     def busy(self) -> bool:
         """Is the lane held right now? Asks the kernel (/proc/locks) and never takes the lock, so
@@ -137,12 +142,15 @@ class Gate:
 
 
 class Turn:
-    def __init__(self, gate: Gate, *, session, model, argv, wait):
+    def __init__(self, gate: Gate, *, session, model, argv, wait, labels=None):
         self.gate = gate
         self.session = session or gate.settings.get("session") or default_session()
         self.model = model
         self.argv = list(argv or [])
+        self.labels = dict(labels or {})
         self._argv_cache: dict | None = None
+        self._owner = None    # who may nest in this turn: the thread, or an asyncio task
+        self._cancel = None   # threading.Event: an asyncio turn's wait was cancelled
         self.wait = wait
         self.state: str | None = None
         self.reason: str | None = None
@@ -183,6 +191,16 @@ class Turn:
     def __exit__(self, kind, value, traceback) -> None:
         self.release(None if kind else 0)
 
+    async def __aenter__(self) -> "Turn":
+        from .asyncturn import acquire
+
+        return await acquire(self)
+
+    async def __aexit__(self, kind, value, traceback) -> None:
+        from .asyncturn import release
+
+        await release(self, None if kind else 0)
+
     # -- acquiring -------------------------------------------------------------------------------
     def acquire(self) -> "Turn":
         gate = self.gate
@@ -207,7 +225,9 @@ class Turn:
             if handle.caveat:
                 gate.warn(handle.caveat)
             ident = store.ident(handle)
-            if _HELD_HERE.get(ident) == _thread.get_ident():
+            if self._owner is None:
+                self._owner = _thread.get_ident()
+            if _HELD_HERE.get(ident) == self._owner:
                 return self._nested(handle)
             started = time.monotonic()
             _debug_pause("before-acquire")
@@ -216,8 +236,12 @@ class Turn:
                 if self._ancestor_holds(store.holder_pids_here(handle, store.kernel(handle))):
                     return self._nested(handle)
                 timeout = None if self.wait is None else max(self.wait, gate.grace)
-                got = store.wait_lock(handle, timeout)
+                got = store.wait_lock(handle, timeout, self._cancel)
             self.waited = time.monotonic() - started
+            if not got and self._cancel is not None and self._cancel.is_set():
+                store.release(handle)   # abandoned, not deflected: nothing to record
+                self._handle, self.state = None, CANCELLED
+                return self
             if not got:
                 return self._deflect(handle)
             if store.still_current(handle):
@@ -248,7 +272,7 @@ class Turn:
 
     def _held(self, handle, ident) -> "Turn":
         self.state, self._key = HELD, ident
-        _HELD_HERE[ident] = _thread.get_ident()
+        _HELD_HERE[ident] = self._owner
         self._started = time.monotonic()
         now = time.time()
         self._acquired_at = utc_now(now)
@@ -336,6 +360,8 @@ class Turn:
             record.update(self.gate.store.record_extra(self._handle))
         if self._stopped_at is not None:
             record["stopped_at"] = self._stopped_at
+        if self.labels:
+            record.update(self.labels)
         return record
 
     def _argv_fields(self) -> dict:
@@ -366,7 +392,7 @@ class Turn:
         return {"event": event, "time": text or utc_now(now), "ts": round(now, 6),
                 "monotonic": round(time.monotonic(), 6),
                 "lane": self.gate.lane.name, "pid": os.getpid(), "session": self.session,
-                "model": self.model, **extra}
+                "model": self.model, **self.labels, **extra}
 
     def _write_sidecar(self, record: dict) -> None:
         try:

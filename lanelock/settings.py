@@ -112,6 +112,35 @@ def _chains(value) -> str | None:
     return None
 
 
+def _listen(value) -> str | None:
+    if _text(value):
+        return "HOST:PORT"
+    from .errors import UsageProblem
+    from .proxy.serve import listen_address
+
+    try:
+        listen_address(value)
+    except UsageProblem as error:
+        return str(error)
+    return None
+
+
+def _header_name(value) -> str | None:
+    import re
+
+    if isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}", value):
+        return None
+    return "an HTTP header name"
+
+
+def _paths(value) -> str | None:
+    if isinstance(value, list) and value and all(
+            isinstance(path, str) and path.startswith("/") and len(path) < 512 for path in value):
+        return None
+    return "a list of paths, each starting with /"
+
+
+DEFAULT_LISTEN = "127.0.0.1:8089"
 DEFAULT_BACKEND = "127.0.0.1:8080"
 DEFAULT_GRACE = 0.05   # seconds: long enough to ride out a probe, short enough to be invisible
 BUSY_EXIT = 75         # exitcodes.BUSY (EX_TEMPFAIL)
@@ -152,8 +181,21 @@ TABLE = (
             help="Rotate the journal past this size."),
     Setting("chains", check=_chains, shown="none",
             help="Named fallback chains: [[chains.NAME]] backend = ..., command = ..."),
+    # lanelock proxy
+    Setting("proxy_listen", flags=("--listen",), default=DEFAULT_LISTEN, check=_listen,
+            metavar="HOST:PORT", help="Where the proxy listens (loopback unless --token-env)."),
+    Setting("proxy_linger", flags=("--linger",), kind="seconds", default=0, check=_seconds,
+            metavar="SECONDS",
+            help="Keep the lane this long after a request for the same session's next one."),
+    Setting("proxy_session_header", flags=("--session-header",), default="X-Lanelock-Session",
+            check=_header_name, metavar="NAME", help="Request header that names the session."),
+    Setting("proxy_paths", check=_paths, shown="the generation endpoints (see the README)",
+            help="Paths whose POST requests hold the lane (a list; replaces the default list)."),
 )
 SETTINGS = {setting.name: setting for setting in TABLE}
+# The settings `lanelock run` takes as flags (run/args.py and the click command read this).
+RUN_FLAGS = ("backend", "lock_dir", "model", "session", "key_by", "store", "gate", "wait",
+             "busy_exit_code", "grace", "kill_after")
 
 
 def validate(name: str, value) -> str | None:

@@ -16,7 +16,7 @@ checks parse() against click on a corpus of argument lists.
 
 from __future__ import annotations
 
-from ..settings import TABLE
+from ..settings import RUN_FLAGS, SETTINGS
 
 # Options of `run` that are not settings: (spellings, parameter, kind, metavar, help).
 RUN_ONLY = (
@@ -37,9 +37,7 @@ _KINDS = {"text": "text", "store": "text", "key-by": "key-by", "seconds": "float
 LONG: dict = {}
 SHORT: dict = {}
 DEFAULTS: dict = {}
-for _setting in TABLE:
-    if not _setting.flags:
-        continue
+for _setting in (SETTINGS[name] for name in RUN_FLAGS):
     if _setting.kind == "gate":
         LONG["--gate"], LONG["--no-gate"] = ("gate", "on"), ("gate", "off")
     else:
@@ -79,7 +77,7 @@ class Request:
 
     def settings_flags(self) -> dict:
         """The settings given on the command line, as the settings table takes them."""
-        flags = {setting.name: getattr(self, setting.name) for setting in TABLE if setting.flags}
+        flags = {name: getattr(self, name) for name in RUN_FLAGS}
         if self.gate is not None:
             flags["gate"] = "always" if self.gate else "never"
         flags["lock_dir"] = self.lock_dir or None   # an empty --lock-dir means "not given"

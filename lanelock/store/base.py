@@ -80,9 +80,14 @@ class LaneStore(ABC):
         """Take the lock if it is free, at once."""
 
     @abstractmethod
-    def wait_lock(self, handle, timeout: float | None) -> bool:
+    def wait_lock(self, handle, timeout: float | None, cancel=None) -> bool:
         """Block (in the kernel or the server, never by polling) up to timeout seconds (None:
-        forever) for the lock."""
+        forever) for the lock. cancel: a threading.Event; once it is set (and cancel_wait called)
+        the wait gives up and returns False."""
+
+    @abstractmethod
+    def cancel_wait(self, handle) -> None:
+        """Make a wait_lock blocked in another thread give up soon."""
 
     @abstractmethod
     def still_current(self, handle) -> bool:

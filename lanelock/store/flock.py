@@ -130,19 +130,20 @@ class FlockStore(LaneStore):
                 return False
             raise GateUnavailable(f"flock failed on {self.path(handle.name)}: {error.strerror}") from None
 
-    def wait_lock(self, handle: Handle, timeout: float | None) -> bool:
-        """Block in the kernel until the lock is ours or timeout seconds pass (None: forever)."""
+    def wait_lock(self, handle: Handle, timeout: float | None, cancel=None) -> bool:
+        """Block in the kernel until the lock is ours or timeout seconds pass (None: forever), or
+        cancel (a threading.Event) is set."""
         try:
-            if timeout is None:
-                fcntl.flock(handle.fd, fcntl.LOCK_EX)
-                return True
-            if timeout <= 0:
+            if timeout is not None and timeout <= 0 and cancel is None:
                 return self.try_lock(handle)
-            return waiting.wait(handle, timeout)
+            return waiting.wait(handle, timeout, cancel)
         except OSError as error:
             if error.errno in CONTENDED:
                 return False
             raise GateUnavailable(f"flock failed on {self.path(handle.name)}: {error.strerror}") from None
+
+    def cancel_wait(self, handle: Handle) -> None:
+        pass   # the cancel Event given to wait_lock wakes the waiting thread
 
     def still_current(self, handle: Handle) -> bool:
         """False when the lock file was removed or replaced under us: our lock is on an orphan inode

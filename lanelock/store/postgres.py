@@ -40,6 +40,7 @@ class PgHandle:
     backend_pid: int
     fd: int | None = None          # the connection's socket (never None for a live handle)
     caveat: str | None = None
+    cancelled: bool = False        # cancel_wait() gave up the wait
 
     def close(self) -> None:
         try:
@@ -139,7 +140,15 @@ class PgStore(LaneStore):
     def try_lock(self, handle: PgHandle) -> bool:
         return self._call(handle, "SELECT pg_try_advisory_lock(%s, %s)", handle.key)
 
-    def wait_lock(self, handle: PgHandle, timeout: float | None) -> bool:
+    def cancel_wait(self, handle: PgHandle) -> None:
+        """Give up a wait from another thread: the server cancels the blocked statement."""
+        handle.cancelled = True
+        try:
+            handle.conn.cancel()
+        except Exception:  # noqa: BLE001 - a connection already gone has nothing to cancel
+            pass
+
+    def wait_lock(self, handle: PgHandle, timeout: float | None, cancel=None) -> bool:
         """A blocking lock with a server-side timeout: the server wakes us, no polling."""
         psycopg = driver()
         millis = 0 if timeout is None else max(1, int(timeout * 1000))
@@ -154,6 +163,8 @@ class PgStore(LaneStore):
                 finally:
                     cursor.execute("SET lock_timeout = 0")
         except psycopg.Error as error:
+            if handle.cancelled:
+                return False
             raise GateUnavailable(f"lane store: {first_line(error)}") from None
 
     def still_current(self, handle: PgHandle) -> bool:

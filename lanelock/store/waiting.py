@@ -16,9 +16,16 @@ class _Timeout(Exception):
     pass
 
 
-def wait(handle, timeout: float) -> bool:
-    """Block up to timeout seconds for an exclusive flock on handle.fd (which may be replaced by
-    an equivalent descriptor). OSError other than contention propagates."""
+def wait(handle, timeout: float | None, cancel=None) -> bool:
+    """Block up to timeout seconds (None: forever) for an exclusive flock on handle.fd (which may
+    be replaced by an equivalent descriptor). cancel: a threading.Event that, once set, abandons
+    the wait (an asyncio turn whose task was cancelled). OSError other than contention
+    propagates."""
+    if cancel is not None:
+        return _wait_in_thread(handle, timeout, cancel)
+    if timeout is None:
+        fcntl.flock(handle.fd, fcntl.LOCK_EX)
+        return True
     try:
         return _wait_with_alarm(handle.fd, timeout)
     except _NotMainThread:
@@ -69,14 +76,15 @@ def _wait_with_alarm(fd: int, timeout: float) -> bool:
         raise
 
 
-def _wait_in_thread(handle, timeout: float) -> bool:
+def _wait_in_thread(handle, timeout: float | None, wake=None) -> bool:
     """Off the main thread there is no timer signal: a helper thread blocks in flock on its own open
-    file description; if it is too late, it releases the moment it gets the lock."""
+    file description; if it is too late, it releases the moment it gets the lock. wake: an Event
+    the helper sets when it has the lock, and a canceller sets to give up."""
     import threading
 
     fd2 = os.open(f"/proc/self/fd/{handle.fd}", os.O_RDONLY | os.O_CLOEXEC)
     guard = threading.Lock()
-    done = threading.Event()
+    done = wake if wake is not None else threading.Event()
     state = {"abandoned": False, "got": False}
 
     def blocker():

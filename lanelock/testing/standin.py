@@ -4,9 +4,12 @@
     python -m lanelock.testing client http://127.0.0.1:PORT
 
 The server speaks just enough of the OpenAI API (/v1/chat/completions, /v1/completions, /health,
-/v1/models) for a client to get an answer. Each completion takes --delay seconds and the server
-records how many generations were in flight at once: GET /stats gives {"max_in_flight", "total",
-"in_flight"}, POST /stats/reset clears them. Loopback only, by design.
+/v1/models) and llama.cpp's /completion for a client to get an answer. A completion takes --delay
+seconds; with "stream": true it streams --tokens server-sent events (OpenAI chunk shapes, then
+[DONE]) one every --token-interval seconds, and stops when the client hangs up, as llama-server
+does. The server records how many generations were in flight at once: GET /stats gives
+{"max_in_flight", "total", "in_flight", "hangups", "paths"}, POST /stats/reset clears them.
+Loopback only, by design.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ class Counter:
     def __init__(self):
         self.lock = threading.Lock()
         self.in_flight = self.max_in_flight = self.total = 0
+        self.hangups = 0          # generations the client abandoned mid-way
+        self.paths: list[str] = []   # the paths generations were asked on, in order
 
     def enter(self) -> None:
         with self.lock:
@@ -36,19 +41,32 @@ class Counter:
         with self.lock:
             self.in_flight -= 1
 
+    def hung_up(self) -> None:
+        with self.lock:
+            self.hangups += 1
+
     def snapshot(self) -> dict:
         with self.lock:
             return {"max_in_flight": self.max_in_flight, "total": self.total,
-                    "in_flight": self.in_flight}
+                    "in_flight": self.in_flight, "hangups": self.hangups,
+                    "paths": list(self.paths[-100:])}
 
     def reset(self) -> None:
         with self.lock:
             self.max_in_flight = self.in_flight
-            self.total = 0
+            self.total = self.hangups = 0
+            self.paths.clear()
 
 
-def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in") -> ThreadingHTTPServer:
+GENERATING = ("/v1/chat/completions", "/v1/completions", "/completion", "/completions")
+
+
+def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in", tokens: int = 8,
+                token_interval: float | None = None) -> ThreadingHTTPServer:
+    """delay: seconds a non-streaming answer takes; a streaming one ("stream": true) sends
+    `tokens` server-sent events, one every token_interval seconds (default delay / tokens)."""
     counter = Counter()
+    interval = delay / max(tokens, 1) if token_interval is None else token_interval
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -98,23 +116,79 @@ def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in") -> Th
 
         def do_POST(self):
             length = int(self.headers.get("Content-Length") or 0)
-            self.rfile.read(min(length, 1 << 20))
+            raw = self.rfile.read(min(length, 32 << 20))
             if self.path == "/stats/reset":
                 counter.reset()
                 return self._send(200, counter.snapshot())
-            if self.path not in ("/v1/chat/completions", "/v1/completions"):
+            path = self.path.split("?", 1)[0]
+            if path not in GENERATING:
                 return self._send(404, {"error": "not found"})
-            counter.enter()
             try:
+                request = json.loads(raw or b"{}")
+            except ValueError:
+                return self._send(400, {"error": "body is not JSON"})
+            counter.enter()
+            with counter.lock:
+                counter.paths.append(path)
+            try:
+                if request.get("stream"):
+                    return self._stream(path, request)
                 finished = self._generate(delay)
             finally:
                 counter.leave()
             if not finished:
+                counter.hung_up()
                 return None
+            text = f"answer from {name}"
+            if path == "/completion":   # llama.cpp's native shape
+                return self._send(200, {"content": text, "stop": True, "model": name})
+            if path in ("/v1/completions", "/completions"):
+                return self._send(200, {"object": "text_completion", "model": name,
+                                        "choices": [{"index": 0, "text": text,
+                                                     "finish_reason": "stop"}]})
             return self._send(200, {
                 "object": "chat.completion", "model": name,
                 "choices": [{"index": 0, "finish_reason": "stop",
-                             "message": {"role": "assistant", "content": f"answer from {name}"}}]})
+                             "message": {"role": "assistant", "content": text}}]})
+
+        def _stream(self, path: str, request: dict) -> None:
+            """Server-sent events, one token every interval; stops when the client hangs up."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            count = int(request.get("max_tokens") or tokens)
+            for index in range(count):
+                last = index == count - 1
+                word = f"tok{index} "
+                if path == "/completion":
+                    event = {"content": word, "stop": last}
+                elif path in ("/v1/completions", "/completions"):
+                    event = {"object": "text_completion", "model": name, "choices": [
+                        {"index": 0, "text": word, "finish_reason": "stop" if last else None}]}
+                else:
+                    event = {"object": "chat.completion.chunk", "model": name, "choices": [
+                        {"index": 0, "delta": {"content": word},
+                         "finish_reason": "stop" if last else None}]}
+                if not self._chunk(f"data: {json.dumps(event)}\n\n".encode()):
+                    counter.hung_up()
+                    return
+                if not last and not self._generate(interval):
+                    counter.hung_up()
+                    return
+            if path != "/completion":
+                self._chunk(b"data: [DONE]\n\n")
+            self._chunk(b"")
+
+        def _chunk(self, data: bytes) -> bool:
+            try:
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+                return True
+            except OSError:
+                self.close_connection = True
+                return False
 
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     server.daemon_threads = True
@@ -158,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=0)
     serve.add_argument("--delay", type=float, default=0.1)
     serve.add_argument("--name", default="stand-in")
+    serve.add_argument("--tokens", type=int, default=8, help="events in a streamed answer")
+    serve.add_argument("--token-interval", type=float, help="seconds between streamed events")
     serve.add_argument("--port-file", help="write the bound port here once listening")
     client = commands.add_parser("client", help="ask the server for one completion")
     client.add_argument("url")
@@ -173,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lanelock.testing client: {error}", file=sys.stderr)
             return 1
         return 0
-    server = make_server(args.port, args.delay, args.name)
+    server = make_server(args.port, args.delay, args.name, args.tokens, args.token_interval)
     if args.port_file:
         temp = args.port_file + ".tmp"
         with open(temp, "w") as handle:

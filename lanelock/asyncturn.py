@@ -1,0 +1,81 @@
+"""`async with gate.turn(...) as turn:` -- the same turn for asyncio code, without blocking the loop.
+
+The turn is the synchronous Turn, run in a thread of its own: a wait for the lane blocks that
+thread in the kernel (or the PostgreSQL server), never the event loop, and other tasks go on. One
+thread per acquiring turn, not a pool: a turn that would deflect at once must never queue behind
+turns that wait.
+
+Guarantees, as for `with`: the lane is let go on leaving the block, also on an exception; a gate
+error fails open. Cancelling the task while it waits abandons the wait: the waiting thread gives up
+(the flock store's helper lets go of a lock it gets too late; the PostgreSQL store cancels the
+statement), and whatever the thread got is released before CancelledError propagates. Each task
+is its own owner: two tasks of one process are two turns (only the same task nests), and the
+kernel keeps them apart as it keeps processes apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+
+async def acquire(turn):
+    loop = asyncio.get_running_loop()
+    turn._owner = ("task", id(asyncio.current_task()))
+    turn._cancel = threading.Event()
+    done = loop.create_future()
+
+    def work() -> None:
+        try:
+            result, error = turn.acquire(), None
+        except BaseException as raised:   # noqa: BLE001 - handed to the awaiting task
+            result, error = None, raised
+        try:
+            loop.call_soon_threadsafe(_settle, done, result, error)
+        except RuntimeError:   # the loop is closed: nobody waits, so nobody keeps the lane
+            turn.release(None)
+
+    threading.Thread(target=work, name="lanelock-turn", daemon=True).start()
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        turn._cancel.set()
+        handle = turn.handle
+        if handle is not None:
+            turn.gate.store.cancel_wait(handle)
+        await _finished(done)
+        await release(turn, None)
+        raise
+
+
+async def release(turn, exit_status) -> None:
+    """Let the lane go in a thread (a PostgreSQL release is a round trip); a cancellation of the
+    awaiting task does not stop it."""
+    if turn.state is None:
+        return
+    await _finished(asyncio.ensure_future(asyncio.to_thread(turn.release, exit_status)))
+
+
+def _settle(future, result, error) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+async def _finished(future) -> None:
+    """Wait for future to finish even if this task is cancelled meanwhile (then re-raise)."""
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if future.done():
+                break
+            cancelled = True
+        except BaseException:   # noqa: BLE001 - the result is the caller's business
+            break
+    if cancelled:
+        raise asyncio.CancelledError

@@ -1,0 +1,297 @@
+"""The per-request decision of `lanelock proxy`.
+
+A generation request (routes.py) takes the lane for exactly as long as the engine answers it: from
+the moment it is forwarded until the last byte is relayed, the client hangs up, or the engine
+fails. A busy lane: wait (--wait, or the request's X-Lanelock-Wait capped by it), then the fallback
+chain (URLs for OpenAI-style paths, @HOST:PORT engines on their own lanes), then 503 with
+Retry-After. Every answer to a gated request says X-Lanelock-State (and X-Lanelock-Reason when
+deflected or busy). Linger keeps the lane for the same session between its requests, so an agent's
+tool-call loop keeps the engine's cache of its conversation.
+
+Never logged: Authorization headers, bodies, the fallback key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+from aiohttp import web
+
+from .. import asyncturn
+from ..gate import BUSY_WORDS, DEFLECTED, FAIL_OPEN, HELD, REASON_BUSY, UNGATED, Gate
+from ..holder import words as holder_words
+from .relay import Unreachable, error_response, relay, request_headers
+from .routes import Routes
+
+STATE = "X-Lanelock-State"
+REASON = "X-Lanelock-Reason"
+WAIT_HEADER = "X-Lanelock-Wait"
+BUSY = "busy"
+
+
+class Options:
+    def __init__(self, *, fallbacks=(), fallback_model=None, fallback_key=None, wait=0.0,
+                 linger=0.0, session_header="X-Lanelock-Session", token=None, paths=None,
+                 quiet=False, verbose=False, max_body=32 << 20):
+        self.fallbacks = list(fallbacks)
+        self.fallback_model, self.fallback_key = fallback_model, fallback_key
+        self.wait, self.linger = wait, linger
+        self.session_header, self.token = session_header, token
+        self.routes = Routes(paths)
+        self.quiet, self.verbose = quiet, verbose
+        self.max_body = max_body
+
+
+class Lingering:
+    """A held turn kept for one session between its requests."""
+
+    __slots__ = ("turn", "session", "timer", "in_use")
+
+    def __init__(self, turn, session: str):
+        self.turn, self.session = turn, session
+        self.timer = None
+        self.in_use = True
+
+
+class Proxy:
+    def __init__(self, gate: Gate, options: Options, say, backend_url: str):
+        self.gate, self.options, self.say = gate, options, say
+        self.backend_url = backend_url.rstrip("/")
+        self.client = None            # aiohttp.ClientSession, made on startup
+        self.lingering: Lingering | None = None
+        self.failing = False          # inside a fail-open incident: one warning per incident
+        self.recent: list[float] = []   # recent hold times of this proxy's turns (Retry-After)
+        self.in_flight = 0
+        self.gate.warn = self._gate_warning
+        self.fallback_gates: dict[str, Gate] = {}
+
+    # -- warnings ------------------------------------------------------------------------------
+    def _gate_warning(self, message: str) -> None:
+        if message.startswith("gate unavailable"):
+            if self.failing:
+                return
+            self.failing = True
+        self.say.warn(message)
+
+    # -- the handler ---------------------------------------------------------------------------
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        self.in_flight += 1
+        try:
+            return await self._handle(request)
+        finally:
+            self.in_flight -= 1
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        if request.path == "/lanelock/status" and request.method == "GET":
+            return await self._status()
+        if request.path == "/metrics" and request.method == "GET" and self.metrics is not None:
+            return await self.metrics(request)
+        body = await request.read()
+        path_qs = request.raw_path
+        if not self.options.routes.is_gated(request.method, request.path):
+            return await self._forward(request, self.backend_url + path_qs, body, {})
+        return await self._gated(request, path_qs, body)
+
+    metrics = None   # set by the metrics issue's code: an async handler for GET /metrics
+
+    async def _gated(self, request, path_qs: str, body: bytes) -> web.StreamResponse:
+        fields = _json_fields(body)
+        session = request.headers.get(self.options.session_header) or \
+            (fields.get("user") if isinstance(fields.get("user"), str) else None) or \
+            (request.remote or "?")
+        model = fields.get("model") if isinstance(fields.get("model"), str) else None
+        wait = self._wait_for(request)
+        reused = self._take_lingering(session)
+        turn = reused.turn if reused else self.gate.turn(
+            session=session[:200], model=model and model[:200], argv=[request.method, request.path],
+            wait=wait, labels={"via": "proxy", "client": request.remote or "?",
+                               "path": request.path[:200]})
+        status = None
+        started = time.monotonic()
+        try:
+            if reused is None:
+                await asyncturn.acquire(turn)
+            if turn.state == HELD and not turn.nested:
+                self.failing = False
+            if turn.state in (HELD, UNGATED, FAIL_OPEN):
+                headers = {STATE: turn.state}
+                response = await self._forward(request, self.backend_url + path_qs, body, headers)
+                status = response.status
+                return response
+            if turn.state == DEFLECTED:
+                return await self._deflected(request, path_qs, body, fields, turn)
+            raise asyncio.CancelledError   # a cancelled wait: the client is gone
+        finally:
+            await self._end(turn, session, status, reused, time.monotonic() - started)
+
+    def _wait_for(self, request) -> float | None:
+        wait = self.options.wait
+        asked = request.headers.get(WAIT_HEADER)
+        if asked is not None:
+            try:
+                seconds = float(asked)
+            except ValueError:
+                seconds = None
+            if seconds is not None and seconds == seconds and seconds >= 0:
+                wait = seconds if wait is None else min(seconds, wait)
+        return wait
+
+    # -- linger -------------------------------------------------------------------------------
+    def _take_lingering(self, session: str) -> Lingering | None:
+        held = self.lingering
+        if held is None or held.in_use or held.session != session or held.turn.state != HELD:
+            return None
+        if held.timer is not None:
+            held.timer.cancel()
+            held.timer = None
+        held.in_use = True
+        return held
+
+    async def _end(self, turn, session, status, reused, elapsed) -> None:
+        if turn.state != HELD:
+            return
+        if not turn.nested:
+            self.recent = (self.recent + [elapsed])[-20:]
+        linger = self.options.linger
+        if linger > 0 and not turn.nested and not turn.lost:
+            held = reused or Lingering(turn, session)
+            held.in_use = False
+            self.lingering = held
+            held.timer = asyncio.get_running_loop().call_later(
+                linger, lambda: asyncio.ensure_future(self._end_linger(held)))
+            return
+        await asyncturn.release(turn, status)
+
+    async def _end_linger(self, held: Lingering) -> None:
+        if held.in_use or self.lingering is not held:
+            return
+        self.lingering = None
+        await asyncturn.release(held.turn, 0)
+
+    async def close(self) -> None:
+        if self.lingering is not None:
+            held, self.lingering = self.lingering, None
+            if held.timer is not None:
+                held.timer.cancel()
+            await asyncturn.release(held.turn, 0)
+
+    # -- forwarding ---------------------------------------------------------------------------
+    async def _forward(self, request, url: str, body: bytes, state: dict,
+                       headers: dict | None = None) -> web.StreamResponse:
+        drop = ("authorization",) if self.options.token else ()
+        if headers is None:
+            headers = request_headers(request, drop=drop)
+        try:
+            return await relay(self.client, request, url, body, headers, state)
+        except Unreachable as error:
+            self.say.warn(f"backend {url.split('?')[0]} unreachable: {error}")
+            return error_response(502, "backend_unreachable",
+                                  f"the local engine at {self.backend_url} did not answer: {error}",
+                                  state)
+
+    async def _deflected(self, request, path_qs, body, fields, turn) -> web.StreamResponse:
+        who = holder_words(turn.holder)
+        busy_headers = {REASON: REASON_BUSY}
+        for index, fallback in enumerate(self.options.fallbacks, 1):
+            if fallback.backend is not None:
+                response = await self._local_fallback(request, path_qs, body, fallback, index, who)
+            else:
+                response = await self._url_fallback(request, path_qs, body, fields, fallback,
+                                                    index, who)
+            if response is not None:
+                return response
+        self.say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}); no fallback for "
+                      f"{request.method} {request.path}: 503")
+        return error_response(503, REASON_BUSY, f"{BUSY_WORDS} ({who})",
+                              {STATE: BUSY, **busy_headers}, self._retry_after(turn.holder))
+
+    async def _url_fallback(self, request, path_qs, body, fields, fallback, index, who):
+        url = fallback.target(path_qs)
+        if url is None:
+            return None   # Ollama- and llama.cpp-native paths only go to @ local engines
+        if self.options.fallback_model and fields:
+            body = json.dumps({**fields, "model": self.options.fallback_model}).encode()
+        headers = request_headers(request, drop=("authorization",))
+        if self.options.fallback_key:
+            headers["Authorization"] = f"Bearer {self.options.fallback_key}"
+        elif not self.options.token and "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        self.say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}); deflecting to fallback {index}: "
+                      f"{fallback.url}")
+        return await self._forward(request, url, body, {STATE: DEFLECTED, REASON: REASON_BUSY},
+                                   headers)
+
+    async def _local_fallback(self, request, path_qs, body, fallback, index, who):
+        gate = self.fallback_gates.get(fallback.backend)
+        if gate is None:
+            gate = self.fallback_gates[fallback.backend] = Gate(
+                settings=self.gate.settings.derive(
+                    backend=fallback.backend, lock_dir=self.gate.settings.flags.get("lock_dir"),
+                    store=self.gate.settings.flags.get("store")), warn=self.gate.warn)
+        if gate.gated and gate.lock_path == self.gate.lock_path:
+            return None
+        turn = gate.turn(session=f"proxy:{request.remote or '?'}", argv=[request.method,
+                                                                          request.path],
+                         labels={"via": "proxy", "client": request.remote or "?"})
+        await asyncturn.acquire(turn)
+        status = None
+        try:
+            if turn.state == DEFLECTED:
+                self.say.note(f"fallback {index} skipped: @{fallback.backend} is a busy local "
+                              f"lane ({holder_words(turn.holder)})")
+                return None
+            self.say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}); deflecting to fallback "
+                          f"{index}: @{fallback.backend}")
+            host = gate.lane.given if "://" in gate.lane.given else f"http://{gate.lane.given}"
+            response = await self._forward(request, host.rstrip("/") + path_qs, body,
+                                           {STATE: DEFLECTED, REASON: REASON_BUSY})
+            status = response.status
+            return response
+        finally:
+            await asyncturn.release(turn, status)
+
+    def _retry_after(self, holder: dict | None) -> int:
+        """Seconds until the lane is likely free: a typical turn's length (this proxy's recent
+        ones, else the lane's journal) less how long the holder has held it; at least 1."""
+        typical = _median(self.recent) if self.recent else self._journal_typical()
+        held_for = (holder or {}).get("held_for") or 0.0
+        if typical is None:
+            return 1
+        return max(1, math.ceil(typical - held_for))
+
+    def _journal_typical(self) -> float | None:
+        try:
+            events, _ = self.gate.store.events(self.gate.lane, time.time() - 3600)
+        except Exception:  # noqa: BLE001 - an estimate is a nicety; 1 s is always honest
+            return None
+        durations = [event["duration"] for event in events[-200:] if event.get("event") ==
+                     "released" and isinstance(event.get("duration"), (int, float))]
+        return _median(durations[-20:]) if durations else None
+
+    async def _status(self) -> web.Response:
+        from ..inspection.status import statuses
+
+        lanes = await asyncio.to_thread(statuses, self.gate.store, self.gate.lane)
+        return web.json_response({"lanes": lanes}, dumps=lambda data: json.dumps(data, indent=2,
+                                                                                 sort_keys=True))
+
+
+def _json_fields(body: bytes) -> dict:
+    if not body or body[:1] not in (b"{", b" ", b"\n", b"\r", b"\t"):
+        return {}
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2

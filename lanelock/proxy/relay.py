@@ -1,0 +1,90 @@
+"""Forwarding one request and streaming the answer back unchanged.
+
+Hop-by-hop headers are dropped both ways (RFC 9110 7.6.1); everything else goes through as it came:
+no decompression (auto_decompress off), no client headers added that the client did not send, and
+each chunk of the answer is written the moment it arrives (server-sent events stay live). When the
+client goes away, aiohttp cancels the handler (handler_cancellation) and leaving the upstream
+context closes the engine's connection, which makes llama-server stop generating.
+"""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import ClientError, web
+
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
+                        "te", "trailer", "trailers", "transfer-encoding", "upgrade",
+                        "proxy-connection"})
+# What aiohttp's client would otherwise add on its own.
+AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
+
+
+class Unreachable(Exception):
+    """The upstream could not be reached, or failed before it answered."""
+
+
+def request_headers(request: web.BaseRequest, *, drop=(), set_=None) -> dict:
+    connection = {token.strip().lower() for token in
+                  request.headers.get("Connection", "").split(",") if token.strip()}
+    out = {}
+    for name, value in request.headers.items():
+        lower = name.lower()
+        if lower in HOP_BY_HOP or lower in connection or lower in ("host", "content-length") \
+                or lower in drop:
+            continue
+        out[name] = value
+    out.update(set_ or {})
+    return out
+
+
+def response_headers(upstream) -> list:
+    connection = {token.strip().lower() for token in
+                  upstream.headers.get("Connection", "").split(",") if token.strip()}
+    return [(name, value) for name, value in upstream.headers.items()
+            if name.lower() not in HOP_BY_HOP and name.lower() not in connection]
+
+
+async def relay(session, request: web.BaseRequest, url: str, body: bytes, headers: dict,
+                extra: dict) -> web.StreamResponse:
+    """Send the request to url and stream the answer to the client; extra: headers of ours."""
+    skip = [name for name in AUTO_HEADERS if name not in headers]
+    try:
+        context = session.request(request.method, url, headers=headers,
+                                  data=body if body else None, allow_redirects=False,
+                                  skip_auto_headers=skip)
+        upstream = await context.__aenter__()
+    except (ClientError, OSError) as error:
+        raise Unreachable(str(error) or type(error).__name__) from None
+    try:
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        for name, value in response_headers(upstream):
+            response.headers.add(name, value)
+        for name, value in extra.items():
+            response.headers[name] = value
+        if "Content-Length" not in response.headers:
+            response.enable_chunked_encoding()
+        await response.prepare(request)
+        try:
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+        except (ClientError, OSError):
+            # The engine failed mid-answer: what was relayed stands; close the client's side.
+            request.transport and request.transport.close()
+            return response
+        await response.write_eof()
+        return response
+    finally:
+        await context.__aexit__(None, None, None)
+
+
+def error_response(status: int, kind: str, message: str, extra: dict | None = None,
+                   retry_after: int | None = None) -> web.Response:
+    """An OpenAI-style JSON error."""
+    body = {"error": {"type": kind, "code": kind, "message": message}}
+    response = web.Response(status=status, text=json.dumps(body), content_type="application/json")
+    for name, value in (extra or {}).items():
+        response.headers[name] = value
+    if retry_after is not None:
+        response.headers["Retry-After"] = str(retry_after)
+    return response

@@ -1,0 +1,149 @@
+"""Running `lanelock proxy`: checks before listening, the server, and a bounded shutdown.
+
+- Loopback unless told otherwise: a non-loopback --listen needs --token-env, and then every request
+  must carry `Authorization: Bearer TOKEN` (the proxy can spend a cloud key: it must never be an
+  open relay).
+- Bounded input: request bodies (413) and header fields (431) past the limits are refused.
+- SIGTERM/SIGINT: stop accepting, let in-flight answers finish for up to SHUTDOWN seconds, then
+  close; a lingering lane is let go. kill -9 frees the lane at once (the kernel, as always).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import signal
+
+from ..errors import UsageProblem
+
+SHUTDOWN = 10.0
+MAX_FIELD = 16 * 1024      # one header line
+MAX_HEADERS = 64 * 1024    # all of them
+PARSER_LIMIT = 128 * 1024  # aiohttp's own limits, above ours, so that ours answer 431 first
+
+
+def listen_address(text: str) -> tuple[str, int, bool]:
+    """(host, port, loopback) of a --listen value: HOST:PORT or [V6]:PORT; port 0 picks a free
+    one (the startup line says which)."""
+    text = text.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, _, port = text.rpartition(":")
+    if not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise UsageProblem(f"--listen {text!r}: expected HOST:PORT (e.g. 127.0.0.1:8089)")
+    if host == "localhost":
+        return "127.0.0.1", int(port), True
+    import ipaddress
+
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host, int(port), False
+    return str(address), int(port), address.is_loopback
+
+
+def build(gate, options, say, listen: str, token_env: str | None, fallback_key_env: str | None):
+    """(Proxy, host, port): everything checked before a socket is opened (UsageProblem: exit 2)."""
+    from .app import Proxy
+
+    host, port, loopback = listen_address(listen)
+    if token_env:
+        token = os.environ.get(token_env)
+        if not token:
+            raise UsageProblem(f"--token-env {token_env}: the variable is unset or empty")
+        options.token = token
+    elif not loopback:
+        raise UsageProblem(f"--listen {listen} is not a loopback address: the proxy would be an "
+                           "open relay; give --token-env VAR (clients then send "
+                           "'Authorization: Bearer $VAR'), or listen on 127.0.0.1")
+    if fallback_key_env:
+        key = os.environ.get(fallback_key_env)
+        if not key:
+            raise UsageProblem(f"--fallback-key-env {fallback_key_env}: the variable is unset "
+                               "or empty")
+        options.fallback_key = key
+    given = gate.lane.given
+    backend_url = given if "://" in given else f"http://{given}"
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(backend_url)   # the engine's origin: request paths are appended to it
+    backend_url = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
+    return Proxy(gate, options, say, backend_url), host, port
+
+
+def make_app(proxy):
+    from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
+
+    @web.middleware
+    async def guard(request, handler):
+        total = sum(len(name) + len(value) + 4 for name, value in request.raw_headers)
+        if total > MAX_HEADERS or any(len(name) + len(value) > MAX_FIELD
+                                      for name, value in request.raw_headers):
+            from .relay import error_response
+
+            return error_response(431, "request_header_fields_too_large",
+                                  f"request headers are limited to {MAX_FIELD} bytes a field and "
+                                  f"{MAX_HEADERS} in all")
+        if proxy.options.token is not None:
+            given = request.headers.get("Authorization", "")
+            expected = f"Bearer {proxy.options.token}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                from .relay import error_response
+
+                return error_response(401, "unauthorized", "this lanelock proxy needs "
+                                      "'Authorization: Bearer TOKEN' (its --token-env)")
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            from .relay import error_response
+
+            return error_response(413, "request_too_large",
+                                  f"request bodies are limited to {proxy.options.max_body} bytes")
+
+    app = web.Application(middlewares=[guard], client_max_size=proxy.options.max_body,
+                          handler_args={"max_field_size": PARSER_LIMIT,
+                                        "max_line_size": PARSER_LIMIT})
+    app.router.add_route("*", "/{tail:.*}", proxy.handle)
+
+    async def startup(app):
+        proxy.client = ClientSession(
+            auto_decompress=False, timeout=ClientTimeout(total=None, sock_connect=10),
+            connector=TCPConnector(limit=0, force_close=False))
+
+    async def cleanup(app):
+        await proxy.close()
+        await proxy.client.close()
+
+    app.on_startup.append(startup)
+    app.on_cleanup.append(cleanup)
+    return app
+
+
+async def serve(proxy, host: str, port: int, say) -> int:
+    from aiohttp import web
+
+    runner = web.AppRunner(make_app(proxy), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=SHUTDOWN)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as error:
+        await runner.cleanup()
+        say.error(f"cannot listen on {host}:{port}: {error.strerror or error}")
+        return 2
+    bound = runner.addresses[0] if runner.addresses else (host, port)
+    shown = f"[{bound[0]}]" if ":" in str(bound[0]) else bound[0]
+    say.note(f"proxy listening on http://{shown}:{bound[1]} for {proxy.backend_url} "
+             f"(lane {proxy.gate.lane.name}{'' if proxy.gate.gated else ', ungated'})")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signo in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signo, stop.set)
+    await stop.wait()
+    say.note("proxy stopping: no new connections; letting answers in flight finish")
+    await runner.cleanup()   # stops listening, waits up to SHUTDOWN for handlers, then closes
+    return 0
