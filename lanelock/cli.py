@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -269,6 +270,45 @@ def history(backend, lock_dir, model, key_by, store, since, json_):
         return exitcodes.USAGE
     rows = lane_history.timeline(data["events"]) if not json_ else []
     render.history(data, gate.lane.name, json_, rows)
+    return exitcodes.OK
+
+
+@cli.command(context_settings=CONTEXT)
+@lane_options
+@click.option("--all", "all_lanes", is_flag=True, help="Every lane the store knows.")
+@click.option("--textfile", metavar="DIR", default=None,
+              help="Write DIR/lanelock.prom atomically (node_exporter's textfile collector) "
+                   "instead of printing.")
+def metrics(backend, lock_dir, model, key_by, store, all_lanes, textfile):
+    """The lanes in the Prometheus text format: holders and waiters now, turns and hold times
+    so far (counters that never go backwards)."""
+    from .errors import GateUnavailable
+    from .inspection import render
+
+    if all_lanes and backend:
+        raise click.UsageError("--all and --backend exclude each other")
+    try:
+        from .inspection.metrics import LaneCollector, exposition, lanes_fetch, write_textfile
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise click.UsageError("metrics need prometheus-client: pip install "
+                               "'lanelock[metrics]'") from None
+    if textfile is not None and not os.path.isdir(textfile):
+        raise click.UsageError(f"--textfile {textfile}: not a directory")
+    gate = strict_gate(backend, lock_dir, model, key_by, store=store)
+    try:
+        data = exposition(LaneCollector(lanes_fetch(gate.store, None if all_lanes else gate.lane)))
+    except GateUnavailable as error:
+        render.fail(str(error))
+        return exitcodes.USAGE
+    if textfile is None:
+        sys.stdout.write(data.decode())
+        return exitcodes.OK
+    try:
+        write_textfile(textfile, data)
+    except OSError as error:
+        render.fail(f"cannot write {textfile}: {error.strerror or error}")
+        return exitcodes.USAGE
     return exitcodes.OK
 
 

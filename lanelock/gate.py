@@ -149,6 +149,7 @@ class Turn:
         self.argv = list(argv or [])
         self.labels = dict(labels or {})
         self._argv_cache: dict | None = None
+        self._settled = False   # its outcome was counted (metrics)
         self._owner = None    # who may nest in this turn: the thread, or an asyncio task
         self._cancel = None   # threading.Event: an asyncio turn's wait was cancelled
         self.wait = wait
@@ -190,6 +191,7 @@ class Turn:
 
     def __exit__(self, kind, value, traceback) -> None:
         self.release(None if kind else 0)
+        self.settle()
 
     async def __aenter__(self) -> "Turn":
         from .asyncturn import acquire
@@ -200,6 +202,7 @@ class Turn:
         from .asyncturn import release
 
         await release(self, None if kind else 0)
+        self.settle()
 
     # -- acquiring -------------------------------------------------------------------------------
     def acquire(self) -> "Turn":
@@ -306,7 +309,8 @@ class Turn:
                 self.gate.store.append_event(handle, self._event("fail-open", reason=why))
             except RecordNotWritten:   # the one warning above is all a failing gate may say
                 pass
-            self.gate.store.release(handle)
+            self.gate.store.release(handle, {"outcome": "fail_open"})
+            self._settled = True
         self._handle = None
         return self
 
@@ -333,7 +337,11 @@ class Turn:
                                   duration=duration, exit_status=exit_status))
         _debug_pause("during-release")
         _HELD_HERE.pop(self._key, None)
-        self.gate.store.release(handle)
+        waited = self.waited if self.wait != 0 and self.waited >= 0.001 else None
+        count = None if self.lost else {"outcome": "waited" if waited is not None else "local",
+                                        "held": duration, "waited": waited}
+        self._settled = True
+        self.gate.store.release(handle, count)
         self._handle = None
         self.state = RELEASED
 
@@ -346,6 +354,17 @@ class Turn:
             return
         self._stopped_at = utc_now() if stopped else None
         self._write_sidecar(self._record())
+
+    def settle(self, outcome: str | None = None) -> None:
+        """Count a deflected turn's outcome once, for the metrics: 'deflected' when a fallback
+        ran (the default for API turns), 'busy' when nothing did. Held turns count themselves on
+        release, fail-open ones when they fail open."""
+        if self._settled or self.state != DEFLECTED:
+            return
+        self._settled = True
+        waited = self.waited if self.wait != 0 else None
+        self.gate.store.count(self.gate.lane, outcome or "deflected", reason=self.reason,
+                              waited=waited)
 
     # -- records ---------------------------------------------------------------------------------
     def _record(self) -> dict:

@@ -65,6 +65,7 @@ class Proxy:
         self.failing = False          # inside a fail-open incident: one warning per incident
         self.recent: list[float] = []   # recent hold times of this proxy's turns (Retry-After)
         self.in_flight = 0
+        self.ungated = 0              # ungated generation requests (no lane file records them)
         self.gate.warn = self._gate_warning
         self.fallback_gates: dict[str, Gate] = {}
 
@@ -87,7 +88,7 @@ class Proxy:
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         if request.path == "/lanelock/status" and request.method == "GET":
             return await self._status()
-        if request.path == "/metrics" and request.method == "GET" and self.metrics is not None:
+        if request.path == "/metrics" and request.method == "GET":
             return await self.metrics(request)
         body = await request.read()
         path_qs = request.raw_path
@@ -95,7 +96,27 @@ class Proxy:
             return await self._forward(request, self.backend_url + path_qs, body, {})
         return await self._gated(request, path_qs, body)
 
-    metrics = None   # set by the metrics issue's code: an async handler for GET /metrics
+    async def metrics(self, request) -> web.Response:
+        """lanelock's exposition for this lane, then the engine's own /metrics when it has one
+        (llama-server --metrics): one scrape for both."""
+        from ..inspection.metrics import LaneCollector, exposition, lanes_fetch
+
+        extra = {self.gate.lane.name: {"ungated": self.ungated}}
+        try:
+            data = await asyncio.to_thread(
+                exposition, LaneCollector(lanes_fetch(self.gate.store, self.gate.lane), extra))
+        except ImportError as error:
+            return error_response(501, "metrics_unavailable", str(error))
+        engine = b""
+        try:
+            async with self.client.get(self.backend_url + "/metrics") as upstream:
+                if upstream.status == 200 and upstream.content_type == "text/plain":
+                    engine = await upstream.read()
+        except Exception:  # noqa: BLE001 - the engine's metrics are a bonus, never an error
+            engine = b""
+        body = data + (b"\n" + engine if engine else b"")
+        return web.Response(body=body, headers={"Content-Type":
+                                                "text/plain; version=0.0.4; charset=utf-8"})
 
     async def _gated(self, request, path_qs: str, body: bytes) -> web.StreamResponse:
         fields = _json_fields(body)
@@ -117,6 +138,8 @@ class Proxy:
             if turn.state == HELD and not turn.nested:
                 self.failing = False
             if turn.state in (HELD, UNGATED, FAIL_OPEN):
+                if turn.state == UNGATED:
+                    self.ungated += 1
                 headers = {STATE: turn.state}
                 response = await self._forward(request, self.backend_url + path_qs, body, headers)
                 status = response.status
@@ -202,7 +225,9 @@ class Proxy:
                 response = await self._url_fallback(request, path_qs, body, fields, fallback,
                                                     index, who)
             if response is not None:
+                turn.settle("deflected")
                 return response
+        turn.settle("busy")
         self.say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}); no fallback for "
                       f"{request.method} {request.path}: 503")
         return error_response(503, REASON_BUSY, f"{BUSY_WORDS} ({who})",

@@ -171,6 +171,7 @@ def _deflect(gate: Gate, turn: Turn, options: Options, say: Say) -> int:
     if not options.fallbacks:
         say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}{waited}); no fallback, "
                  f"exit {options.busy_exit_code}")
+        turn.settle("busy")
         return options.busy_exit_code
     for index, entry in enumerate(options.fallbacks, 1):
         fallback_turn, skip = _fallback_gate(gate, entry, options)
@@ -185,8 +186,10 @@ def _deflect(gate: Gate, turn: Turn, options: Options, say: Say) -> int:
             say.warn(f"fallback {index} did not start: "
                      f"{outcome.error if outcome else 'fork failed'}")
             continue
+        turn.settle("deflected")
         runner.reraise_terminal_signal(outcome)
         return outcome.exit_code
+    turn.settle("busy")
     say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}); no fallback could run, "
              f"exit {options.busy_exit_code}")
     return options.busy_exit_code

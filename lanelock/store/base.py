@@ -94,8 +94,9 @@ class LaneStore(ABC):
         """The lock just taken is the lane's lock (not a removed file's, not a pooler's session)."""
 
     @abstractmethod
-    def release(self, handle) -> None:
-        """Let go and close; never raises, never removes the lock itself."""
+    def release(self, handle, count: dict | None = None) -> None:
+        """Let go and close; never raises, never removes the lock itself. count: this turn's
+        outcome for the metrics (count()'s keywords), added where it costs the next turn least."""
 
     @abstractmethod
     def ident(self, handle) -> tuple:
@@ -143,6 +144,15 @@ class LaneStore(ABC):
     @abstractmethod
     def event_handle(self, lane):
         """Somewhere to record a fail-open turn when the lock could not be opened, or None."""
+
+    @abstractmethod
+    def count(self, lane, outcome: str, *, reason: str | None = None, held: float | None = None,
+              waited: float | None = None) -> None:
+        """Add one turn's outcome to the lane's cumulative counts (metrics); never raises."""
+
+    @abstractmethod
+    def counts(self, facts) -> dict:
+        """The lane's cumulative counts (store/counts.py's shape), for the LaneFacts' lane."""
 
     # -- who holds it (for a deflection's one line) ----------------------------------------------------
     @abstractmethod

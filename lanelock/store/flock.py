@@ -157,9 +157,41 @@ class FlockStore(LaneStore):
     def kernel(self, handle: Handle) -> holders.KernelView | None:
         return holders.kernel_view(handle.st) if handle.st is not None else None
 
-    def release(self, handle: Handle) -> None:
-        # Closing the last fd on the description drops the flock; the file itself stays.
+    def release(self, handle: Handle, count: dict | None = None) -> None:
+        # Closing the last fd on the description drops the flock; the file itself stays. The
+        # count is added after that, so the next turn never waits for it.
+        if count is not None:
+            if handle.fd is not None:
+                os.close(handle.fd)
+                handle.fd = None
+            self._add_count(handle.dir_fd, handle.stem, count)
         handle.close()
+
+    def count(self, lane, outcome: str, **facts) -> None:
+        try:
+            dir_fd = open_root(self.root, create=False)
+        except (OSError, GateUnavailable):
+            return
+        try:
+            self._add_count(dir_fd, lane.stem, dict(facts, outcome=outcome))
+        finally:
+            os.close(dir_fd)
+
+    @staticmethod
+    def _add_count(dir_fd, stem: str, count: dict) -> None:
+        if dir_fd is None or dir_fd < 0:
+            return
+        from . import counts
+
+        try:
+            counts.add(dir_fd, f"{stem}.counts", count.pop("outcome"), **count)
+        except OSError:
+            pass   # metrics only: a turn never warns about a count
+
+    def counts(self, facts) -> dict:
+        from . import counts
+
+        return counts.read(facts.lock_path[:-len(".lock")] + ".counts")
 
     def ident(self, handle: Handle) -> tuple:
         """What in-process reentrancy keys on: the inode, which every spelling of the lane shares."""

@@ -35,6 +35,7 @@ CREATE TABLE IF NOT EXISTS lanelock_holders (
 CREATE TABLE IF NOT EXISTS lanelock_events (
     id bigserial PRIMARY KEY, lane text NOT NULL, ts double precision NOT NULL, event jsonb NOT NULL);
 CREATE INDEX IF NOT EXISTS lanelock_events_lane_ts ON lanelock_events (lane, ts);
+CREATE TABLE IF NOT EXISTS lanelock_counts (lane text PRIMARY KEY, counts jsonb NOT NULL);
 """
 MISSING_DRIVER = "the PostgreSQL store needs psycopg: pip install 'lanelock[postgres]'"
 
@@ -84,7 +85,8 @@ def ensure_schema(conn) -> str | None:
     try:
         with conn.cursor() as cursor:
             cursor.execute("SELECT to_regclass('lanelock_holders') IS NOT NULL AND "
-                           "to_regclass('lanelock_events') IS NOT NULL")
+                           "to_regclass('lanelock_events') IS NOT NULL AND "
+                           "to_regclass('lanelock_counts') IS NOT NULL")
             if cursor.fetchone()[0]:
                 return None
             with conn.transaction():

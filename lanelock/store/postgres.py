@@ -193,12 +193,58 @@ class PgStore(LaneStore):
         return KernelView(tuple(pid for pid, granted in rows if granted),
                           tuple(pid for pid, granted in rows if not granted))
 
-    def release(self, handle: PgHandle) -> None:
+    def release(self, handle: PgHandle, count: dict | None = None) -> None:
+        if count is not None:   # on the turn's own connection, before the round trip that unlocks
+            self._add_count(handle.conn, handle.lane, dict(count))
         try:
             self._call(handle, "SELECT pg_advisory_unlock(%s, %s)", handle.key)
         except GateUnavailable:
             pass   # the session is gone, and the lock with it
         handle.close()
+
+    def count(self, lane, outcome: str, **facts) -> None:
+        try:
+            conn = self.connect(f"lanelock count {lane.name}")
+        except GateUnavailable:
+            return
+        try:
+            self._add_count(conn, lane.name, dict(facts, outcome=outcome))
+        finally:
+            conn.close()
+
+    def _add_count(self, conn, lane: str, count: dict) -> None:
+        """Read, add, write in one transaction with the row locked: concurrent turns add up."""
+        from . import counts
+
+        psycopg = driver()
+        try:
+            with conn.transaction(), conn.cursor() as cursor:
+                cursor.execute("INSERT INTO lanelock_counts (lane, counts) VALUES (%s, %s) "
+                               "ON CONFLICT (lane) DO NOTHING", (lane, json.dumps(counts.empty())))
+                cursor.execute("SELECT counts FROM lanelock_counts WHERE lane = %s FOR UPDATE",
+                               (lane,))
+                row = cursor.fetchone()
+                data = counts.merge(row[0] if row else None, **count)
+                cursor.execute("UPDATE lanelock_counts SET counts = %s WHERE lane = %s",
+                               (json.dumps(data), lane))
+        except psycopg.Error:
+            pass   # metrics only: a turn never warns about a count
+
+    def counts(self, facts) -> dict:
+        from . import counts
+
+        try:
+            conn = self.connect("lanelock metrics")
+        except GateUnavailable:
+            return counts.empty()
+        try:
+            row = conn.execute("SELECT counts FROM lanelock_counts WHERE lane = %s",
+                               (facts.lane,)).fetchone()
+        except driver().Error:
+            row = None
+        finally:
+            conn.close()
+        return counts.merge(row[0] if row else None, outcome=None)
 
     # -- holder record and events ------------------------------------------------------------
     def write_release(self, handle: PgHandle, full_record, fields: dict) -> None:

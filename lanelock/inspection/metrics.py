@@ -1,0 +1,130 @@
+"""Prometheus exposition of the lanes: the kernel's view now (gauges) and every turn so far
+(counters and histograms from the store's cumulative counts, which never go backwards).
+
+Labels are of low cardinality only: lane, outcome, reason -- never a pid, session or argv. The
+text comes from prometheus-client (`pip install 'lanelock[metrics]'`), not a formatter of ours.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from .. import __version__
+from ..store.counts import BUCKETS, OUTCOMES
+from .status import statuses
+
+TEXTFILE = "lanelock.prom"
+NEEDS = "metrics need prometheus-client: pip install 'lanelock[metrics]'"
+
+
+def snapshot(store, lane=None) -> list[tuple[dict, dict]]:
+    """[(status, counts)] for the lane, or every lane the store knows."""
+    facts_list = store.survey(lane)
+    from .judge import judge
+
+    return [(judge(facts), store.counts(facts)) for facts in facts_list]
+
+
+class LaneCollector:
+    """A prometheus-client collector over the lanes; fetch() gives snapshot()'s list. extra:
+    {outcome: count} turns of this process the store never sees (a proxy's ungated requests)."""
+
+    def __init__(self, fetch, extra=None):
+        self.fetch, self.extra = fetch, extra
+
+    def collect(self):
+        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                            HistogramMetricFamily, InfoMetricFamily)
+
+        info = InfoMetricFamily("lanelock_build", "lanelock's version")
+        info.add_metric([], {"version": __version__})
+        yield info
+        held = GaugeMetricFamily("lanelock_lane_held", "1 while a turn holds the lane",
+                                 labels=["lane"])
+        waiters = GaugeMetricFamily("lanelock_lane_waiters",
+                                    "processes blocked waiting for the lane (the kernel's view)",
+                                    labels=["lane"])
+        since = GaugeMetricFamily("lanelock_lane_held_since_seconds",
+                                  "how long the current holder has held the lane (0 when free)",
+                                  labels=["lane"])
+        stopped = GaugeMetricFamily("lanelock_lane_holder_stopped",
+                                    "1 while the holder is stopped (^Z, SIGSTOP): it keeps the lane",
+                                    labels=["lane"])
+        turns = CounterMetricFamily("lanelock_turns", "turns by outcome: local (held at once), "
+                                    "waited (held after waiting), deflected (a fallback ran), busy "
+                                    "(nothing ran), ungated, fail_open",
+                                    labels=["lane", "outcome"])
+        deflections = CounterMetricFamily("lanelock_deflections",
+                                          "turns sent away from the lane, by reason",
+                                          labels=["lane", "reason"])
+        hold = HistogramMetricFamily("lanelock_lane_hold_seconds",
+                                     "how long turns held the lane", labels=["lane"])
+        wait = HistogramMetricFamily("lanelock_lane_wait_seconds",
+                                     "how long turns that waited for the lane waited",
+                                     labels=["lane"])
+        for status, counts in self.fetch():
+            lane = status["lane"]
+            is_held = status["state"] == "held"
+            held.add_metric([lane], 1.0 if is_held else 0.0)
+            waiters.add_metric([lane], float(len(status["waiters"])))
+            holder = status.get("holder") or {}
+            since.add_metric([lane], float(holder.get("held_for") or 0.0) if is_held else 0.0)
+            stopped.add_metric([lane], 1.0 if holder.get("stopped") else 0.0)
+            extra = (self.extra or {}).get(lane, {}) if isinstance(self.extra, dict) else {}
+            for outcome in OUTCOMES:
+                turns.add_metric([lane, outcome],
+                                 float(counts["turns"].get(outcome, 0) + extra.get(outcome, 0)))
+            for reason, value in sorted(counts["deflections"].items()):
+                deflections.add_metric([lane, reason], float(value))
+            if "local_backend_busy" not in counts["deflections"]:
+                deflections.add_metric([lane, "local_backend_busy"], 0.0)
+            for family, histogram in ((hold, counts["hold"]), (wait, counts["wait"])):
+                cumulative, total = [], 0
+                for bound, value in zip(BUCKETS, histogram["buckets"]):
+                    total += value
+                    cumulative.append((_bound(bound), float(total)))
+                cumulative.append(("+Inf", float(histogram["count"])))
+                family.add_metric([lane], cumulative, histogram["sum"])
+        yield from (held, waiters, since, stopped, turns, deflections, hold, wait)
+
+
+def _bound(value: float) -> str:
+    return repr(float(value))
+
+
+def exposition(collector) -> bytes:
+    try:
+        from prometheus_client import CollectorRegistry, generate_latest
+    except ImportError:
+        raise ImportError(NEEDS) from None
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return generate_latest(registry)
+
+
+def write_textfile(directory: str, data: bytes) -> str:
+    """DIR/lanelock.prom, atomically: a temp file in DIR renamed over it (node_exporter's
+    textfile collector must never read half a file)."""
+    fd, temp = tempfile.mkstemp(prefix=".lanelock.prom.", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.chmod(temp, 0o644)
+        path = os.path.join(directory, TEXTFILE)
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def lanes_fetch(store, lane):
+    return lambda: snapshot(store, lane)
+
+
+__all__ = ["LaneCollector", "exposition", "write_textfile", "snapshot", "lanes_fetch",
+           "statuses", "TEXTFILE"]
