@@ -16,12 +16,28 @@ kernel keeps them apart as it keeps processes apart.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
+import weakref
+
+# A task's owner token. Not id(task): a finished task's id is reused by the next task allocated
+# at the same address, which would then "nest" in a turn it does not own (the proxy's lingering
+# turn outlives the request task that took it).
+_TOKENS: "weakref.WeakKeyDictionary[asyncio.Task, int]" = weakref.WeakKeyDictionary()
+_NEXT = itertools.count(1)
+
+
+def _owner() -> tuple:
+    task = asyncio.current_task()
+    token = _TOKENS.get(task)
+    if token is None:
+        token = _TOKENS[task] = next(_NEXT)
+    return ("task", token)
 
 
 async def acquire(turn):
     loop = asyncio.get_running_loop()
-    turn._owner = ("task", id(asyncio.current_task()))
+    turn._owner = _owner()
     turn._cancel = threading.Event()
     done = loop.create_future()
 
