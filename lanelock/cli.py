@@ -501,6 +501,27 @@ def duel(backend, lock_dir, store, hold, fallback, users, profile_env, cron_env,
     return exitcodes.OK if result["result"] == "PASS" else exitcodes.FAILED
 
 
+@cli.command(context_settings=CONTEXT)
+@click.argument("shell", type=click.Choice(["bash", "zsh", "fish"]))
+@click.option("--complete", "line", metavar="LINE", default=None, hidden=True,
+              help="What the script asks on TAB: the candidates for LINE, the command line up to "
+                   "the cursor.")
+@click.option("--word", default=None, hidden=True,
+              help="(bash) The part of the current word that bash replaces.")
+def completion(shell, line, word):
+    """Print the completion script for SHELL (bash, zsh or fish).
+
+    \b
+    bash: lanelock completion bash > ~/.local/share/bash-completion/completions/lanelock
+    zsh:  lanelock completion zsh > ~/.zfunc/_lanelock  (with ~/.zfunc on $fpath before compinit)
+    fish: lanelock completion fish > ~/.config/fish/completions/lanelock.fish
+    """
+    from .completion import answer, script
+
+    sys.stdout.write(script(shell) if line is None else answer(shell, line, word))
+    return exitcodes.OK
+
+
 _NEGATIVE = __import__("re").compile(r"-\d+(\.\d*)?|-\.\d+")
 
 

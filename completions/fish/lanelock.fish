@@ -1,17 +1,22 @@
-function _lanelock_completion;
-    set -l response (env _LANELOCK_COMPLETE=fish_complete COMP_WORDS=(commandline -cp) COMP_CWORD=(commandline -t) lanelock);
-
-    for completion in $response;
-        set -l metadata (string split "," $completion);
-
-        if test $metadata[1] = "dir";
-            __fish_complete_directories $metadata[2];
-        else if test $metadata[1] = "file";
-            __fish_complete_path $metadata[2];
-        else if test $metadata[1] = "plain";
-            echo $metadata[2];
-        end;
-    end;
-end;
-
-complete --no-files --command lanelock --arguments "(_lanelock_completion)";
+# fish completion for lanelock (lanelock completion fish)
+function __lanelock_complete
+    lanelock completion fish --complete (commandline -cp) 2>/dev/null | while read -l -d \t type value extra
+        switch $type
+            case dir
+                for path in (__fish_complete_directories $value)
+                    echo $extra$path
+                end
+            case file
+                for path in (__fish_complete_path $value)
+                    echo $extra$path
+                end
+            case plain
+                if test -n "$extra"
+                    printf '%s\t%s\n' $value $extra
+                else
+                    echo $value
+                end
+        end
+    end
+end
+complete -c lanelock -f -a '(__lanelock_complete)'
