@@ -157,7 +157,8 @@ _lanelock_completion() {
     local IFS=$'\n' line type value extra
     local -a reply
     COMPREPLY=()
-    reply=($(lanelock completion bash --word "$2" --complete "${COMP_LINE:0:COMP_POINT}" 2>/dev/null)) || return 0
+    reply=($(lanelock completion bash --word "$2" \
+                 --complete "${COMP_LINE:0:COMP_POINT}" 2>/dev/null)) || return 0
     for line in "${reply[@]}"; do
         IFS=$'\t' read -r type value extra <<< "$line"
         case $type in
@@ -210,7 +211,8 @@ fi
 
 _FISH = r"""# fish completion for lanelock (lanelock completion fish)
 function __lanelock_complete
-    lanelock completion fish --complete (commandline -cp) 2>/dev/null | while read -l -d \t type value extra
+    lanelock completion fish --complete (commandline -cp) 2>/dev/null \
+        | while read -l -d \t type value extra
         switch $type
             case dir
                 for path in (__fish_complete_directories $value)

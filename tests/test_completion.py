@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -137,7 +136,8 @@ def test_config_set_offers_the_settings():
 def test_pip_installs_the_scripts_where_each_shell_looks():
     """completions/ holds what `lanelock completion SHELL` prints (tests/test_docs.py checks it);
     a system-wide install puts each file where its shell loads completions from."""
-    data_files = tomllib.loads((TOP / "pyproject.toml").read_text())["tool"]["setuptools"]["data-files"]
+    setuptools = tomllib.loads((TOP / "pyproject.toml").read_text())["tool"]["setuptools"]
+    data_files = setuptools["data-files"]
     for shell in completion.SHELLS:
         directory, name = INSTALLED[shell].rsplit("/", 1)
         assert COMMITTED[shell] in data_files[directory]

@@ -1,6 +1,7 @@
 # fish completion for lanelock (lanelock completion fish)
 function __lanelock_complete
-    lanelock completion fish --complete (commandline -cp) 2>/dev/null | while read -l -d \t type value extra
+    lanelock completion fish --complete (commandline -cp) 2>/dev/null \
+        | while read -l -d \t type value extra
         switch $type
             case dir
                 for path in (__fish_complete_directories $value)
