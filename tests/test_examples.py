@@ -301,7 +301,7 @@ def test_run_with_a_fallback(spelling, standins, holder, run_cmd):
     standins.make("llm")
     env = {"PATH": standins.path, "PROMPT": "say hi"}
 
-    free = run_cmd(["sh", "-c", command], env=env)
+    free = run_cmd(["bash", "-c", command], env=env)
     assert (free.returncode, free.stderr) == (0, "")
     assert [(r.name, r.state, r.args[:2]) for r in standins.runs()] == \
         [("llm", "held", ["-m", "local"])]
@@ -309,7 +309,7 @@ def test_run_with_a_fallback(spelling, standins, holder, run_cmd):
 
     standins.clear()
     held = holder("-b", spelling, "-s", "alice@pts/1", "-m", "qwen")
-    busy = run_cmd(["sh", "-c", command], env=env)
+    busy = run_cmd(["bash", "-c", command], env=env)
     assert busy.returncode == 0, busy.stderr
     assert [(r.name, r.state, r.args[:2]) for r in standins.runs()] == \
         [("llm", "deflected", ["-m", "gpt-4o-mini"])]
@@ -320,13 +320,11 @@ def test_run_with_a_fallback(spelling, standins, holder, run_cmd):
     assert held.release() == 0
 
 
-@pytest.mark.xfail(strict=True, reason="README bug (What it is): --fallback is split without a "
-                   "shell, so 'llm ... \"$PROMPT\"' hands llm the literal text $PROMPT")
 def test_the_fallback_gets_the_prompt(standins, holder, run_cmd):
     command = block("run-with-fallback").text.strip()
     standins.make("llm")
     held = holder("-b", "localhost:8080")
-    busy = run_cmd(["sh", "-c", command], env={"PATH": standins.path, "PROMPT": "say hi"})
+    busy = run_cmd(["bash", "-c", command], env={"PATH": standins.path, "PROMPT": "say hi"})
     assert held.release() == 0
     assert [r.args for r in standins.runs()] == [["-m", "gpt-4o-mini", "say hi"]], busy.stderr
 
