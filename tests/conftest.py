@@ -1,44 +1,87 @@
-"""Shared fixtures: an isolated lock root per test, a `lanelock` runner, a lane holder, and the
-guarantee that nothing a test started outlives it and no lane is left held.
+"""The one test setup (tests/README.md tells how to use it): an isolated lock root per test, one
+registry of the processes a test starts, one `lanelock` runner, one lane holder, and the guarantee
+that nothing a test started outlives it and no lane is left held, whichever lock root it used.
 
 Isolation: LANELOCK_DIR points at a fresh directory under tmp_path (not created: lanelock makes
-it), both config files point at files that do not exist (a real /etc/lanelock or ~/.config must
-never leak in), and every LANELOCK_* variable a surrounding turn could have set is removed.
+it), both config files point at files that do not exist yet (a real /etc/lanelock or ~/.config
+must never leak in), and every LANELOCK_* variable a surrounding turn could have set is removed.
 
 Synchronisation is never a sleep: a holder's child prints "ready PID" on a pipe the test reads, and
-holds the lane until the test writes to (or closes) its stdin.
+holds the lane until the test writes its exit status to (or closes) its stdin. Deaths and stops are
+waited for in the kernel (a pidfd, waitid()); wait_for() polls only a state no process can report.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
-import ipaddress
 import os
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from urllib.parse import unquote
 
 import psutil
 import pytest
 
 LANELOCK = [sys.executable, "-m", "lanelock"]
+LANE = "localhost:8080"          # the default lane, and its lock root file names' stem
+STEM = "localhost-8080"
 needs_flock = pytest.mark.skipif(shutil.which("flock") is None,
                                  reason="flock(1) (util-linux) not found")
 TIMEOUT = 60.0          # no single process a test starts may run longer than this
-CLEARED = ("LANELOCK_BACKEND", "LANELOCK_SESSION", "LANELOCK_MODEL", "LANELOCK_HELD",
-           "LANELOCK_HOLDER_PID", "LANELOCK_STATE", "LANELOCK_LANE", "LANELOCK_LOCK_PATH",
-           "LANELOCK_FAILOVER_REASON", "LANELOCK_FALLBACK_INDEX", "LANELOCK_DEBUG",
-           "LANELOCK_STORE")
+COLOUR_VARIABLES = ("NO_COLOR", "FORCE_COLOR", "CLICOLOR_FORCE")
 
 # The held child: say so on stdout (the test reads it), then hold until the test writes a line or
 # closes our stdin; the line, if a number, is the exit status.
 HOLD_SCRIPT = 'echo "ready $$"; read code; exit "${code:-0}"'
+
+# A held child that takes signals and goes on: each signal it gets (the names in argv) is reported
+# as a line "signal N" on stdout, until the test writes the exit status to stdin. The handlers only
+# note the signal on a wakeup pipe that select() watches beside stdin, so a signal arriving at any
+# moment is seen: with a Python handler and a blocking read, a signal that lands after the
+# interpreter's last check and before read(2) waits for the read to return -- for ever, in a test
+# that sends no input (test_signals_to_the_wrapper_are_forwarded_to_the_child[SIGINT] hung so).
+SIGNALLED_HOLD = """
+import os, select, signal, sys
+wake_read, wake_write = os.pipe()
+os.set_blocking(wake_write, False)
+signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
+for name in sys.argv[1:]:
+    signal.signal(getattr(signal, name), lambda signum, frame: None)
+print("ready", os.getpid(), flush=True)
+line = b""
+while not line.endswith(b"\\n"):
+    ready, _, _ = select.select([0, wake_read], [], [])
+    if wake_read in ready:
+        for signum in os.read(wake_read, 64):
+            print("signal", signum, flush=True)
+    if 0 in ready:
+        chunk = os.read(0, 64)
+        if not chunk:
+            break
+        line += chunk
+sys.exit(int(line.strip() or 0))
+"""
+
+
+def signalled_hold(*names: str) -> list[str]:
+    """The command of a holder whose child takes these signals (names: "SIGINT", ...)."""
+    return [sys.executable, "-c", SIGNALLED_HOLD, *names]
+
+
+def pytest_configure(config):
+    # A shell starts a background job (`pytest &`) with SIGINT ignored, and every process the
+    # tests start would inherit that: the ^C tests would then test the shell's choice instead of
+    # lanelock's. Tests that want an ignored SIGINT set it for their own process.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # -- isolation --------------------------------------------------------------------------------------
@@ -46,11 +89,14 @@ HOLD_SCRIPT = 'echo "ready $$"; read code; exit "${code:-0}"'
 def isolated(tmp_path, monkeypatch) -> Path:
     """A fresh lock root and no configuration: what every test starts from."""
     lock_dir = tmp_path / "locks"
-    for name in CLEARED:
+    for name in list(os.environ):
+        if name.startswith("LANELOCK_"):
+            monkeypatch.delenv(name)
+    for name in COLOUR_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LANELOCK_DIR", str(lock_dir))
-    monkeypatch.setenv("LANELOCK_SYSTEM_CONFIG", str(tmp_path / "no-such-system-config.toml"))
-    monkeypatch.setenv("LANELOCK_CONFIG", str(tmp_path / "no-such-user-config.toml"))
+    monkeypatch.setenv("LANELOCK_SYSTEM_CONFIG", str(tmp_path / "system-config.toml"))
+    monkeypatch.setenv("LANELOCK_CONFIG", str(tmp_path / "user-config.toml"))
     return lock_dir
 
 
@@ -58,6 +104,12 @@ def isolated(tmp_path, monkeypatch) -> Path:
 def lock_dir(isolated) -> Path:
     """The test's LANELOCK_DIR (a Path; lanelock creates the directory on the first turn)."""
     return isolated
+
+
+@pytest.fixture
+def config_files(isolated) -> tuple[Path, Path]:
+    """(system, user): the config files lanelock reads in this test; neither exists yet."""
+    return Path(os.environ["LANELOCK_SYSTEM_CONFIG"]), Path(os.environ["LANELOCK_CONFIG"])
 
 
 def environ(env: dict | None = None) -> dict:
@@ -71,61 +123,188 @@ def environ(env: dict | None = None) -> dict:
     return merged
 
 
-def backend_of_stem(stem: str) -> list[str] | None:
-    """`lanelock probe` arguments for a lock file's stem (localhost-8080, fd00__1-8080,
-    localhost-8080~model), or None when the stem cannot be read back (a hashed long name)."""
-    stem, _, model = stem.partition("~")
-    host, sep, port = stem.rpartition("-")
-    if not sep or not port.isdigit() or not host:
-        return None
-    if "_" in host:
+# -- no lane left held --------------------------------------------------------------------------------
+def flock_entries(path) -> tuple[list[int], list[int]]:
+    """(holders, waiters): the pids /proc/locks shows on this file's flock (empty when unreadable)."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return [], []
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    holding, waiting = [], []
+    for line in lines:
+        words = line.split()
+        blocked = words[1:2] == ["->"]
+        words = words[2:] if blocked else words[1:]
+        if len(words) >= 5 and words[0] == "FLOCK" and words[4] == inode:
+            (waiting if blocked else holding).append(int(words[3]))
+    return holding, waiting
+
+
+def is_waiting(lock_path, pid: int) -> bool:
+    """Is pid blocked in flock() on this lock file (a '->' entry in /proc/locks)?"""
+    return pid in flock_entries(lock_path)[1]
+
+
+def lane_held(lock: Path) -> bool:
+    """Does anyone hold this lock file's flock? Asked with a lock of our own, taken without waiting
+    on a descriptor of our own (so a lane this very process holds, a leaked API turn, is seen too)
+    and let go at once. A planted symlink, FIFO or directory is no lane."""
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+class LockRoots:
+    """Every lock root (and lane store) a test used, checked at teardown: no lane may be held.
+
+    Watched without asking: every *.lock under the test's tmp_path (its LANELOCK_DIR, any root it
+    pointed LANELOCK_DIR or --lock-dir at there, tmpfs mounts there), and the LANELOCK_DIR and
+    LANELOCK_STORE in force when the test ends. A root elsewhere is registered with watch(); the
+    default root with watch_new() (its lanes made during the test: other turns on this machine may
+    hold theirs); a PostgreSQL store given on the command line with watch_store(). after() runs
+    clean-ups (unmount, remove) once the check is done, so they cannot hide a held lane."""
+
+    def __init__(self, tmp_path: Path):
+        self.tmp_path = tmp_path
+        self.roots: list[Path] = []
+        self.existing: dict[Path, set[Path]] = {}   # watch_new(): the lanes that were there before
+        self.stores: list[str] = []
+        self.cleanups: list = []
+
+    def watch(self, root) -> Path:
+        self.roots.append(Path(root))
+        return Path(root)
+
+    def watch_new(self, root) -> Path:
+        root = Path(root)
+        self.existing[root] = set(root.glob("*.lock")) if root.is_dir() else set()
+        return root
+
+    def watch_store(self, dsn: str) -> str:
+        self.stores.append(dsn)
+        return dsn
+
+    def after(self, cleanup) -> None:
+        self.cleanups.append(cleanup)
+
+    def locks(self) -> list[Path]:
+        found = set(self.tmp_path.rglob("*.lock"))
+        roots = list(self.roots)
+        if os.environ.get("LANELOCK_DIR"):
+            roots.append(Path(os.environ["LANELOCK_DIR"]))
+        for root in roots:
+            found |= set(root.glob("*.lock")) if root.is_dir() else set()
+        for root, before in self.existing.items():
+            found |= (set(root.glob("*.lock")) if root.is_dir() else set()) - before
+        return sorted(found)
+
+    def held(self) -> list[str]:
+        """What is left held: one line per lane."""
+        held = [f"{lock} (held by pid {flock_entries(lock)[0] or '?'})"
+                for lock in self.locks() if lane_held(lock)]
+        stores = set(self.stores)
+        if os.environ.get("LANELOCK_STORE", "").startswith("postgres"):
+            stores.add(os.environ["LANELOCK_STORE"])
+        for dsn in sorted(stores):
+            pids = store_holders(dsn)
+            if pids:
+                held.append(f"{dsn}: advisory lane locks held by server pids {pids}")
+        return held
+
+    def check(self) -> None:
         try:
-            host = f"[{ipaddress.ip_address(host.replace('_', ':'))}]"
-        except ValueError:
-            return None
-    args = ["--backend", f"{host}:{port}"]
-    if model:
-        args += ["--key-by", "model", "--model", unquote(model)]
-    return args
+            held = self.held()
+            assert not held, f"lanes left held at teardown: {held}"
+        finally:
+            for cleanup in reversed(self.cleanups):
+                cleanup()
 
 
-def probe_in_process(args) -> subprocess.CompletedProcess:
-    """`lanelock probe ARGS` through the CLI's own entry point, without a process start per test
-    (the suite pays for that ~150 times). It opens its own descriptor, so a lane this very process
-    still holds (a leaked API turn) shows as busy as it would to anyone else."""
-    from lanelock.cli import main
+def store_holders(dsn: str) -> list[int]:
+    """The server pids still holding a lane's advisory lock in this database. A session's locks go
+    when the server notices its client is gone (killed at teardown a moment ago): given a few
+    seconds, as no process can tell us when."""
+    import psycopg
 
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = main(["probe", *args])
-    return subprocess.CompletedProcess(["lanelock", "probe", *args], status, out.getvalue(),
-                                       err.getvalue())
+    query = ("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2 "
+             "AND classid = %s AND database = (SELECT oid FROM pg_database "
+             "WHERE datname = current_database())")
+    namespace = 0x4C4E4C4B   # lanelock's advisory key namespace ("LNLK"), key1 of every lane
+
+    def holding() -> list[int]:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+            return [row[0] for row in conn.execute(query, (namespace,)).fetchall()]
+
+    try:
+        wait_for(lambda: not holding(), what="the store to let go", timeout=10.0)
+    except AssertionError:
+        return holding()
+    return []
 
 
 @pytest.fixture(autouse=True)
-def lanes_free_at_teardown(isolated):
-    """After the test (and after its processes are killed): every lane under the test's root is
-    free, asked through `lanelock probe` (and flock(1) for a lane whose name cannot be read back)."""
-    yield
-    if not isolated.is_dir():
-        return
-    held = []
-    for lock in sorted(isolated.glob("*.lock")):
-        if not lock.is_file() or lock.is_symlink():
-            continue   # a test planted it (symlink, FIFO, directory): not a lane anyone holds
-        args = backend_of_stem(lock.name[:-len(".lock")])
-        if args is None and shutil.which("flock"):
-            check = subprocess.run(["flock", "-n", "-E", "99", str(lock), "true"],
-                                   capture_output=True, text=True, timeout=TIMEOUT)
-            free = check.returncode == 0
-        elif args is None:
-            continue   # no flock(1) and a name that cannot be read back: nothing to ask with
-        else:
-            check = probe_in_process(args)
-            free = check.returncode == 0
-        if not free:
-            held.append(f"{lock}: {check.stdout.strip()} {check.stderr.strip()}")
-    assert not held, f"lanes left held at teardown: {held}"
+def lock_roots(isolated, tmp_path):
+    """The registry of lock roots; after the test (and after procs has killed its processes), no
+    lane under any of them may be held."""
+    roots = LockRoots(tmp_path)
+    yield roots
+    roots.check()
+
+
+@pytest.fixture
+def default_root(lock_roots, monkeypatch) -> Path:
+    """For a test that proves the default root: LANELOCK_DIR unset (the config files stay
+    isolated), and the default root's lanes the test makes watched at teardown. Returns the root."""
+    monkeypatch.delenv("LANELOCK_DIR")
+    root = Path(json_of(["where", "--json"])["root"])
+    return lock_roots.watch_new(root)
+
+
+def remove_lane_files(lock_path) -> None:
+    """A throwaway lane's files (lock, holder record, journal, counts), for a test that made one
+    in a shared root such as the default one."""
+    stem = Path(str(lock_path)[: -len(".lock")])
+    for path in stem.parent.glob(f"{stem.name}.*"):
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+@pytest.fixture
+def tmpfs(tmp_path, lock_roots):
+    """mount(options) -> a fresh tmpfs mounted under tmp_path with those options (skips when
+    mounting is not possible here); unmounted after the teardown check. As root, permission bits
+    stop nothing: a read-only or full file system does."""
+    count = [0]
+
+    def mount(options: str) -> Path:
+        mount_point = tmp_path / f"mnt{count[0]}"
+        count[0] += 1
+        mount_point.mkdir()
+        try:
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)],
+                                  capture_output=True, text=True, timeout=TIMEOUT)
+        except FileNotFoundError:
+            pytest.skip("no mount(8) here")
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs ({options}) here: {done.stderr.strip()}")
+        lock_roots.after(lambda: subprocess.run(["umount", "-l", str(mount_point)],
+                                                capture_output=True, timeout=TIMEOUT))
+        return mount_point
+
+    return mount
 
 
 # -- processes --------------------------------------------------------------------------------------
@@ -138,10 +317,11 @@ class Processes:
         self.strays: list[psutil.Process] = []   # processes the test learnt of (daemons, children)
 
     def start(self, argv, *, new_session: bool = True, **kwargs) -> subprocess.Popen:
-        """Popen in its own session (so its whole group can be killed), stdin /dev/null unless
-        given."""
+        """Popen of argv (path-like words allowed) in its own session (so its whole group can be
+        killed), stdin /dev/null unless given."""
         kwargs.setdefault("stdin", subprocess.DEVNULL)
-        proc = subprocess.Popen(argv, start_new_session=new_session, **kwargs)
+        proc = subprocess.Popen([str(word) for word in argv], start_new_session=new_session,
+                                **kwargs)
         proc.own_group = new_session
         self.popens.append(proc)
         return proc
@@ -192,38 +372,32 @@ class Processes:
             child.close(force=True)
         for process in self.strays:
             try:
+                death = ExitWatch(process.pid)
+            except ProcessLookupError:
+                continue
+            # Opened before the identity check: if this is still our process, the pidfd is its.
+            if not running(process):
+                death.close()
+                continue
+            try:
                 process.kill()   # psutil refuses if the pid now belongs to another process
             except psutil.NoSuchProcess:
+                death.close()
                 continue
-            # Not our child: whoever adopted it reaps it; a zombie no longer runs.
-            wait_for(lambda: not running(process), what=f"pid {process.pid} to die")
+            death.wait()   # not our child: whoever adopted it reaps it; a zombie no longer runs
 
 
 @pytest.fixture
-def procs(lanes_free_at_teardown):
+def procs(lock_roots):
     """The process registry; torn down (everything killed) before the lanes are checked."""
     registry = Processes()
     yield registry
     registry.cleanup()
 
 
-@pytest.fixture
-def lanelock(procs):
-    """run(*args, env=None, **kw) -> CompletedProcess of `python -m lanelock ARGS` (text mode).
-
-    env: overrides on top of os.environ (None values remove a variable); input: text for stdin;
-    timeout: seconds (the process group is killed and the test fails when it is exceeded); other
-    keywords go to Popen (cwd, ...)."""
-
-    def run(*args, env=None, input=None, timeout=TIMEOUT, prefix=(), **kwargs):
-        argv = [*prefix, *LANELOCK, *map(str, args)]
-        return communicate(procs, argv, env=env, input=input, timeout=timeout, **kwargs)
-
-    return run
-
-
 def communicate(procs: Processes, argv, *, env=None, input=None, timeout=TIMEOUT, **kwargs):
-    """Run argv to completion under the registry; CompletedProcess with text stdout/stderr."""
+    """Run argv to completion under the registry; CompletedProcess with text stdout/stderr and
+    the process's .pid."""
     proc = procs.start(argv, env=environ(env), text=True,
                        stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
@@ -233,21 +407,65 @@ def communicate(procs: Processes, argv, *, env=None, input=None, timeout=TIMEOUT
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"{argv} did not finish in {timeout}s (deadlock?)\nstdout: {out}\nstderr: {err}")
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    done = subprocess.CompletedProcess([str(word) for word in argv], proc.returncode, out, err)
+    done.pid = proc.pid
+    return done
 
 
 @pytest.fixture
-def run_cmd(procs):
-    """Like `lanelock` but for any argv (env -i prefixes, shells, flock(1))."""
+def lanelock(procs):
+    """lanelock(*args, env=None, input=None, timeout=60, prefix=(), **popen) -> CompletedProcess
+    of `python -m lanelock ARGS` (text mode, with .pid).
 
-    def run(argv, env=None, input=None, timeout=TIMEOUT, **kwargs):
-        return communicate(procs, [str(word) for word in argv], env=env, input=input,
+    env: overrides on top of os.environ (None values remove a variable); input: text for stdin;
+    timeout: seconds (the process group is killed and the test fails when it is exceeded); prefix:
+    words before python (env -i ..., runuser ...); other keywords go to Popen (cwd, ...)."""
+
+    def run(*args, env=None, input=None, timeout=TIMEOUT, prefix=(), **kwargs):
+        return communicate(procs, [*prefix, *LANELOCK, *args], env=env, input=input,
                            timeout=timeout, **kwargs)
 
     return run
 
 
-# -- reading with a deadline ------------------------------------------------------------------------
+@pytest.fixture
+def run_cmd(procs):
+    """run_cmd(argv, env=None, input=None, timeout=60, **popen): like `lanelock` for any argv
+    (shells, flock(1), a python -c script)."""
+
+    def run(argv, env=None, input=None, timeout=TIMEOUT, **kwargs):
+        return communicate(procs, argv, env=env, input=input, timeout=timeout, **kwargs)
+
+    return run
+
+
+def cli_in_process(args) -> subprocess.CompletedProcess:
+    """`lanelock ARGS` through the CLI's own entry point, without a process start (the suite pays
+    for those hundreds of times)."""
+    from lanelock.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(list(args))
+    return subprocess.CompletedProcess(["lanelock", *args], status, out.getvalue(), err.getvalue())
+
+
+def probe_in_process(args) -> subprocess.CompletedProcess:
+    """`lanelock probe ARGS` in this process. It opens its own descriptor, so a lane this very
+    process still holds (a leaked API turn) shows as busy as it would to anyone else."""
+    return cli_in_process(["probe", *args])
+
+
+def json_of(args) -> dict:
+    """The JSON a read command prints (`where --json`, `status --json`...), asked in-process."""
+    import json
+
+    done = cli_in_process(args)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+# -- waiting with a deadline --------------------------------------------------------------------------
 def read_line(stream, timeout: float = TIMEOUT) -> str:
     """One line from a binary pipe, waiting at most timeout seconds; '' at EOF."""
     deadline = time.monotonic() + timeout
@@ -267,8 +485,10 @@ def read_line(stream, timeout: float = TIMEOUT) -> str:
     return data.decode()
 
 
-def wait_for(condition, timeout: float = 30.0, what: str = "condition"):
-    """Last resort when no process can tell us: re-check a condition until a deadline."""
+def wait_for(condition, what: str = "condition", timeout: float = 30.0):
+    """Last resort when no process can tell us (a waiter blocked in the kernel, a stopped
+    process that is not our child, a server's lock table): re-check a condition until a deadline.
+    Returns the condition's first true value."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
@@ -277,6 +497,49 @@ def wait_for(condition, timeout: float = 30.0, what: str = "condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.005)
+
+
+class ExitWatch:
+    """A pidfd on a process that runs now: wait() returns once it has ended (a zombie counts),
+    blocking in the kernel, and a reused pid can never fool it. Open it before the kill."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.fd = os.pidfd_open(pid)
+
+    def wait(self, timeout: float = TIMEOUT) -> None:
+        try:
+            ready, _, _ = select.select([self.fd], [], [], timeout)
+            assert ready, f"pid {self.pid} still runs after {timeout}s"
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def wait_exit(pid: int, timeout: float = TIMEOUT) -> None:
+    """Until pid has ended (a zombie counts), for a pid that cannot have been reused yet: our own
+    unreaped child, or a process the test saw alive a moment ago. Gone already: returns."""
+    try:
+        death = ExitWatch(pid)
+    except ProcessLookupError:
+        return
+    death.wait(timeout)
+
+
+def wait_stopped(pid: int, timeout: float = TIMEOUT) -> None:
+    """Until our child pid stops (SIGSTOP, LANELOCK_DEBUG_PAUSE): waitid() in the kernel. WNOWAIT
+    leaves the event, and an exit, to whoever waits next (Popen)."""
+    box = {}
+    waiter = threading.Thread(target=lambda: box.update(info=os.waitid(
+        os.P_PID, pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)), daemon=True)
+    waiter.start()
+    waiter.join(timeout)
+    assert "info" in box, f"pid {pid} neither stopped nor ended within {timeout}s"
+    assert box["info"].si_code == os.CLD_STOPPED, f"pid {pid} ended instead of stopping"
 
 
 def running(process: psutil.Process) -> bool:
@@ -297,16 +560,21 @@ def pid_gone(pid: int) -> bool:
 
 # -- the holder -------------------------------------------------------------------------------------
 class Holder:
-    """`python -m lanelock run [ARGS] -- sh -c HOLD_SCRIPT` in the background, holding the lane.
+    """`lanelock run [ARGS] -- COMMAND` in the background, holding the lane; COMMAND is
+    HOLD_SCRIPT unless given (any command that prints "ready PID" first and ends when told on
+    stdin).
 
-    pid is the wrapper (the lock holder), child_pid the held command."""
+    pid is the wrapper (the lock holder), child_pid the held command. Its stderr goes to a file
+    unless stderr=subprocess.PIPE is asked for (to read a warning line as it comes)."""
 
-    def __init__(self, procs: Processes, stderr_path: Path, args, command, env, cwd, prefix):
+    def __init__(self, procs: Processes, stderr_path: Path, args, command, env, launcher, prefix,
+                 stderr, popen):
         self.stderr_path = stderr_path
-        argv = [*prefix, *LANELOCK, "run", *map(str, args), "--", *command]
-        self._stderr = open(stderr_path, "wb")
+        argv = [*prefix, *launcher, "run", *args, "--", *command]
+        self._stderr = open(stderr_path, "wb") if stderr is None else None
         self.proc = procs.start(argv, env=environ(env), stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=self._stderr, cwd=cwd)
+                                stdout=subprocess.PIPE,
+                                stderr=self._stderr if stderr is None else stderr, **popen)
         self.pid = self.proc.pid
         self.child_pid: int | None = None
         self.ready_line = ""
@@ -315,12 +583,17 @@ class Holder:
     def wait_ready(self, timeout: float = TIMEOUT) -> "Holder":
         line = read_line(self.proc.stdout, timeout)
         if not line.startswith("ready "):
+            self.proc.kill()
             self.proc.wait(timeout=TIMEOUT)
             raise AssertionError(f"holder did not start holding: stdout {line!r}, "
                                  f"exit {self.proc.returncode}, stderr {self.stderr()!r}")
         self.ready_line = line.strip()
         self.child_pid = int(line.split()[1])
         return self
+
+    def read_line(self, timeout: float = TIMEOUT) -> str:
+        """The held command's next line on stdout ("signal 2" from a signalled_hold())."""
+        return read_line(self.proc.stdout, timeout)
 
     def release(self, exit_status: int = 0) -> int:
         """Let the held command end (with exit_status) and return the wrapper's exit status."""
@@ -332,12 +605,15 @@ class Holder:
                 pass
         return self.wait()
 
-    def wait(self, timeout: float = 30.0) -> int:
+    def wait(self, timeout: float = TIMEOUT) -> int:
         self.returncode = self.proc.wait(timeout=timeout)
-        self._stderr.close()
+        if self._stderr is not None:
+            self._stderr.close()
         return self.returncode
 
     def stderr(self) -> str:
+        if self._stderr is None:
+            return self.proc.stderr.read().decode() if self.proc.stderr else ""
         if not self._stderr.closed:
             self._stderr.flush()
         return self.stderr_path.read_text()
@@ -345,13 +621,18 @@ class Holder:
 
 @pytest.fixture
 def holder(procs, tmp_path):
-    """holder(*run_args, command=None, env=None, ready=True) -> Holder, already holding the lane
-    (its child has printed "ready PID"). Released (and, failing that, killed) at teardown."""
+    """holder(*run_args, command=None, env=None, launcher=LANELOCK, prefix=(), ready=True,
+    stderr=None, **popen) -> Holder, already holding the lane (its child has printed "ready PID")
+    unless ready=False. launcher: what stands for `python -m lanelock` (a script that becomes
+    another user first); prefix: words before it (ip netns exec ...). Released (and, failing that,
+    killed) at teardown."""
     started: list[Holder] = []
 
-    def start(*args, command=None, env=None, cwd=None, prefix=(), ready=True) -> Holder:
+    def start(*args, command=None, env=None, launcher=LANELOCK, prefix=(), ready=True,
+              stderr=None, **popen) -> Holder:
         path = tmp_path / f"holder-{len(started)}.stderr"
-        held = Holder(procs, path, args, command or ["sh", "-c", HOLD_SCRIPT], env, cwd, prefix)
+        held = Holder(procs, path, args, command or ["sh", "-c", HOLD_SCRIPT], env, launcher,
+                      prefix, stderr, popen)
         started.append(held)
         return held.wait_ready() if ready else held
 
@@ -364,12 +645,18 @@ def holder(procs, tmp_path):
                 pass   # procs kills it
 
 
-def is_waiting(lock_path, pid: int) -> bool:
-    """Is pid blocked in flock() on this lock file (a '->' entry in /proc/locks)?"""
-    from lanelock import holders
+# -- a PostgreSQL server (the lane-store tests) --------------------------------------------------------
+@pytest.fixture(scope="session")
+def postgres():
+    """One real PostgreSQL server on loopback for the session (tests/pg_server.py); skipped without
+    Debian's postgresql package unless LANELOCK_REQUIRE_PG is set."""
+    import pg_server
 
-    try:
-        view = holders.kernel_view(os.stat(lock_path))
-    except FileNotFoundError:
-        return False
-    return view is not None and pid in view.waiters
+    if pg_server.binaries() is None:
+        if os.environ.get("LANELOCK_REQUIRE_PG"):
+            pytest.fail("no PostgreSQL server binaries")
+        pytest.skip("no PostgreSQL server binaries (apt-get install postgresql)")
+    pytest.importorskip("psycopg")
+    server = pg_server.Server().start()
+    yield server
+    server.stop()

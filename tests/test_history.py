@@ -20,17 +20,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import LANE, LANELOCK, STEM, TIMEOUT, wait_for
 from lanelock import holders
 
 BUSY = 75
 
-from lane_support import (  # noqa: F401 - fixtures are used by name
-    HOLD_SCRIPT, LANE, LANELOCK, STEM, TIMEOUT, Holder, Processes, holder, lanelock, procs,
-    read_line, root, run, wait_for)
 
-
-def journal(root: Path) -> Path:
-    return root / f"{STEM}.journal"
+def journal(lock_dir: Path) -> Path:
+    return lock_dir / f"{STEM}.journal"
 
 
 def journal_lines(path: Path) -> list[dict]:
@@ -60,7 +57,7 @@ def turn(lanelock, *command: str, expect: int = 0) -> subprocess.CompletedProces
     (8, 25),                                              # 200 turns: ~30 s on two busy cores
     pytest.param(8, 50, marks=pytest.mark.slow),          # the 400: ~65 s there
 ])
-def test_concurrent_turns_leave_exactly_the_right_journal_lines(lanelock, procs, root, tmp_path,
+def test_concurrent_turns_leave_exactly_the_right_journal_lines(lanelock, procs, lock_dir, tmp_path,
                                                                 processes, turns):
     loop = 'read go; for i in $(seq "$1"); do "$0" -m lanelock run -- true; echo "rc $?"; done'
     shells = [procs.start(["sh", "-c", loop, sys.executable, turns], stdin=subprocess.PIPE,
@@ -78,8 +75,8 @@ def test_concurrent_turns_leave_exactly_the_right_journal_lines(lanelock, procs,
     assert len(codes) == total
     assert set(codes) <= {"0", str(BUSY)}, sorted(set(codes))
 
-    events = journal_lines(journal(root))             # every line parses as JSON
-    assert not Path(f"{journal(root)}.1").exists()    # far below the rotation size
+    events = journal_lines(journal(lock_dir))             # every line parses as JSON
+    assert not Path(f"{journal(lock_dir)}.1").exists()    # far below the rotation size
     kinds = [event["event"] for event in events]
     acquired, deflected, released = (kinds.count(kind) for kind in ("acquired", "deflected", "released"))
     assert acquired + deflected == total
@@ -98,7 +95,7 @@ def test_concurrent_turns_leave_exactly_the_right_journal_lines(lanelock, procs,
 
 
 # -- the way back ------------------------------------------------------------------------------------
-def test_a_deflection_then_a_local_turn_is_the_way_back(lanelock, holder, root):
+def test_a_deflection_then_a_local_turn_is_the_way_back(lanelock, holder, lock_dir):
     held = holder("--session", "holder")
     deflected = lanelock("run", "--session", "cron", "--", "true")
     assert deflected.returncode == BUSY and "local_backend_busy" in deflected.stderr
@@ -124,11 +121,11 @@ def test_a_deflection_then_a_local_turn_is_the_way_back(lanelock, holder, root):
     assert "way back to local 1x" in lines[-1]
 
 
-def test_a_waiting_turn_logs_how_long_it_waited(lanelock, holder, procs, root):
+def test_a_waiting_turn_logs_how_long_it_waited(lanelock, holder, procs, lock_dir):
     held = holder()
     waiter = procs.start([*LANELOCK, "run", "--wait", "--", "true"], stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE)
-    lock = root / f"{STEM}.lock"
+    lock = lock_dir / f"{STEM}.lock"
     wait_for(lambda: waiter.pid in holders.kernel_view(os.stat(lock)).waiters,
              "the --wait turn to block in flock()")
     assert held.release() == 0
@@ -162,11 +159,11 @@ def _iso(hours_ago: float, offset_hours: int = 0) -> str:
     return (datetime.now(timezone.utc) - timedelta(hours=hours_ago)).astimezone(zone).isoformat()
 
 
-def test_since_takes_durations_and_iso_dates(lanelock, root):
+def test_since_takes_durations_and_iso_dates(lanelock, lock_dir):
     turn(lanelock)
-    recent = journal_lines(journal(root))
+    recent = journal_lines(journal(lock_dir))
     old = _age(recent, 3)                        # the same turn, three hours earlier
-    journal(root).write_text("".join(json.dumps(e) + "\n" for e in old + recent))
+    journal(lock_dir).write_text("".join(json.dumps(e) + "\n" for e in old + recent))
 
     def count(*since):
         return len(history_json(lanelock, *since)["events"])
@@ -183,7 +180,7 @@ def test_since_takes_durations_and_iso_dates(lanelock, root):
 
 
 @pytest.mark.parametrize("since", ["yesterdayish", "2 hours", "1y", "1e3h", "2026-13-45", "h"])
-def test_since_garbage_is_a_usage_error_in_one_line(lanelock, root, since):
+def test_since_garbage_is_a_usage_error_in_one_line(lanelock, lock_dir, since):
     turn(lanelock)
     done = lanelock("history", "--since", since)
     assert done.returncode == 2 and done.stdout == ""
@@ -192,13 +189,13 @@ def test_since_garbage_is_a_usage_error_in_one_line(lanelock, root, since):
 
 
 # -- the summary -------------------------------------------------------------------------------------
-def test_summary_fields_match_the_journal(lanelock, holder, root):
+def test_summary_fields_match_the_journal(lanelock, holder, lock_dir):
     held = holder()
     assert lanelock("run", "--", "true").returncode == BUSY
     assert held.release(0) == 0
     turn(lanelock, "sh", "-c", "exit 4", expect=4)
 
-    lines = journal_lines(journal(root))
+    lines = journal_lines(journal(lock_dir))
     durations = [e["duration"] for e in lines if e["event"] == "released"]
     window = lines[-1]["ts"] - lines[0]["ts"]
     summary = history_json(lanelock)["summary"]
@@ -217,23 +214,23 @@ def test_summary_fields_match_the_journal(lanelock, holder, root):
     assert f"longest hold {summary['longest_hold']:.1f}s" in last
 
 
-def test_history_of_a_lane_without_a_journal(lanelock, root):
+def test_history_of_a_lane_without_a_journal(lanelock, lock_dir):
     data = history_json(lanelock)
     assert data["events"] == [] and data["unreadable_lines"] == 0
     assert (data["summary"]["turns"], data["summary"]["busy_fraction"]) == (0, 0.0)
     done = lanelock("history")
     assert done.returncode == 0 and done.stdout.startswith("turns 0 ")
-    assert not root.exists()   # reading creates nothing
+    assert not lock_dir.exists()   # reading creates nothing
 
 
-def test_a_fail_open_turn_is_in_the_journal(lanelock, root, tmp_path):
+def test_a_fail_open_turn_is_in_the_journal(lanelock, lock_dir, tmp_path):
     turn(lanelock)
-    lock = root / f"{STEM}.lock"
+    lock = lock_dir / f"{STEM}.lock"
     lock.unlink()
     lock.symlink_to(tmp_path / "elsewhere.lock")
     done = turn(lanelock)
     assert "running without it" in done.stderr
-    assert [e["event"] for e in journal_lines(journal(root))][-1] == "fail-open"
+    assert [e["event"] for e in journal_lines(journal(lock_dir))][-1] == "fail-open"
     assert history_json(lanelock)["summary"]["fail_open"] == 1
 
 
@@ -260,9 +257,9 @@ GARBAGE = [
 ]
 
 
-def test_garbage_lines_are_counted_and_skipped(lanelock, root):
+def test_garbage_lines_are_counted_and_skipped(lanelock, lock_dir):
     turn(lanelock)
-    with open(journal(root), "ab") as handle:
+    with open(journal(lock_dir), "ab") as handle:
         handle.write(b"".join(line + b"\n" for line in GARBAGE) + b"   \n\n")
     turn(lanelock)
 
@@ -294,12 +291,12 @@ MALFORMED_BUGS = {  # each once crashed history (fixed); kept as regressions
 
 @pytest.mark.parametrize("name", list(MALFORMED_BUGS))
 @pytest.mark.parametrize("as_json", [True, False], ids=["json", "human"])
-def test_parseable_but_malformed_events_do_not_crash_history(lanelock, root, name, as_json):
+def test_parseable_but_malformed_events_do_not_crash_history(lanelock, lock_dir, name, as_json):
     turn(lanelock)
-    real = journal_lines(journal(root))
+    real = journal_lines(journal(lock_dir))
     event = dict(MALFORMED[name])
     event.setdefault("ts", real[0]["ts"] - 1)
-    with open(journal(root), "a") as handle:
+    with open(journal(lock_dir), "a") as handle:
         handle.write(json.dumps(event) + "\n")
     done = lanelock("history", *(["--json"] if as_json else []))
     assert done.returncode == 0, done.stderr
@@ -328,10 +325,10 @@ def _journal_directory(path: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("plant", [_journal_fifo, _journal_symlink, _journal_directory, _journal_sparse],
                          ids=["fifo", "symlink", "directory", "50-megabytes-of-nul"])
 @pytest.mark.parametrize("generation", ["", ".1"], ids=["journal", "journal.1"])
-def test_a_hostile_journal_file_never_hangs_or_crashes_history(lanelock, root, tmp_path, plant,
+def test_a_hostile_journal_file_never_hangs_or_crashes_history(lanelock, lock_dir, tmp_path, plant,
                                                              generation):
-    root.mkdir()
-    path = Path(f"{journal(root)}{generation}")
+    lock_dir.mkdir()
+    path = Path(f"{journal(lock_dir)}{generation}")
     plant(path, tmp_path)
     for args in (["--json"], []):
         done = lanelock("history", *args, timeout=30)   # a FIFO must not block the read
@@ -341,11 +338,11 @@ def test_a_hostile_journal_file_never_hangs_or_crashes_history(lanelock, root, t
             assert json.loads(done.stdout)["summary"]["turns"] == 0
 
 
-def test_rotation_keeps_every_line_across_both_files(lanelock, root, tmp_path, monkeypatch):
+def test_rotation_keeps_every_line_across_both_files(lanelock, lock_dir, tmp_path, monkeypatch):
     config = tmp_path / "system.toml"
     config.write_text("journal_max_bytes = 4096\n")
     monkeypatch.setenv("LANELOCK_SYSTEM_CONFIG", str(config))
-    rotated = Path(f"{journal(root)}.1")
+    rotated = Path(f"{journal(lock_dir)}.1")
     turns = 0
     while not rotated.exists():
         assert turns < 40, "the journal never rotated past 4096 bytes"
@@ -355,9 +352,9 @@ def test_rotation_keeps_every_line_across_both_files(lanelock, root, tmp_path, m
         turn(lanelock)
         turns += 1
 
-    older, newer = journal_lines(rotated), journal_lines(journal(root))
+    older, newer = journal_lines(rotated), journal_lines(journal(lock_dir))
     assert rotated.stat().st_size >= 4096
-    assert not Path(f"{journal(root)}.2").exists()
+    assert not Path(f"{journal(lock_dir)}.2").exists()
     assert len(older) + len(newer) == 2 * turns
     assert newer[0]["event"] == "acquired" and older[-1]["event"] == "released"
     events = older + newer

@@ -22,13 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import (HOLD_SCRIPT, LANE, LANELOCK, STEM, TIMEOUT, ExitWatch, read_line, wait_exit,
+                      wait_for)
 from lanelock import holders
 
 ESCAPE = "\x1b"
-
-from lane_support import (  # noqa: F401 - fixtures are used by name
-    HOLD_SCRIPT, LANE, LANELOCK, STEM, TIMEOUT, Holder, Processes, holder, lanelock, procs,
-    read_line, root, run, wait_for)
 
 
 def kernel(lock_path) -> holders.KernelView:
@@ -62,19 +60,19 @@ def status_line(lanelock, *args, env=None) -> str:
     return lines[0]
 
 
-def one_turn(lanelock, root: Path) -> subprocess.CompletedProcess:
+def one_turn(lanelock, lock_dir: Path) -> subprocess.CompletedProcess:
     """One finished turn: the lock file, a released sidecar and two journal lines exist."""
     done = lanelock("run", "--", "true")
-    assert done.returncode == 0 and (root / f"{STEM}.lock").is_file(), done.stderr
+    assert done.returncode == 0 and (lock_dir / f"{STEM}.lock").is_file(), done.stderr
     return done
 
 
-def sidecar_path(root: Path) -> Path:
-    return root / f"{STEM}.json"
+def sidecar_path(lock_dir: Path) -> Path:
+    return lock_dir / f"{STEM}.json"
 
 
 # -- held, foreign, died, released -------------------------------------------------------------------
-def test_held_by_a_lanelock_turn_names_the_wrapper_and_the_sidecar_labels(lanelock, holder, root):
+def test_held_by_a_lanelock_turn_names_the_wrapper_and_the_sidecar_labels(lanelock, holder, lock_dir):
     held = holder("--session", "night-shift", "--model", "qwen-7b")
     lane = one_lane(lanelock)
     assert (lane["state"], lane["verdict"]) == ("held", "held")
@@ -86,7 +84,7 @@ def test_held_by_a_lanelock_turn_names_the_wrapper_and_the_sidecar_labels(lanelo
     assert lane["holder"]["command"] == shlex.join(["sh", "-c", HOLD_SCRIPT])   # quoted, pasteable
     assert isinstance(lane["holder"]["held_for"], (int, float)) and lane["holder"]["held_for"] >= 0
     assert lane["waiters"] == [] and lane["kernel_source"] == "proc-locks"
-    assert lane["lock_path"] == str(root / f"{STEM}.lock")
+    assert lane["lock_path"] == str(lock_dir / f"{STEM}.lock")
 
     line = status_line(lanelock)
     assert f"held by lanelock turn pid {held.pid}" in line
@@ -94,32 +92,34 @@ def test_held_by_a_lanelock_turn_names_the_wrapper_and_the_sidecar_labels(lanelo
     assert held.release() == 0
 
 
-def test_held_by_plain_flock_is_reported_as_not_lanelock(lanelock, procs, root):
-    one_turn(lanelock, root)
-    lock = root / f"{STEM}.lock"
-    flock = procs.start(["flock", lock, "sleep", "60"])
-    wait_for(lambda: flock.pid in kernel(lock).holders, "flock(1) to hold the lane")
+def test_held_by_plain_flock_is_reported_as_not_lanelock(lanelock, procs, lock_dir):
+    one_turn(lanelock, lock_dir)
+    lock = lock_dir / f"{STEM}.lock"
+    flock = procs.start(["flock", lock, "sh", "-c", HOLD_SCRIPT], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE)
+    assert read_line(flock.stdout).startswith("ready ")   # flock(1) holds it while its child runs
+    command = shlex.join(["flock", str(lock), "sh", "-c", HOLD_SCRIPT])
 
     lane = one_lane(lanelock)
     assert (lane["state"], lane["verdict"]) == ("held", "held-foreign")
     first = lane["holders"][0]
     assert first["pid"] == flock.pid and first["lanelock"] is False
-    assert first["command"] == f"flock {lock} sleep 60"
+    assert first["command"] == command
     assert lane["holder"] is None
     line = status_line(lanelock)
-    assert "not lanelock" in line and f"pid {flock.pid}" in line and f"flock {lock} sleep 60" in line
+    assert "not lanelock" in line and f"pid {flock.pid}" in line and f"flock {lock} sh -c" in line
 
-    os.killpg(flock.pid, signal.SIGKILL)   # flock and the sleep that inherited its descriptor
-    flock.wait(timeout=TIMEOUT)
+    flock.stdin.close()
+    assert flock.wait(timeout=TIMEOUT) == 0
 
 
-def test_holder_killed_with_sigkill_died_without_releasing(lanelock, holder, root):
+def test_holder_killed_with_sigkill_died_without_releasing(lanelock, holder, lock_dir):
     held = holder()
+    child = ExitWatch(held.child_pid)
     os.kill(held.pid, signal.SIGKILL)
     assert held.proc.wait(timeout=TIMEOUT) == -signal.SIGKILL
-    # The child got the parent-death signal: nothing is left holding or generating.
-    wait_for(lambda: _gone(held.child_pid), "the held child to die with its wrapper")
-    assert kernel(root / f"{STEM}.lock").holders == ()
+    child.wait()   # the parent-death signal: nothing is left holding or generating
+    assert kernel(lock_dir / f"{STEM}.lock").holders == ()
 
     lane = one_lane(lanelock)
     assert (lane["state"], lane["verdict"]) == ("free", "died")
@@ -129,11 +129,12 @@ def test_holder_killed_with_sigkill_died_without_releasing(lanelock, holder, roo
     assert lanelock("run", "--", "true").returncode == 0   # the lane is usable again
 
 
-def test_killed_holder_not_yet_reaped_still_died(lanelock, holder, root):
+def test_killed_holder_not_yet_reaped_still_died(lanelock, holder, lock_dir):
     held = holder()
     os.kill(held.pid, signal.SIGKILL)   # not reaped: the test (its parent) waits only afterwards
-    wait_for(lambda: _state(held.pid) == "Z", "the killed wrapper to become a zombie")
-    assert kernel(root / f"{STEM}.lock").holders == ()
+    wait_exit(held.pid)
+    assert _state(held.pid) == "Z"
+    assert kernel(lock_dir / f"{STEM}.lock").holders == ()
     try:
         lane = one_lane(lanelock)
         assert lane["verdict"] == "died", lane["message"]
@@ -150,10 +151,6 @@ def _state(pid: int) -> str | None:
     return data[data.rfind(b")") + 2:].split()[0].decode()
 
 
-def _gone(pid: int) -> bool:
-    return _state(pid) in (None, "Z")
-
-
 def test_released_cleanly_reports_the_exit_status(lanelock, holder):
     held = holder("--session", "tidy")
     assert held.release(3) == 3
@@ -168,11 +165,11 @@ def test_released_cleanly_reports_the_exit_status(lanelock, holder):
     assert "released cleanly" in line and "exit 3" in line and f"pid {held.pid}" in line
 
 
-def test_a_lane_no_turn_has_used(lanelock, root):
+def test_a_lane_no_turn_has_used(lanelock, lock_dir):
     lane = one_lane(lanelock)
     assert (lane["state"], lane["verdict"], lane["exists"]) == ("free", "never-used", False)
     assert "no turn" in status_line(lanelock)
-    assert not root.exists()   # status creates nothing
+    assert not lock_dir.exists()   # status creates nothing
 
 
 # -- stale sidecars: pid reuse, another lane, the future, a previous boot ---------------------------
@@ -182,16 +179,16 @@ def _unreleased(record: dict) -> dict:
     return record
 
 
-def _edit_sidecar(root: Path, change) -> None:
-    path = sidecar_path(root)
+def _edit_sidecar(lock_dir: Path, change) -> None:
+    path = sidecar_path(lock_dir)
     record = _unreleased(json.loads(path.read_text()))
     change(record)
     path.write_text(json.dumps(record))
 
 
 @pytest.mark.parametrize("whose", ["the test itself", "a sleep the test started"])
-def test_a_live_pid_with_another_start_time_is_pid_reuse(lanelock, procs, root, whose):
-    one_turn(lanelock, root)
+def test_a_live_pid_with_another_start_time_is_pid_reuse(lanelock, procs, lock_dir, whose):
+    one_turn(lanelock, lock_dir)
     if whose == "the test itself":
         pid = os.getpid()
     else:
@@ -202,19 +199,19 @@ def test_a_live_pid_with_another_start_time_is_pid_reuse(lanelock, procs, root, 
     def reuse(record):
         record.update(pid=pid, start_ticks=ticks + 12345)
 
-    _edit_sidecar(root, reuse)
+    _edit_sidecar(lock_dir, reuse)
     lane = one_lane(lanelock)
     assert (lane["state"], lane["verdict"]) == ("free", "sidecar-stale")
     assert "reused" in lane["message"] and str(pid) in lane["message"]
     assert "reused" in status_line(lanelock)
 
 
-def test_the_same_pid_and_start_time_alive_is_not_pid_reuse(lanelock, procs, root):
+def test_the_same_pid_and_start_time_alive_is_not_pid_reuse(lanelock, procs, lock_dir):
     """The control for the test above: the true start time of a live pid is no reuse (and that
     process does not hold the lock, so the turn is letting go, not stale)."""
-    one_turn(lanelock, root)
+    one_turn(lanelock, lock_dir)
     pid = procs.start(["sleep", "60"]).pid
-    _edit_sidecar(root, lambda record: record.update(pid=pid, start_ticks=holders.start_ticks(pid)))
+    _edit_sidecar(lock_dir, lambda record: record.update(pid=pid, start_ticks=holders.start_ticks(pid)))
     lane = one_lane(lanelock)
     assert lane["verdict"] == "releasing" and "reused" not in lane["message"]
 
@@ -224,19 +221,19 @@ def test_the_same_pid_and_start_time_alive_is_not_pid_reuse(lanelock, procs, roo
     (lambda record: record.update(acquired_at="2999-01-01T00:00:00.000Z"), "future"),
     (lambda record: record.update(boot_id="00000000-0000-4000-8000-000000000000"), "previous boot"),
 ], ids=["another-lane", "future", "previous-boot"])
-def test_a_stale_sidecar_is_reported_in_plain_words(lanelock, root, change, words):
-    one_turn(lanelock, root)
-    _edit_sidecar(root, change)
+def test_a_stale_sidecar_is_reported_in_plain_words(lanelock, lock_dir, change, words):
+    one_turn(lanelock, lock_dir)
+    _edit_sidecar(lock_dir, change)
     lane = one_lane(lanelock)
     assert (lane["state"], lane["verdict"]) == ("free", "sidecar-stale")
     assert words in lane["message"]
     assert words in status_line(lanelock)
 
 
-def test_a_stale_sidecar_while_held_trusts_the_kernel(lanelock, holder, root):
+def test_a_stale_sidecar_while_held_trusts_the_kernel(lanelock, holder, lock_dir):
     held = holder()
     ticks = holders.start_ticks(held.pid)
-    _edit_sidecar(root, lambda record: record.update(start_ticks=ticks + 1))
+    _edit_sidecar(lock_dir, lambda record: record.update(start_ticks=ticks + 1))
     lane = one_lane(lanelock)
     assert (lane["state"], lane["verdict"]) == ("held", "held-unlabelled")
     assert lane["holders"][0]["pid"] == held.pid and lane["holders"][0]["lanelock"] is True
@@ -245,11 +242,11 @@ def test_a_stale_sidecar_while_held_trusts_the_kernel(lanelock, holder, root):
 
 
 # -- waiters -----------------------------------------------------------------------------------------
-def test_a_waiting_turn_is_shown_as_a_waiter(lanelock, holder, procs, root):
+def test_a_waiting_turn_is_shown_as_a_waiter(lanelock, holder, procs, lock_dir):
     held = holder()
     waiter = procs.start([*LANELOCK, "run", "--wait", "--", "true"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    lock = root / f"{STEM}.lock"
+    lock = lock_dir / f"{STEM}.lock"
     wait_for(lambda: waiter.pid in kernel(lock).waiters, "the --wait turn to block in flock()")
 
     lane = one_lane(lanelock)
@@ -265,7 +262,7 @@ def test_a_waiting_turn_is_shown_as_a_waiter(lanelock, holder, procs, root):
 
 
 # -- status never takes the lock ---------------------------------------------------------------------
-def test_status_in_a_tight_loop_never_makes_a_turn_deflect(lanelock, procs, root, tmp_path):
+def test_status_in_a_tight_loop_never_makes_a_turn_deflect(lanelock, procs, lock_dir, tmp_path):
     """30 sequential turns with no grace (any momentary lock by anyone else deflects them) beside
     status runs for as long as the turns go on."""
     turns = 30
@@ -283,7 +280,7 @@ def test_status_in_a_tight_loop_never_makes_a_turn_deflect(lanelock, procs, root
     stderr = (tmp_path / "turns.stderr").read_text()
     assert out.split("\n")[:-1] == ["rc 0"] * turns, (out, stderr)
     assert "local_backend_busy" not in stderr
-    events = [json.loads(line)["event"] for line in (root / f"{STEM}.journal").read_text().splitlines()]
+    events = [json.loads(line)["event"] for line in (lock_dir / f"{STEM}.journal").read_text().splitlines()]
     assert events.count("acquired") == turns and "deflected" not in events
     assert runs >= 2, "status never ran beside the turns"
 
@@ -303,27 +300,27 @@ sys.exit(code)
 """
 
 
-def _lock_calls(run, *args) -> list:
-    done = run(sys.executable, "-c", AUDITED, *args, timeout=30)
+def _lock_calls(run_cmd, *args) -> list:
+    done = run_cmd([sys.executable, "-c", AUDITED, *args], timeout=30)
     assert done.returncode in (0, 1), done.stderr
     marker = [line for line in done.stderr.splitlines() if line.startswith("LOCK-CALLS ")]
     assert len(marker) == 1, done.stderr
     return json.loads(marker[0].split(" ", 1)[1])
 
 
-def test_status_never_calls_flock_whatever_the_lane_state(run, lanelock, holder, procs, root):
+def test_status_never_calls_flock_whatever_the_lane_state(run_cmd, lanelock, holder, procs, lock_dir):
     """Deterministic where the loop above is statistical: a momentary probe would slip between
     turns, but not past the audit hook."""
-    one_turn(lanelock, root)
-    assert _lock_calls(run, "probe") != [], "control: the hook sees probe's flock"
+    one_turn(lanelock, lock_dir)
+    assert _lock_calls(run_cmd, "probe") != [], "control: the hook sees probe's flock"
     arguments = (["status"], ["status", "--json"], ["status", "--all"], ["status", "--all", "--json"])
     for args in arguments:                       # free, released
-        assert _lock_calls(run, *args) == [], args
+        assert _lock_calls(run_cmd, *args) == [], args
     held = holder()
     waiter = procs.start([*LANELOCK, "run", "--wait", "--", "true"])
-    wait_for(lambda: waiter.pid in kernel(root / f"{STEM}.lock").waiters, "the waiter to block")
+    wait_for(lambda: waiter.pid in kernel(lock_dir / f"{STEM}.lock").waiters, "the waiter to block")
     for args in arguments:                       # held, with a waiter
-        assert _lock_calls(run, *args) == [], args
+        assert _lock_calls(run_cmd, *args) == [], args
     assert held.release() == 0
     assert waiter.wait(timeout=TIMEOUT) == 0
 
@@ -397,9 +394,9 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("plant", HOSTILE.values(), ids=HOSTILE.keys())
-def test_a_hostile_sidecar_gives_one_line_and_exit_0(lanelock, root, tmp_path, plant):
-    one_turn(lanelock, root)
-    plant(sidecar_path(root), tmp_path)
+def test_a_hostile_sidecar_gives_one_line_and_exit_0(lanelock, lock_dir, tmp_path, plant):
+    one_turn(lanelock, lock_dir)
+    plant(sidecar_path(lock_dir), tmp_path)
     line = status_line(lanelock)   # one plain line, exit 0, no traceback; bounded: a FIFO must not hang
     assert "\r" not in line and "\x07" not in line
     lane = one_lane(lanelock)
@@ -408,10 +405,10 @@ def test_a_hostile_sidecar_gives_one_line_and_exit_0(lanelock, root, tmp_path, p
 
 
 @pytest.mark.parametrize("name", ["random-bytes", "50-megabytes", "fifo", "symlink-to-a-file"])
-def test_a_hostile_sidecar_while_held_still_names_the_kernel_holder(lanelock, holder, root,
+def test_a_hostile_sidecar_while_held_still_names_the_kernel_holder(lanelock, holder, lock_dir,
                                                                    tmp_path, name):
     held = holder()
-    HOSTILE[name](sidecar_path(root), tmp_path)
+    HOSTILE[name](sidecar_path(lock_dir), tmp_path)
     line = status_line(lanelock)
     assert f"pid {held.pid}" in line
     lane = one_lane(lanelock)
@@ -421,15 +418,15 @@ def test_a_hostile_sidecar_while_held_still_names_the_kernel_holder(lanelock, ho
 
 
 @pytest.mark.parametrize("name", ["wrong-types", "huge-numbers"])
-def test_a_sidecar_naming_no_usable_pid_is_not_a_dead_holder(lanelock, root, tmp_path, name):
-    one_turn(lanelock, root)
-    HOSTILE[name](sidecar_path(root), tmp_path)
+def test_a_sidecar_naming_no_usable_pid_is_not_a_dead_holder(lanelock, lock_dir, tmp_path, name):
+    one_turn(lanelock, lock_dir)
+    HOSTILE[name](sidecar_path(lock_dir), tmp_path)
     lane = one_lane(lanelock)
     assert lane["verdict"] != "died" and "pid None" not in lane["message"], lane["message"]
 
 
 # -- --all, usage errors -----------------------------------------------------------------------------
-def test_all_lists_every_lane_under_the_root(lanelock, holder, root):
+def test_all_lists_every_lane_under_the_root(lanelock, holder, lock_dir):
     assert lanelock("run", "-b", "127.0.0.1:8080", "--", "true").returncode == 0
     held = holder("-b", "127.0.0.1:9090")
     lanes = {lane["lane"]: lane for lane in status_json(lanelock, "--all")}
@@ -467,8 +464,8 @@ def _spawn(procs, args, env=None):
     return child, pexpect
 
 
-def test_watch_on_a_terminal_shows_the_lane_and_ctrl_c_exits_0(lanelock, procs, root):
-    one_turn(lanelock, root)
+def test_watch_on_a_terminal_shows_the_lane_and_ctrl_c_exits_0(lanelock, procs, lock_dir):
+    one_turn(lanelock, lock_dir)
     child, pexpect = _spawn(procs, ["status", "--watch"])
     child.expect(re.escape(LANE))
     child.expect("released cleanly")
@@ -479,8 +476,8 @@ def test_watch_on_a_terminal_shows_the_lane_and_ctrl_c_exits_0(lanelock, procs, 
     assert b"Traceback" not in child.before
 
 
-def test_watch_piped_prints_plain_lines_and_sigint_exits_0(lanelock, procs, root):
-    one_turn(lanelock, root)
+def test_watch_piped_prints_plain_lines_and_sigint_exits_0(lanelock, procs, lock_dir):
+    one_turn(lanelock, lock_dir)
     watch = procs.start([*LANELOCK, "status", "--watch"], stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE)
     line = read_line(watch.stdout, 30)
@@ -514,8 +511,8 @@ def _colour_codes(data: bytes) -> list[str]:
     return codes
 
 
-def test_no_color_on_a_terminal_has_no_colour_codes(lanelock, procs, root):
-    one_turn(lanelock, root)
+def test_no_color_on_a_terminal_has_no_colour_codes(lanelock, procs, lock_dir):
+    one_turn(lanelock, lock_dir)
     child, pexpect = _spawn(procs, ["status"])
     child.expect(pexpect.EOF)
     coloured = child.before
