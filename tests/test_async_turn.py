@@ -1,0 +1,213 @@
+"""`async with gate.turn()` (asyncturn.py): many tasks of one process beside real processes on the
+same lane. Each task is its own turn, so tasks exclude each other and every other process as
+processes do; the event loop never blocks on a wait; a cancelled wait is abandoned without a trace
+in the records; an exception releases; the same task nests, another task does not.
+
+The asyncio code runs in this process (asyncio.run); every other holder of the lane is a real
+`lanelock run` process. Nothing here sleeps to synchronise: the holder says "ready" on a pipe, and
+waits are observed in the kernel (/proc/locks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from conftest import LANELOCK, TIMEOUT, is_waiting, probe_in_process, wait_for
+from lanelock import Gate, holders
+
+BACKEND = "127.0.0.1:8080"
+# The held command of a competing `lanelock run`: take the token directory (mkdir is atomic: it
+# fails if anyone else holds it), generate for a moment, give it back. 99: two at once.
+GENERATE = 'mkdir "$1" || exit 99; sleep 0.01; rmdir "$1"'
+
+
+def lock_path(lock_dir) -> str:
+    return str(lock_dir / "localhost-8080.lock")
+
+
+def kernel(lock_dir) -> holders.KernelView:
+    view = holders.kernel_view(os.stat(lock_path(lock_dir)))
+    assert view is not None, "/proc/locks is unreadable"
+    return view
+
+
+def none_of_ours(lock_dir) -> bool:
+    """No lock or wait of this process left on the lane. A deflected or cancelled turn's helper
+    thread stays blocked in flock() until the lane frees, then takes and drops it at once (see
+    store/waiting.py): wait for that before asking whether the lane is free."""
+    view = kernel(lock_dir)
+    return os.getpid() not in view.holders and os.getpid() not in view.waiters
+
+
+def events(lanelock) -> list[dict]:
+    result = lanelock("history", "-b", BACKEND, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["events"]
+
+
+def test_tasks_deflect_while_another_process_holds_and_the_loop_runs_on(holder, lanelock,
+                                                                        lock_dir):
+    other = holder("-b", BACKEND, "-s", "other")
+    gate = Gate(BACKEND)
+
+    async def one(index):
+        async with gate.turn(session=f"task-{index}", wait=0.3) as turn:
+            return turn.state, turn.reason, turn.proceed, turn.holder, turn.waited
+
+    async def main():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        ticker = asyncio.create_task(tick())
+        results = await asyncio.gather(*(one(index) for index in range(10)))
+        ticker.cancel()
+        return results, ticks
+
+    started = time.monotonic()
+    results, ticks = asyncio.run(main())
+    elapsed = time.monotonic() - started
+    for state, reason, proceed, who, waited in results:
+        assert (state, reason, proceed) == ("deflected", "local_backend_busy", False)
+        assert who["pid"] == other.pid and who["session"] == "other"
+        assert waited >= 0.3
+    assert elapsed < 2.0          # ten waits of 0.3 s side by side, not one after the other
+    assert ticks >= 50            # the loop went on while every task waited
+    assert other.release() == 0
+    wait_for(lambda: none_of_ours(lock_dir), what="the deflected turns' waits to end")
+    mine = [event for event in events(lanelock) if event["pid"] == os.getpid()]
+    assert sorted(event["session"] for event in mine) == sorted(f"task-{i}" for i in range(10))
+    assert {event["event"] for event in mine} == {"deflected"}
+
+
+def test_many_tasks_and_processes_hold_one_at_a_time(holder, procs, lanelock, lock_dir,
+                                                     tmp_path):
+    token = tmp_path / "generating"
+    first = holder("-b", BACKEND, "-s", "first")     # everyone queues behind it
+    runs = [procs.start([*LANELOCK, "run", "--wait", "30", "-b", BACKEND, "-s", f"run-{index}",
+                         "--", "sh", "-c", GENERATE, "sh", str(token)], stderr=subprocess.PIPE)
+            for index in range(3)]
+    gate = Gate(BACKEND)
+    tasks_count = 12
+    inside = {"now": 0, "most": 0}
+
+    async def task(index):
+        async with gate.turn(session=f"task-{index}", wait=30) as turn:
+            assert turn.state == "held" and not turn.nested
+            inside["now"] += 1
+            inside["most"] = max(inside["most"], inside["now"])
+            os.mkdir(token)                  # FileExistsError: a process holds it too
+            await asyncio.sleep(0.005)       # generating; other tasks run meanwhile
+            os.rmdir(token)
+            inside["now"] -= 1
+            return turn.waited
+
+    def everyone_queued():
+        view = kernel(lock_dir)
+        return view.waiters.count(os.getpid()) == tasks_count and \
+            all(run.pid in view.waiters for run in runs)
+
+    async def main():
+        waiting = [asyncio.create_task(task(index)) for index in range(tasks_count)]
+        await asyncio.to_thread(wait_for, everyone_queued, what="every turn to queue")
+        assert first.release() == 0
+        return await asyncio.gather(*waiting)
+
+    waited = asyncio.run(main())
+    for run in runs:
+        assert run.wait(timeout=TIMEOUT) == 0, run.stderr.read()
+    assert inside["most"] == 1 and inside["now"] == 0
+    assert all(seconds > 0 for seconds in waited)
+    acquired = [event for event in events(lanelock) if event["event"] == "acquired"]
+    assert len(acquired) == 1 + 3 + tasks_count
+    held = [event for event in events(lanelock) if event["event"] in ("acquired", "released")]
+    # The journal, in order: each acquired is followed by its own release before the next.
+    pairs = list(zip(held[::2], held[1::2]))
+    assert all(taken["event"] == "acquired" and let_go["event"] == "released" and
+               (taken["pid"], taken["session"]) == (let_go["pid"], let_go["session"])
+               for taken, let_go in pairs), held
+
+
+def test_cancelling_a_waiting_task_abandons_the_wait(holder, lanelock, lock_dir):
+    other = holder("-b", BACKEND, "-s", "other")
+    gate = Gate(BACKEND)
+    turn = gate.turn(session="cancelled", wait=None)     # would wait forever
+    entered = []
+
+    async def wait_for_lane():
+        async with turn:
+            entered.append(turn.state)
+
+    async def main():
+        task = asyncio.create_task(wait_for_lane())
+        await asyncio.to_thread(wait_for, lambda: is_waiting(lock_path(lock_dir), os.getpid()),
+                                what="the task to wait in the kernel")
+        cancelled_at = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return time.monotonic() - cancelled_at
+
+    took = asyncio.run(main())
+    assert took < 1.0 and entered == [] and turn.state == "cancelled"
+    assert probe_in_process(["-b", BACKEND]).returncode == 1    # still the other process's
+    assert other.release() == 0
+    after = lanelock("run", "--wait", "5", "-b", BACKEND, "-s", "next", "--", "sh", "-c",
+                     'echo "$LANELOCK_STATE"')
+    assert (after.returncode, after.stdout) == (0, "held\n")
+    wait_for(lambda: none_of_ours(lock_dir), what="the abandoned wait to end")
+    assert probe_in_process(["-b", BACKEND]).returncode == 0
+    assert not [event for event in events(lanelock) if event["session"] == "cancelled"]
+
+
+def test_an_exception_in_the_block_releases(lanelock, lock_dir):
+    gate = Gate(BACKEND)
+
+    async def main():
+        async with gate.turn(session="boom") as turn:
+            assert turn.state == "held"
+            busy = await asyncio.to_thread(lanelock, "probe", "-b", BACKEND)
+            assert busy.returncode == 1
+            raise ValueError("the model call failed")
+
+    with pytest.raises(ValueError, match="the model call failed"):
+        asyncio.run(main())
+    assert lanelock("probe", "-b", BACKEND).returncode == 0
+    released = [event for event in events(lanelock) if event["event"] == "released"]
+    assert len(released) == 1 and released[0]["session"] == "boom"
+    assert released[0]["exit_status"] is None
+
+
+def test_the_same_task_nests_and_another_task_is_a_separate_turn(lanelock, lock_dir):
+    gate = Gate(BACKEND)
+
+    async def separate():
+        async with gate.turn(session="separate", wait=0.1) as turn:
+            return turn.state, turn.nested
+
+    async def main():
+        async with gate.turn(session="outer") as outer:
+            async with gate.turn(session="inner", wait=None) as inner:   # no wait: reentrant
+                assert (inner.state, inner.nested, outer.nested) == ("held", True, False)
+                other = await asyncio.create_task(separate())
+            still = await asyncio.to_thread(lanelock, "probe", "-b", BACKEND)
+            assert outer.state == "held"
+        return other, still.returncode
+
+    other, still_held = asyncio.run(main())
+    assert other == ("deflected", False)
+    assert still_held == 1                     # leaving the inner turn kept the outer one
+    wait_for(lambda: none_of_ours(lock_dir), what="the separate turn's wait to end")
+    assert lanelock("probe", "-b", BACKEND).returncode == 0
+    seen = [(event["event"], event["session"]) for event in events(lanelock)]
+    assert seen == [("acquired", "outer"), ("deflected", "separate"), ("released", "outer")]
