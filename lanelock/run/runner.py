@@ -64,6 +64,7 @@ class Starter:
             search_path = os.environ.get("PATH", os.defpath)
         self.path, self.failure = resolve(self.argv[0], search_path)
         self.pid: int | None = None
+        self.started = False
         self._go = self._status = -1
         self.mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())   # the command's signal mask
         # An inherited SIGCHLD=SIG_IGN would make the kernel reap the child behind our back.
@@ -97,6 +98,7 @@ class Starter:
     def go(self, changes: dict[str, str | None]) -> int:
         """Start the command with our environment plus changes (None unsets). 0, or the errno
         that stopped the command from starting (the child is reaped then)."""
+        self.started = True
         if self.failure:
             return self.failure
         payload = b"".join(
@@ -140,6 +142,31 @@ class Starter:
 
     def restore(self) -> None:
         signal.signal(signal.SIGCHLD, self.old_chld)
+
+    # `with Starter(argv) as starter:` -- whatever happens in the block (a deflection, ^C while
+    # waiting for the lane, an error), a child that was not started leaves with it.
+    def __enter__(self) -> "Starter":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if not self.started:
+            self.cancel()
+
+
+class Unforked:
+    """Stands for a Starter that could not fork ahead (the turn forks later, once decided)."""
+
+    started = False
+    pid = None
+
+    def cancel(self) -> None:
+        pass
+
+    def __enter__(self) -> "Unforked":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        pass
 
 
 def run(starter: Starter, changes: dict[str, str | None], *, kill_after: float | None = None,

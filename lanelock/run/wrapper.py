@@ -61,21 +61,16 @@ def start(request: Request) -> int:
 
 def run_turn(gate: Gate, argv: list[str], options: Options, say: Say) -> int:
     # The child is forked now and parked: after the lock, every millisecond delays the hand-off.
-    starter = _starter(argv)
-    try:
+    # Leaving the block without starting it (deflected, ^C while waiting) lets it go.
+    with _starter(argv) as parked:
         turn = gate.turn(session=options.session, model=options.model, argv=argv,
                          wait=options.wait).acquire()
         if turn.state == DEFLECTED:
-            if starter is not None:
-                starter.cancel()
-            starter = None
+            parked.cancel()   # before the fallbacks fork children of their own
             return _deflect(gate, turn, options, say)
         if options.verbose:
             _verbose(gate, turn, say)
-        outcome, starter = _run(argv, env_changes(turn), options, say, turn, starter), None
-    finally:
-        if starter is not None:   # an exception (^C while waiting): the parked child goes too
-            starter.cancel()
+        outcome = _run(argv, env_changes(turn), options, say, turn, parked)
     if outcome is None:
         return exitcodes.CANNOT_EXECUTE
     if outcome.error:
@@ -84,11 +79,11 @@ def run_turn(gate: Gate, argv: list[str], options: Options, say: Say) -> int:
     return outcome.exit_code
 
 
-def _starter(argv: list[str]) -> runner.Starter | None:
+def _starter(argv: list[str]):
     try:
         return runner.Starter(argv)
     except OSError:   # cannot fork now: _run tries again once the turn is decided
-        return None
+        return runner.Unforked()
 
 
 def _run(argv, changes, options: Options, say: Say, turn: Turn | None,
@@ -98,7 +93,7 @@ def _run(argv, changes, options: Options, say: Say, turn: Turn | None,
     watch = LaneWatch(turn, say) if turn is not None and turn.held and not turn.nested else None
 
     try:
-        if starter is None:
+        if not isinstance(starter, runner.Starter):
             starter = runner.Starter(argv)
         holding = turn is not None and turn.held and not turn.nested
         outcome = runner.run(starter, changes, kill_after=options.kill_after,
