@@ -80,10 +80,18 @@ class Proxy:
     # -- the handler ---------------------------------------------------------------------------
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         self.in_flight += 1
+        started = time.monotonic()
+        response = None
         try:
-            return await self._handle(request)
+            response = await self._handle(request)
+            return response
         finally:
             self.in_flight -= 1
+            if self.options.verbose:
+                state = response.headers.get(STATE, "-") if response is not None else "-"
+                status = response.status if response is not None else "client gone"
+                self.say.note(f"proxy: {request.method} {request.path[:200]} {status} {state} "
+                              f"{time.monotonic() - started:.3f}s")
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         if request.path == "/lanelock/status" and request.method == "GET":
@@ -148,6 +156,7 @@ class Proxy:
                 return await self._deflected(request, path_qs, body, fields, turn)
             raise asyncio.CancelledError   # a cancelled wait: the client is gone
         finally:
+            status = status or request.get("lanelock_status")
             await self._end(turn, session, status, reused, time.monotonic() - started)
 
     def _wait_for(self, request) -> float | None:

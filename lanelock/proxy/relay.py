@@ -56,6 +56,7 @@ async def relay(session, request: web.BaseRequest, url: str, body: bytes, header
         upstream = await context.__aenter__()
     except (ClientError, OSError) as error:
         raise Unreachable(str(error) or type(error).__name__) from None
+    request["lanelock_status"] = upstream.status   # the turn's record, even if the client leaves
     try:
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         for name, value in response_headers(upstream):

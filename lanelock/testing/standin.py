@@ -140,14 +140,15 @@ def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in", token
                 counter.hung_up()
                 return None
             text = f"answer from {name}"
+            usage = {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}
             if path == "/completion":   # llama.cpp's native shape
                 return self._send(200, {"content": text, "stop": True, "model": name})
             if path in ("/v1/completions", "/completions"):
-                return self._send(200, {"object": "text_completion", "model": name,
+                return self._send(200, {"object": "text_completion", "model": name, "usage": usage,
                                         "choices": [{"index": 0, "text": text,
                                                      "finish_reason": "stop"}]})
             return self._send(200, {
-                "object": "chat.completion", "model": name,
+                "object": "chat.completion", "model": name, "usage": usage,
                 "choices": [{"index": 0, "finish_reason": "stop",
                              "message": {"role": "assistant", "content": text}}]})
 
