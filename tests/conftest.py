@@ -255,22 +255,36 @@ def store_holders(dsn: str) -> list[int]:
     return []
 
 
+@pytest.fixture(scope="session")
+def default_lock_root() -> Path:
+    """The root a turn without LANELOCK_DIR uses on this machine (and no config file moves it)."""
+    import json
+
+    env = {name: value for name, value in os.environ.items() if not name.startswith("LANELOCK_")}
+    env.update(LANELOCK_SYSTEM_CONFIG="/nonexistent.toml", LANELOCK_CONFIG="/nonexistent.toml")
+    done = subprocess.run([*LANELOCK, "where", "--json"], capture_output=True, text=True,
+                          timeout=TIMEOUT, env=env)
+    assert done.returncode == 0, done.stderr
+    return Path(json.loads(done.stdout)["root"])
+
+
 @pytest.fixture(autouse=True)
-def lock_roots(isolated, tmp_path):
+def lock_roots(isolated, tmp_path, default_lock_root):
     """The registry of lock roots; after the test (and after procs has killed its processes), no
-    lane under any of them may be held."""
+    lane under any of them may be held. The default root is always watched for the lanes a test
+    makes there (on purpose or by a slip), never for those other turns on this machine hold."""
     roots = LockRoots(tmp_path)
+    roots.watch_new(default_lock_root)
     yield roots
     roots.check()
 
 
 @pytest.fixture
-def default_root(lock_roots, monkeypatch) -> Path:
+def default_root(monkeypatch, default_lock_root) -> Path:
     """For a test that proves the default root: LANELOCK_DIR unset (the config files stay
-    isolated), and the default root's lanes the test makes watched at teardown. Returns the root."""
+    isolated). Returns the root; lock_roots watches the lanes made in it."""
     monkeypatch.delenv("LANELOCK_DIR")
-    root = Path(json_of(["where", "--json"])["root"])
-    return lock_roots.watch_new(root)
+    return default_lock_root
 
 
 def remove_lane_files(lock_path) -> None:

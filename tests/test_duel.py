@@ -13,12 +13,7 @@ import pexpect
 import psutil
 import pytest
 
-LANELOCK = [sys.executable, "-m", "lanelock"]
-
-
-def duel(*args, env=None, timeout=120):
-    return subprocess.run(LANELOCK + ["duel", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+from conftest import environ, remove_lane_files
 
 
 def free_port() -> int:
@@ -40,13 +35,9 @@ def leftover_duelists(lock_dir: str | None) -> list[psutil.Process]:
     return found
 
 
-def probe(env=None, *args):
-    return subprocess.run(LANELOCK + ["probe", *args], capture_output=True, text=True, env=env)
-
-
-def test_duel_passes_and_reports_one_lock_path(tmp_path, monkeypatch):
+def test_duel_passes_and_reports_one_lock_path(lanelock, tmp_path, monkeypatch):
     monkeypatch.setenv("LANELOCK_DIR", str(tmp_path / "root"))
-    done = duel("--json", "--hold", "0.2")
+    done = lanelock("duel", "--json", "--hold", "0.2")
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
     assert report["result"] == "PASS" and report["reason"] is None
@@ -55,97 +46,84 @@ def test_duel_passes_and_reports_one_lock_path(tmp_path, monkeypatch):
     assert set(report["lock_paths"]) == {"A", "B", "C", "D"}
     assert report["handoff_ms"] is not None and report["handoff_ms"] >= 0
     assert [s["step"] for s in report["steps"] if not s["ok"]] == []
-    assert probe().returncode == 0
+    assert lanelock("probe").returncode == 0
     assert leftover_duelists(str(tmp_path / "root")) == []
 
 
-def test_duel_human_report_ends_with_pass(tmp_path, monkeypatch):
+def test_duel_human_report_ends_with_pass(lanelock, tmp_path, monkeypatch):
     monkeypatch.setenv("LANELOCK_DIR", str(tmp_path))
-    done = duel("--hold", "0")
+    done = lanelock("duel", "--hold", "0")
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.rstrip().splitlines()[-1] == "PASS"
     for role in ("A", "B", "C", "D"):
         assert f"  {role} " in done.stdout
 
 
-def test_duel_on_the_default_root(monkeypatch):
+def test_duel_on_the_default_root(lanelock, default_root, lock_roots):
     """No LANELOCK_DIR: the default root, computed alike by A, B (other HOME) and C (env -i)."""
-    for name in ("LANELOCK_DIR", "LANELOCK_SYSTEM_CONFIG"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("LANELOCK_SYSTEM_CONFIG", "/nonexistent/lanelock.toml")
     backend = f"127.0.0.1:{free_port()}"
-    done = duel("--json", "--hold", "0", "--backend", backend)
+    done = lanelock("duel", "--json", "--hold", "0", "--backend", backend, timeout=120)
     report = json.loads(done.stdout)
-    try:
-        assert done.returncode == 0, report
-        assert report["root_source"] == "default"
-        assert len(set(report["lock_paths"].values())) == 1
-    finally:
-        # A throwaway lane on a random port in the real root: nobody else can be using it, so
-        # this test (and only this test) removes its files instead of leaving them behind.
-        lock = report["expected_lock_path"]
-        for suffix in (".lock", ".json", ".journal"):
-            try:
-                os.unlink(lock[: -len(".lock")] + suffix)
-            except OSError:
-                pass
+    # A throwaway lane on a random port in the real root: nobody else can be using it, so this
+    # test (and only this test) removes its files, once the teardown check has seen it free.
+    lock_roots.after(lambda: remove_lane_files(report["expected_lock_path"]))
+    assert done.returncode == 0, report
+    assert report["root_source"] == "default"
+    assert report["expected_lock_path"].startswith(f"{default_root}/")
+    assert len(set(report["lock_paths"].values())) == 1
 
 
-def test_a_split_root_fails_loudly_with_both_paths(tmp_path, monkeypatch):
+def test_a_split_root_fails_loudly_with_both_paths(lanelock, tmp_path, monkeypatch):
     monkeypatch.setenv("LANELOCK_DIR", str(tmp_path / "shared"))
     other = tmp_path / "elsewhere"
-    done = duel("--json", "--hold", "0", "--profile-env", f"LANELOCK_DIR={other}")
+    done = lanelock("duel", "--json", "--hold", "0", "--profile-env", f"LANELOCK_DIR={other}")
     assert done.returncode == 1
     report = json.loads(done.stdout)
     assert report["result"] == "FAIL"
     assert "two gates" in report["reason"]
     assert str(other / "localhost-8080.lock") in report["reason"]
     assert str(tmp_path / "shared" / "localhost-8080.lock") in report["reason"]
-    assert probe().returncode == 0
+    assert lanelock("probe").returncode == 0
     assert leftover_duelists(str(tmp_path / "shared")) == []
     assert leftover_duelists(str(other)) == []
 
 
-def test_a_user_config_cannot_split_the_gate(tmp_path, monkeypatch):
+def test_a_user_config_cannot_split_the_gate(lanelock, tmp_path, monkeypatch):
     """A per-user config that sets lock_dir is ignored, so the duel still passes."""
     monkeypatch.setenv("LANELOCK_DIR", str(tmp_path / "shared"))
     user_config = tmp_path / "user.toml"
     user_config.write_text(f'lock_dir = "{tmp_path / "private"}"\n')
-    done = duel("--json", "--hold", "0", "--profile-env", f"LANELOCK_CONFIG={user_config}")
+    done = lanelock("duel", "--json", "--hold", "0", "--profile-env", f"LANELOCK_CONFIG={user_config}")
     assert done.returncode == 0, done.stdout
     assert json.loads(done.stdout)["result"] == "PASS"
 
 
-def test_duel_runs_a_given_command_as_the_holder(tmp_path, monkeypatch):
+def test_duel_runs_a_given_command_as_the_holder(lanelock, tmp_path, monkeypatch):
     monkeypatch.setenv("LANELOCK_DIR", str(tmp_path / "root"))
     marker = tmp_path / "generated"
-    done = duel("--json", "--hold", "0", "--", "sh", "-c",
+    done = lanelock("duel", "--json", "--hold", "0", "--", "sh", "-c",
                 f'echo "$LANELOCK_STATE" > {marker}')
     assert done.returncode == 0, done.stdout + done.stderr
     assert marker.read_text().strip() == "held"
 
 
-def test_ctrl_c_leaves_nothing_running_and_the_lane_free(tmp_path, monkeypatch):
+def test_ctrl_c_leaves_nothing_running_and_the_lane_free(lanelock, tmp_path, monkeypatch, procs):
     root = str(tmp_path / "root")
     monkeypatch.setenv("LANELOCK_DIR", root)
-    child = pexpect.spawn(sys.executable, ["-m", "lanelock", "duel", "--hold", "60"],
-                          env=dict(os.environ), timeout=60, encoding="utf-8")
-    try:
-        child.expect("A holds the lane")
-        child.sendintr()
-        child.expect(pexpect.EOF)
-        child.close()
-        assert child.exitstatus == 130 or child.signalstatus == signal.SIGINT
-    finally:
-        if child.isalive():
-            child.kill(signal.SIGKILL)
+    child = procs.spawn(pexpect.spawn(sys.executable, ["-m", "lanelock", "duel", "--hold", "60"],
+                                      env=environ(), timeout=60, encoding="utf-8"))
+    child.expect("A holds the lane")
+    child.sendintr()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 130 or child.signalstatus == signal.SIGINT
     assert leftover_duelists(root) == []
-    assert probe().returncode == 0
+    assert lanelock("probe").returncode == 0
 
 
-def test_users_need_root_or_exist(tmp_path, monkeypatch):
+def test_users_need_root_or_exist(lanelock, tmp_path, monkeypatch):
     monkeypatch.setenv("LANELOCK_DIR", str(tmp_path))
-    done = duel("--users", "no-such-user-xyz,other")
+    done = lanelock("duel", "--users", "no-such-user-xyz,other")
     assert done.returncode == 2
     assert done.stderr.startswith("lanelock: ") and "Traceback" not in done.stderr
 
@@ -157,14 +135,14 @@ def _python_usable_by(user: str) -> bool:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="--users needs root")
-def test_duel_across_users(tmp_path, monkeypatch):
+def test_duel_across_users(lanelock, tmp_path, monkeypatch):
     users = [u for u in ("nobody", "daemon") if _user_exists(u)]
     if len(users) < 2 or not all(_python_usable_by(u) for u in users):
         pytest.skip("this Python (or its packages) is not readable by other users here")
     root = tmp_path / "root"
     tmp_path.chmod(0o755)
     monkeypatch.setenv("LANELOCK_DIR", str(root))
-    done = duel("--json", "--hold", "0", "--users", ",".join(users))
+    done = lanelock("duel", "--json", "--hold", "0", "--users", ",".join(users))
     assert done.returncode == 0, done.stdout
 
 
