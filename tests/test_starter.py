@@ -86,6 +86,8 @@ class Family:
     def __init__(self, procs):
         self.procs = procs
         self.pidfds: dict[int, int] = {}
+        # Children from before (a session's PostgreSQL server) are nobody's orphans.
+        self.earlier = {child.pid for child in psutil.Process().children()}
 
     def parked(self, wrapper_pid: int) -> int:
         """The wrapper's one child, once parked. A pidfd is kept so ended() waits for its death
@@ -107,7 +109,7 @@ class Family:
 
     def orphans(self) -> list[int]:
         """Our children that no test started: what exited wrappers left behind."""
-        known = {proc.pid for proc in self.procs.popens}
+        known = {proc.pid for proc in self.procs.popens} | self.earlier
         known |= {child.pid for child in self.procs.spawns}
         return [child.pid for child in psutil.Process().children() if child.pid not in known]
 
