@@ -5,31 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
-LANELOCK = [sys.executable, "-m", "lanelock"]
 
-
-@pytest.fixture(autouse=True)
-def files(tmp_path, monkeypatch):
-    system, user = tmp_path / "etc" / "config.toml", tmp_path / "home" / "config.toml"
-    monkeypatch.setenv("LANELOCK_DIR", str(tmp_path / "root"))
-    monkeypatch.setenv("LANELOCK_SYSTEM_CONFIG", str(system))
-    monkeypatch.setenv("LANELOCK_CONFIG", str(user))
-    for name in ("LANELOCK_BACKEND", "LANELOCK_SESSION", "LANELOCK_MODEL"):
-        monkeypatch.delenv(name, raising=False)
-    return system, user
-
-
-def lanelock(*args, env=None):
-    return subprocess.run(LANELOCK + list(args), capture_output=True, text=True, env=env, timeout=60)
-
-
-def show() -> dict:
+def show(lanelock) -> dict:
     done = lanelock("config", "show", "--json")
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)["settings"]
@@ -42,18 +25,17 @@ def show() -> dict:
     ("chains", '{cloud = [{command = "llm -m x"}, {backend = "127.0.0.1:8081", command = ["a", "b"]}]}',
      {"cloud": [{"command": "llm -m x"}, {"backend": "127.0.0.1:8081", "command": ["a", "b"]}]}),
 ])
-def test_set_then_show_round_trip(files, key, text, value):
-    _, user = files
+def test_set_then_show_round_trip(lanelock, config_files, key, text, value):
+    _, user = config_files
     done = lanelock("config", "set", key, text)
     assert done.returncode == 0, done.stderr
-    assert show()[key] == {"value": value, "source": f"user file {user}"}
+    assert show(lanelock)[key] == {"value": value, "source": f"user file {user}"}
 
 
 @pytest.mark.parametrize("key,text", [("grace", "-1"), ("busy_exit_code", "256"), ("bogus", "1"),
                                       ("key_by", "host"), ("chains", "[1, 2]"), ("gate", "maybe")])
-def test_bad_set_is_a_usage_error_and_leaves_the_file_untouched(files, key, text):
-    _, user = files
-    user.parent.mkdir(parents=True)
+def test_bad_set_is_a_usage_error_and_leaves_the_file_untouched(lanelock, config_files, key, text):
+    _, user = config_files
     user.write_text("# mine\ngrace = 0.1\n")
     before = user.read_bytes()
     done = lanelock("config", "set", key, text)
@@ -62,24 +44,22 @@ def test_bad_set_is_a_usage_error_and_leaves_the_file_untouched(files, key, text
     assert user.read_bytes() == before
 
 
-def test_user_file_cannot_set_the_lock_root(files, tmp_path):
-    system, user = files
+def test_user_file_cannot_set_the_lock_root(lanelock, config_files, tmp_path):
+    system, user = config_files
     assert lanelock("config", "set", "lock_dir", str(tmp_path / "mine")).returncode == 2
-    user.parent.mkdir(parents=True)
     user.write_text(f'lock_dir = "{tmp_path / "mine"}"\n')
-    where = lanelock("where", "--json", env={k: v for k, v in os.environ.items() if k != "LANELOCK_DIR"})
+    where = lanelock("where", "--json", env={"LANELOCK_DIR": None})
     info = json.loads(where.stdout)
     assert info["root_source"] != "user-config" and str(tmp_path / "mine") not in info["lock_path"]
     assert "IGNORED" in where.stderr and str(user) in where.stderr
     assert lanelock("config", "set", "lock_dir", str(tmp_path / "sys"), "--system").returncode == 0
-    where = lanelock("where", "--json", env={k: v for k, v in os.environ.items() if k != "LANELOCK_DIR"})
+    where = lanelock("where", "--json", env={"LANELOCK_DIR": None})
     assert json.loads(where.stdout)["root"] == str(tmp_path / "sys")
     assert json.loads(where.stdout)["root_source"] == "system-config"
 
 
-def test_invalid_config_reports_file_and_line(files):
-    system, _ = files
-    system.parent.mkdir(parents=True)
+def test_invalid_config_reports_file_and_line(lanelock, config_files):
+    system, _ = config_files
     system.write_text('backend = "localhost:8080"\n\ngrace = "soon"\n')
     done = lanelock("where")
     assert done.returncode == 2
@@ -89,28 +69,19 @@ def test_invalid_config_reports_file_and_line(files):
     assert done.returncode == 2 and str(system) in done.stderr and "line 2" in done.stderr
 
 
-def test_config_values_take_effect(files, tmp_path):
-    system, user = files
-    user.parent.mkdir(parents=True)
+def test_config_values_take_effect(lanelock, config_files, holder):
+    system, user = config_files
     user.write_text('busy_exit_code = 9\n[[chains.cloud]]\ncommand = "echo from-chain"\n')
-    marker = tmp_path / "ready"
-    holder = subprocess.Popen(LANELOCK + ["run", "--", "sh", "-c", f"touch {marker}; sleep 60"])
-    try:
-        import time
-        deadline = time.monotonic() + 20
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert lanelock("run", "--", "true").returncode == 9
-        chained = lanelock("run", "--chain", "cloud", "--", "true")
-        assert chained.returncode == 0 and chained.stdout.strip() == "from-chain"
-        assert lanelock("run", "--chain", "nope", "--", "true").returncode == 2
-    finally:
-        holder.kill()
-        holder.wait()
+    held = holder()
+    assert lanelock("run", "--", "true").returncode == 9
+    chained = lanelock("run", "--chain", "cloud", "--", "true")
+    assert chained.returncode == 0 and chained.stdout.strip() == "from-chain"
+    assert lanelock("run", "--chain", "nope", "--", "true").returncode == 2
+    assert held.release() == 0
 
 
-def test_config_path(files):
-    system, user = files
+def test_config_path(lanelock, config_files):
+    system, user = config_files
     data = json.loads(lanelock("config", "path", "--json").stdout)
     assert data == {"system": {"path": str(system), "exists": False},
                     "user": {"path": str(user), "exists": False}}
@@ -129,7 +100,7 @@ READ_COMMANDS = {
 
 
 @pytest.mark.parametrize("command", sorted(READ_COMMANDS), ids=" ".join)
-def test_json_keys_are_stable_and_documented(command):
+def test_json_keys_are_stable_and_documented(lanelock, command):
     assert lanelock("run", "--", "true").returncode == 0
     done = lanelock(*command, "--json")
     assert done.returncode == 0, done.stderr
@@ -150,24 +121,23 @@ def test_json_keys_are_stable_and_documented(command):
             assert key in data["summary"] and f"`{key}`" in readme
 
 
-def test_no_color_and_dumb_terminal_give_plain_text():
+def test_no_color_and_dumb_terminal_give_plain_text(lanelock, procs):
     import pexpect
 
     lanelock("run", "--", "true")
     for extra in ({"NO_COLOR": "1"}, {"TERM": "dumb"}):
         env = dict(os.environ, **extra)
-        child = pexpect.spawn(sys.executable, ["-m", "lanelock", "status"], env=env, timeout=30)
+        child = procs.spawn(pexpect.spawn(sys.executable, ["-m", "lanelock", "status"], env=env,
+                                          timeout=30))
         child.expect(pexpect.EOF)
         output = child.before.decode()
         child.close()
-        import re
-
         colours = re.findall(r"\x1b\[[0-9;]*(?:3[0-9]|9[0-7]|38;)[0-9;]*m", output)
         assert colours == [], (extra, repr(output))
         if extra.get("TERM") == "dumb":
             assert "\x1b[" not in output
 
 
-def test_version():
+def test_version(lanelock):
     done = lanelock("--version")
     assert done.returncode == 0 and done.stdout.startswith("lanelock, version ")
