@@ -21,22 +21,12 @@ pg_server = pytest.importorskip("pg_server")
 psycopg = pytest.importorskip("psycopg")
 
 
-@pytest.fixture(scope="module")
-def server():
-    if pg_server.binaries() is None:
-        if os.environ.get("LANELOCK_REQUIRE_PG"):
-            pytest.fail("PostgreSQL server binaries missing")
-        pytest.skip("no PostgreSQL server (apt-get install postgresql)")
-    running = pg_server.Server().start()
-    yield running
-    running.stop()
-
-
-def fresh_database(server) -> str:
+def fresh_database(postgres, lock_roots) -> str:
+    """A database lanelock never saw, watched by the teardown check."""
     name = f"lanes_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(server.dsn, autocommit=True) as conn:
+    with psycopg.connect(postgres.dsn, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name}")
-    return server.dsn.rsplit("/", 1)[0] + f"/{name}"
+    return lock_roots.watch_store(postgres.dsn.rsplit("/", 1)[0] + f"/{name}")
 
 
 def first_turns_at_once(procs, dsn: str, count: int = 10) -> list:
@@ -60,8 +50,9 @@ def first_turns_at_once(procs, dsn: str, count: int = 10) -> list:
 
 
 @pytest.mark.parametrize("round_", range(3))
-def test_the_first_turns_on_a_fresh_database_agree_on_one_holder(round_, server, procs, tmp_path):
-    dsn = fresh_database(server)
+def test_the_first_turns_on_a_fresh_database_agree_on_one_holder(round_, postgres, procs,
+                                                                 lock_roots):
+    dsn = fresh_database(postgres, lock_roots)
     turns = first_turns_at_once(procs, dsn)
     locals_ = []
     pending = {turn.stdout.fileno(): turn for turn in turns}
@@ -87,10 +78,10 @@ def test_the_first_turns_on_a_fresh_database_agree_on_one_holder(round_, server,
         assert "warning" not in err and "gate unavailable" not in err, err
 
 
-def test_every_session_sets_the_servers_keepalives(server):
+def test_every_session_sets_the_servers_keepalives(postgres):
     from lanelock.store.pg_session import SERVER_KEEPALIVES, connect
 
-    conn = connect(server.dsn, "lanelock test")
+    conn = connect(postgres.dsn, "lanelock test")
     try:
         for name, value in SERVER_KEEPALIVES.items():
             shown = conn.execute(f"SHOW {name}").fetchone()[0]
@@ -99,8 +90,8 @@ def test_every_session_sets_the_servers_keepalives(server):
         conn.close()
 
 
-def test_where_states_the_bound_for_a_vanished_host(server, run_cmd):
-    where = run_cmd([*LANELOCK, "where", "--store", server.dsn, "--json"])
+def test_where_states_the_bound_for_a_vanished_host(postgres, run_cmd):
+    where = run_cmd([*LANELOCK, "where", "--store", postgres.dsn, "--json"])
     assert "within about 11 s" in where.stdout, where.stdout
 
 
@@ -149,32 +140,29 @@ def namespace():
 
 
 @pytest.fixture
-def reachable_server(namespace):
-    """A server that also listens on the veth address, trusting the namespace's address."""
+def reachable_server(namespace, lock_roots):
+    """A server that also listens on the veth address, trusting the namespace's address; stopped
+    after the teardown check has seen its lanes free."""
     if pg_server.binaries() is None:
         pytest.skip("no PostgreSQL server")
     running = pg_server.Server()
     running.listen = f"127.0.0.1,{namespace.host_ip}"
     running.trust = f"{namespace.ns_ip}/32"
+    lock_roots.after(running.stop)
     running.start()
-    yield running
-    running.stop()
+    lock_roots.watch_store(running.dsn)
+    return running
 
 
 @pytest.mark.slow
 def test_a_holder_whose_host_vanishes_loses_the_lane_within_the_bound(namespace, reachable_server,
-                                                                      procs, run_cmd):
+                                                                      holder, run_cmd):
     from lanelock.store.pg_session import BOUND_SECONDS
 
     port = reachable_server.port
     remote = f"postgresql://postgres@{namespace.host_ip}:{port}/postgres"
     local = f"postgresql://postgres@127.0.0.1:{port}/postgres"
-    holder = procs.start(["ip", "netns", "exec", namespace.name, *LANELOCK, "run", "--store",
-                          remote, "-b", "localhost:7031", "--", "sh", "-c",
-                          'echo "ready $$"; read done'],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=environ())
-    assert read_line(holder.stdout).startswith("ready"), holder.stderr.read()
+    holder("--store", remote, "-b", "localhost:7031", prefix=["ip", "netns", "exec", namespace.name])
     busy = run_cmd([*LANELOCK, "probe", "--store", local, "-b", "localhost:7031"])
     assert busy.returncode == 1, busy
     namespace.cut()   # a power loss or a dropped Wi-Fi: no FIN, no RST, nothing
