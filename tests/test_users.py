@@ -11,13 +11,10 @@ import json
 import os
 import pwd
 import shutil
-import subprocess
 import sys
 import tempfile
 
 import pytest
-
-from conftest import LANELOCK, TIMEOUT, environ, read_line
 
 USERS = ("nobody", "daemon", "root")
 
@@ -56,28 +53,35 @@ def users():
 
 
 @pytest.fixture
-def shared_root(monkeypatch):
+def shared_root(monkeypatch, lock_roots):
     """A lock root every user can reach (pytest's tmp_path sits under root's 0700 directories):
-    a 1777 directory like /run/lock, in which whoever comes first makes the root."""
+    a 1777 directory like /run/lock, in which whoever comes first makes the root. Watched by the
+    teardown check, removed after it."""
     base = tempfile.mkdtemp(prefix="lanelock-users-", dir="/tmp")
+    lock_roots.after(lambda: shutil.rmtree(base, ignore_errors=True))
     os.chmod(base, 0o1777)
     root = os.path.join(base, "locks")
+    lock_roots.watch(root)
     monkeypatch.setenv("LANELOCK_DIR", root)
-    # conftest's no-such-config paths are under root's 0700 tmp_path: another user could not
-    # even look, and an unreadable config fails open
+    # conftest's config paths are under root's 0700 tmp_path: another user could not even look,
+    # and an unreadable config fails open
     monkeypatch.setenv("LANELOCK_CONFIG", os.path.join(base, "no-user-config.toml"))
     monkeypatch.setenv("LANELOCK_SYSTEM_CONFIG", os.path.join(base, "no-system-config.toml"))
-    yield root
-    shutil.rmtree(base, ignore_errors=True)
+    return root
 
 
-def as_user(user: str, *args) -> list[str]:
-    # A script file named lanelock, so `status` recognises the wrapper by its command line.
+def launcher(user: str) -> list[str]:
+    """What stands for `python -m lanelock` to run lanelock as user: a script file named
+    lanelock, so `status` recognises the wrapper by its command line."""
     script = os.path.join(os.path.dirname(os.environ["LANELOCK_DIR"]), "lanelock")
     if not os.path.exists(script):
         with open(script, "w") as handle:
             handle.write(AS_USER)
-    return [sys.executable, script, user, *args]
+    return [sys.executable, script, user]
+
+
+def as_user(user: str, *args) -> list[str]:
+    return [*launcher(user), *args]
 
 
 def test_the_turns_really_run_as_those_users(users, shared_root, run_cmd):
@@ -88,34 +92,25 @@ def test_the_turns_really_run_as_those_users(users, shared_root, run_cmd):
 
 @pytest.mark.parametrize("order", list(itertools.permutations(USERS)),
                          ids=lambda order: "-".join(order))
-def test_every_users_turn_is_labelled_without_a_warning(order, users, shared_root, procs):
+def test_every_users_turn_is_labelled_without_a_warning(order, users, shared_root, holder, lanelock,
+                                                       run_cmd):
     backend = "localhost:7040"
     for user in order:
-        held = procs.start(as_user(user, "run", "-b", backend, "-s", f"{user}-session",
-                                   "-m", f"{user}-model", "--", "sh", "-c",
-                                   'echo "ready $$"; read code'),
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           env=environ())
-        assert read_line(held.stdout).startswith("ready"), held.stderr.read()
-        status = subprocess.run([*LANELOCK, "status", "-b", backend, "--json"], env=environ(),
-                                capture_output=True, text=True, timeout=TIMEOUT)
+        held = holder("-b", backend, "-s", f"{user}-session", "-m", f"{user}-model",
+                      launcher=launcher(user))
+        status = lanelock("status", "-b", backend, "--json")
         lane = json.loads(status.stdout)["lanes"][0]
         assert lane["verdict"] == "held", lane["message"]
         assert (lane["holder"]["session"], lane["holder"]["model"]) == (f"{user}-session",
                                                                          f"{user}-model")
         for other in USERS:   # every user's deflection names the holder
-            deflected = subprocess.run(as_user(other, "run", "-b", backend, "--", "true"),
-                                       env=environ(), capture_output=True, text=True,
-                                       timeout=TIMEOUT)
+            deflected = run_cmd(as_user(other, "run", "-b", backend, "--", "true"))
             assert deflected.returncode == 75
             assert f"session {user}-session" in deflected.stderr, deflected.stderr
             assert "warning" not in deflected.stderr, deflected.stderr
-        held.stdin.write(b"0\n")
-        held.stdin.close()
-        assert held.wait(timeout=TIMEOUT) == 0
-        assert held.stderr.read() == b"", f"{user}'s turn warned"
-        status = subprocess.run([*LANELOCK, "status", "-b", backend, "--json"], env=environ(),
-                                capture_output=True, text=True, timeout=TIMEOUT)
+        assert held.release() == 0
+        assert held.stderr() == "", f"{user}'s turn warned"
+        status = lanelock("status", "-b", backend, "--json")
         lane = json.loads(status.stdout)["lanes"][0]
         assert lane["verdict"] == "released", lane["message"]
         assert lane["last"]["session"] == f"{user}-session"
