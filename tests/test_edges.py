@@ -17,7 +17,8 @@ import threading
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, environ, read_line
+from conftest import (HOLD_SCRIPT, LANELOCK, TIMEOUT, environ, json_of, read_line, wait_exit,
+                      wait_for)
 
 BUSY = 75
 
@@ -57,21 +58,6 @@ def test_hangup_of_a_terminal_whose_session_leader_is_lanelock_ends_the_turn(lan
     os.close(master)   # the terminal goes away: the kernel sends SIGHUP to the session leader only
     assert wait_pid(pid) == 128 + signal.SIGHUP   # the child got the HUP and died of it
     assert probe(lanelock, "localhost:7010").returncode == 0
-
-
-def wait_exit(pid: int, timeout: float = TIMEOUT) -> None:
-    """Until pid (not our child) exits: a pidfd becomes readable then -- no polling."""
-    import select
-
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        ready, _, _ = select.select([fd], [], [], timeout)
-        assert ready, f"pid {pid} still runs after {timeout}s"
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux not installed")
@@ -164,13 +150,10 @@ def _big_stack():
 
 
 @pytest.mark.parametrize("size", [70_000, 5 << 20])   # execve caps argv + env at 6 MiB
-def test_a_huge_argv_keeps_the_holder_record_readable(size, lanelock, procs, tmp_path):
+def test_a_huge_argv_keeps_the_holder_record_readable(size, lanelock, holder):
     words = ["a" * 100_000] * (size // 100_000) + ["b" * (size % 100_000 or 1)]
-    argv = [*LANELOCK, "run", "-s", "long-prompt", "-m", "qwen", "-b", "localhost:7015", "--",
-            "sh", "-c", 'echo "ready $$"; read code', "x", *words]
-    proc = procs.start(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE, preexec_fn=_big_stack)
-    assert read_line(proc.stdout).startswith("ready"), proc.stderr.read()
+    held = holder("-s", "long-prompt", "-m", "qwen", "-b", "localhost:7015",
+                  command=["sh", "-c", HOLD_SCRIPT, "x", *words], preexec_fn=_big_stack)
     status = json.loads(lanelock("status", "-b", "localhost:7015", "--json").stdout)["lanes"][0]
     assert status["verdict"] == "held", status["message"]
     assert (status["holder"]["session"], status["holder"]["model"]) == ("long-prompt", "qwen")
@@ -178,10 +161,8 @@ def test_a_huge_argv_keeps_the_holder_record_readable(size, lanelock, procs, tmp
     deflected = lanelock("run", "-b", "localhost:7015", "--", "true")
     assert deflected.returncode == BUSY
     assert "session long-prompt" in deflected.stderr and "not a lanelock turn" not in deflected.stderr
-    proc.stdin.write(b"0\n")
-    proc.stdin.close()
-    assert proc.wait(timeout=TIMEOUT) == 0
-    assert proc.stderr.read() == b""   # no warning: the record was written
+    assert held.release() == 0
+    assert held.stderr() == ""   # no warning: the record was written
 
 
 # -- 4. loopback shorthands are the local lane ------------------------------------------------------
@@ -248,20 +229,26 @@ def test_a_bad_backend_written_by_hand_fails_open_with_one_warning(lanelock, tmp
 # -- 8. a stopped holder is named as such ------------------------------------------------------------
 def test_status_and_deflections_say_the_holder_is_stopped(holder, lanelock):
     held = holder("-b", "localhost:7017", "-s", "paused-agent")
+
+    def lane() -> dict:
+        return json_of(["status", "-b", "localhost:7017", "--json"])["lanes"][0]
+
     os.kill(held.child_pid, signal.SIGSTOP)
     try:
-        lane = json.loads(lanelock("status", "-b", "localhost:7017", "--json").stdout)["lanes"][0]
-        assert lane["verdict"] == "held"
-        assert f"pid {held.child_pid} is stopped" in lane["message"], lane["message"]
-        assert f"kill -CONT {held.child_pid}" in lane["message"]
-        assert lane["holder"]["stopped"]["pid"] == held.child_pid
-        assert lane["holder"]["stopped"]["since"]   # the wrapper saw it stop and wrote when
+        # The wrapper hears of the stop (SIGCHLD) and writes it down; nothing tells the test when.
+        found = wait_for(lambda: (lambda seen: seen if (seen["holder"] or {}).get("stopped")
+                                  else None)(lane()), what="the wrapper to record the stop")
+        assert found["verdict"] == "held"
+        assert f"pid {held.child_pid} is stopped" in found["message"], found["message"]
+        assert f"kill -CONT {held.child_pid}" in found["message"]
+        assert found["holder"]["stopped"]["pid"] == held.child_pid
+        assert found["holder"]["stopped"]["since"]
         deflected = lanelock("run", "-b", "localhost:7017", "--", "true")
         assert deflected.returncode == BUSY and "stopped" in deflected.stderr, deflected.stderr
     finally:
         os.kill(held.child_pid, signal.SIGCONT)
-    lane = json.loads(lanelock("status", "-b", "localhost:7017", "--json").stdout)["lanes"][0]
-    assert "stopped" not in lane["message"]
+    wait_for(lambda: "stopped" not in lane()["message"], what="the wrapper to record the continue")
+    assert held.release() == 0
 
 
 from hypothesis import given, settings as hypothesis_settings, strategies as st  # noqa: E402
