@@ -33,27 +33,22 @@ def turn_argv(local_port: int, cloud_port: int) -> list[str]:
             "-f", fallback, "--"] + client + [f"http://127.0.0.1:{local_port}"]
 
 
-def run_wave(local, cloud, clients: int) -> list[subprocess.CompletedProcess]:
+def run_wave(procs, local, cloud, clients: int) -> list[subprocess.CompletedProcess]:
+    """clients turns started at once, each run to its end."""
     argv = turn_argv(local.server_address[1], cloud.server_address[1])
-    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    turns = [procs.start(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(clients)]
     results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=120)
-            results.append(subprocess.CompletedProcess(argv, proc.returncode, out, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    for turn in turns:
+        out, err = turn.communicate(timeout=120)
+        results.append(subprocess.CompletedProcess(argv, turn.returncode, out, err))
     return results
 
 
 @pytest.mark.parametrize("clients", [6, 8])
-def test_max_in_flight_is_one_and_the_rest_fall_back(backends, clients):
+def test_max_in_flight_is_one_and_the_rest_fall_back(backends, clients, procs):
     local, cloud = backends
-    results = run_wave(local, cloud, clients)
+    results = run_wave(procs, local, cloud, clients)
     assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
     answers = [r.stdout.strip() for r in results]
     on_local = answers.count("answer from local")
@@ -68,11 +63,11 @@ def test_max_in_flight_is_one_and_the_rest_fall_back(backends, clients):
 
 
 @pytest.mark.slow
-def test_stress_waves_never_overlap(backends):
+def test_stress_waves_never_overlap(backends, procs):
     local, cloud = backends
     total = 0
     for _ in range(10):
-        results = run_wave(local, cloud, 10)
+        results = run_wave(procs, local, cloud, 10)
         assert all(r.returncode == 0 for r in results)
         total += len(results)
     assert local.counter.max_in_flight == 1
