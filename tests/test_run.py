@@ -18,8 +18,8 @@ import pexpect
 import psutil
 import pytest
 
-from conftest import (LANELOCK, TIMEOUT, environ, is_waiting, needs_flock, pid_gone,
-                      read_line, running, wait_for)
+from conftest import (LANELOCK, TIMEOUT, ExitWatch, environ, is_waiting, needs_flock, pid_gone,
+                      read_line, signalled_hold, wait_for)
 
 ENV_DUMP = [sys.executable, "-c",
             "import json, os; print(json.dumps({k: v for k, v in os.environ.items() "
@@ -378,31 +378,6 @@ def test_fail_open_when_the_lock_path_is_not_a_regular_file(kind, lanelock, lock
 
 
 @pytest.fixture
-def tmpfs(tmp_path):
-    """mount(options) -> a fresh tmpfs mounted with those options (skips when mounting is not
-    possible here); unmounted at teardown. As root, permission bits stop nothing: a read-only or
-    full file system does."""
-    mounted = []
-
-    def mount(options: str) -> Path:
-        mount_point = tmp_path / f"mnt{len(mounted)}"
-        mount_point.mkdir()
-        try:
-            done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)],
-                                  capture_output=True, text=True, timeout=TIMEOUT)
-        except FileNotFoundError:
-            pytest.skip("no mount(8) here")
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs ({options}) here: {done.stderr.strip()}")
-        mounted.append(mount_point)
-        return mount_point
-
-    yield mount
-    for mount_point in reversed(mounted):
-        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=TIMEOUT)
-
-
-@pytest.fixture
 def read_only_mount(tmpfs):
     return tmpfs("ro,size=64k")
 
@@ -514,7 +489,8 @@ def test_sessions_with_other_homes_and_env_i_contend_on_one_lock_file(holder, ru
     assert held.release() == 0
 
 
-def test_the_default_root_is_the_same_for_every_environment(run_cmd, lanelock, tmp_path):
+def test_the_default_root_is_the_same_for_every_environment(run_cmd, lanelock, tmp_path,
+                                                            default_root):
     """No LANELOCK_DIR: an ordinary shell, a cron job and an agent profile (each with its own HOME,
     XDG variables and cwd) compute the same default lock file. Only `where`: no lock is taken."""
     for name in ("h1", "h2", "h3", "c2", "c3", "xdg3", "conf3/lanelock"):
@@ -522,7 +498,7 @@ def test_the_default_root_is_the_same_for_every_environment(run_cmd, lanelock, t
     # A per-user config that tries to move the root: it must be ignored, and said so.
     (tmp_path / "conf3" / "lanelock" / "config.toml").write_text(f'lock_dir = "{tmp_path}/evil"\n')
     system = tmp_path / "no-such-system-config.toml"
-    shell = lanelock("where", "--json", env={"LANELOCK_DIR": None, "HOME": tmp_path / "h1"})
+    shell = lanelock("where", "--json", env={"HOME": tmp_path / "h1"})
     cron = run_cmd(["env", "-i", f"PATH={MINIMAL_PATH}", f"HOME={tmp_path / 'h2'}",
                     f"LANELOCK_SYSTEM_CONFIG={system}", *LANELOCK, "where", "--json"],
                    cwd=tmp_path / "c2", env={})
@@ -536,7 +512,7 @@ def test_the_default_root_is_the_same_for_every_environment(run_cmd, lanelock, t
         infos.append(json.loads(result.stdout))
     assert len({info["lock_path"] for info in infos}) == 1, [info["lock_path"] for info in infos]
     assert {info["root_source"] for info in infos} == {"default"}
-    assert infos[0]["root"] in ("/run/lock/lanelock", "/tmp/lanelock")
+    assert infos[0]["root"] == str(default_root) in ("/run/lock/lanelock", "/tmp/lanelock")
     assert "IGNORED" in profile.stderr and infos[2]["warnings"]
     assert not (tmp_path / "evil").exists()
 
@@ -602,12 +578,12 @@ def test_a_bounded_wait_that_expires_falls_back(holder, lanelock, tmp_path):
 # -- process lifetime and signals --------------------------------------------------------------
 def test_kill_9_of_the_wrapper_frees_the_lane_and_kills_the_child(holder, lanelock):
     held = holder()
-    child = psutil.Process(held.child_pid)
-    assert child.ppid() == held.pid
+    assert psutil.Process(held.child_pid).ppid() == held.pid
+    child = ExitWatch(held.child_pid)
     os.kill(held.pid, signal.SIGKILL)
     assert held.wait() == -signal.SIGKILL
     assert lanelock("probe").returncode == 0, "the lane outlived its wrapper"
-    wait_for(lambda: not running(child), what="the child to get its parent-death signal")
+    child.wait()   # the parent-death signal
 
 
 def test_kill_9_of_the_child_frees_the_lane_and_the_wrapper_exits_137(holder, lanelock, lock_dir):
@@ -619,29 +595,14 @@ def test_kill_9_of_the_child_frees_the_lane_and_the_wrapper_exits_137(holder, la
     assert json.loads((lock_dir / "localhost-8080.json").read_text())["exit_status"] == 137
 
 
-TRAP_SCRIPT = """
-import os, signal, sys
-marker = sys.argv[1]
-def trapped(signum, frame):
-    with open(marker, "w") as handle:
-        handle.write(str(signum))
-    os._exit(42)
-for signo in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1,
-              signal.SIGUSR2):
-    signal.signal(signo, trapped)
-print("ready", os.getpid(), flush=True)
-sys.stdin.read()
-"""
-
-
 @pytest.mark.parametrize("signo", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT,
                                    signal.SIGUSR1, signal.SIGUSR2])
-def test_signals_to_the_wrapper_are_forwarded_to_the_child(signo, holder, lanelock, tmp_path):
-    marker = tmp_path / "trapped"
-    held = holder(command=[sys.executable, "-c", TRAP_SCRIPT, str(marker)])
+def test_signals_to_the_wrapper_are_forwarded_to_the_child(signo, holder, lanelock):
+    held = holder(command=signalled_hold(signo.name))
     os.kill(held.pid, signo)
-    assert held.wait() == 42, held.stderr()       # the wrapper waited for the child's own status
-    assert marker.read_text() == str(int(signo))
+    assert held.read_line() == f"signal {int(signo)}\n", held.stderr()   # the child has it
+    assert held.proc.poll() is None, "the wrapper must wait for its child, not die of the signal"
+    assert held.release(42) == 42, held.stderr()   # and it ends with the child's own status
     assert lanelock("probe").returncode == 0
 
 
@@ -701,30 +662,19 @@ def test_ctrl_c_at_a_terminal_exits_130_and_frees_the_lane(procs, lanelock):
     assert lanelock("probe").returncode == 0
 
 
-CATCH_SIGINT = """
-import signal, sys
-signal.signal(signal.SIGINT, lambda signum, frame: print("caught", flush=True))
-print("READY", flush=True)
-sys.stdin.readline()
-print("done", flush=True)
-"""
-
-
 def test_ctrl_c_to_a_child_that_traps_it_does_not_end_the_turn(procs):
     """The terminal sends ^C to the whole foreground group: a child that handles it goes on, and
-    the wrapper keeps waiting for it (no re-raise: the child did not die of it). A second copy
-    forwarded by the wrapper would usually coalesce with the first, so the last check can only
-    catch a late duplicate."""
-    child = spawn(procs, [*LANELOCK, "run", "--", sys.executable, "-c", CATCH_SIGINT])
-    child.expect("READY")
+    the wrapper keeps waiting for it (no re-raise: the child did not die of it). The child reports
+    every SIGINT it gets, so a second copy forwarded by the wrapper shows -- unless it coalesced
+    with the first, so only a late duplicate can be caught."""
+    child = spawn(procs, [*LANELOCK, "run", "--", *signalled_hold("SIGINT")])
+    child.expect("ready")
     child.sendintr()
-    child.expect("caught")
-    child.sendline("")
-    child.expect("done")
-    between = child.before
+    child.expect(f"signal {int(signal.SIGINT)}")
+    child.sendline("0")
     status, signo = finished(child)
     assert (status, signo) == (0, None)
-    assert "caught" not in between + child.before, "SIGINT reached the child twice"
+    assert "signal" not in child.before, "SIGINT reached the child twice"
 
 
 @pytest.mark.parametrize("wrapped", [False, True])
