@@ -21,13 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import free_port, real_engine_ready, wait_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOP = os.path.dirname(HERE)
@@ -37,23 +39,8 @@ HISTORY = " ".join(f"Fact {n}: the lighthouse on island {n} has {n % 7 + 2} lamp
                    f"named Keeper{n}." for n in range(90))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
-def wait_port(port: int, proc, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"exited: {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit(f"nothing listens on {port}")
 
 
 def ask(port: int, messages: list, session: str, tokens: int = 8) -> tuple[float, str, str]:
@@ -105,10 +92,7 @@ def main() -> int:
     parser.add_argument("--linger", type=float, default=3.0)
     parser.add_argument("--pause", type=float, default=0.3, help="the tool's run between requests")
     args = parser.parse_args()
-    paths = json.loads(subprocess.run(SCRIPT + ["paths"], capture_output=True, text=True).stdout)
-    if not (paths["server_ready"] and paths["model_ready"]):
-        print("real engine not built: scripts/real-backend build && scripts/real-backend model",
-              file=sys.stderr)
+    if not real_engine_ready():
         return 2
     work = tempfile.mkdtemp(prefix="lanelock-linger-")
     env = dict(os.environ, LANELOCK_DIR=os.path.join(work, "locks"))

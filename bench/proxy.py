@@ -22,6 +22,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import free_port, wait_port  # noqa: E402
+
 LANELOCK = [sys.executable, "-m", "lanelock"]
 ROWS: list[tuple[str, str, str, str]] = []
 
@@ -31,23 +34,8 @@ def row(name, value, target="", ok=None):
     print(f"  {name}: {value} {ROWS[-1][3]}", file=sys.stderr, flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
-def wait_port(port: int, proc, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server on {port} exited: {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit(f"nothing listens on {port}")
 
 
 BODY = b'{"model":"stand-in","stream":true,"max_tokens":%d,"messages":[{"role":"user","content":"hi"}]}'

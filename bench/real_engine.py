@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,16 +21,15 @@ import tempfile
 import threading
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import free_port, real_engine_ready  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOP = os.path.dirname(HERE)
 SCRIPT = [sys.executable, os.path.join(TOP, "scripts", "real-backend")]
 LANELOCK = [sys.executable, "-m", "lanelock"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def turn(argv: list[str], env: dict) -> dict:
@@ -82,10 +80,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--json", action="store_true", help="one flat JSON object for bench.py")
     args = parser.parse_args()
-    paths = json.loads(subprocess.run(SCRIPT + ["paths"], capture_output=True, text=True).stdout)
-    if not (paths["server_ready"] and paths["model_ready"]):
-        print("real engine not built: scripts/real-backend build && scripts/real-backend model",
-              file=sys.stderr)
+    if not real_engine_ready():
         return 2
     port = free_port()
     pid = int(subprocess.run(SCRIPT + ["start", "--port", str(port), "--parallel", "2"],
