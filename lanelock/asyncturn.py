@@ -39,6 +39,18 @@ async def acquire(turn):
     loop = asyncio.get_running_loop()
     turn._owner = _owner()
     turn._cancel = threading.Event()
+    if not turn.gate.store.blocking_io:
+        # A free lane is a few local system calls: take it here, without a thread's start and
+        # wake-up (the proxy's time to first byte). Busy: wait in a thread, as below.
+        from .gate import WouldBlock
+
+        turn._try_only = True
+        try:
+            return turn.acquire()
+        except WouldBlock:
+            pass
+        finally:
+            turn._try_only = False
     done = loop.create_future()
 
     def work() -> None:

@@ -34,6 +34,11 @@ REASON_BUSY = "local_backend_busy"
 ARGV_BUDGET = 4096   # characters of argv a holder record keeps (the readers' limit is 64 KiB)
 BUSY_WORDS = "local model in use by another session"
 
+class WouldBlock(Exception):
+    """A try-only acquire (an asyncio turn's first attempt, on the event loop) found the lane
+    busy: nothing was recorded, the caller waits elsewhere and tries again."""
+
+
 # In-process reentrancy: store ident -> the thread holding it. flock conflicts between two open
 # file descriptions even inside one process, so the same thread nesting turns must not re-lock.
 _HELD_HERE: dict[tuple, int] = {}
@@ -152,6 +157,7 @@ class Turn:
         self._settled = False   # its outcome was counted (metrics)
         self._owner = None    # who may nest in this turn: the thread, or an asyncio task
         self._cancel = None   # threading.Event: an asyncio turn's wait was cancelled
+        self._try_only = False   # raise WouldBlock instead of waiting (asyncturn's first try)
         self.wait = wait
         self.state: str | None = None
         self.reason: str | None = None
@@ -238,6 +244,10 @@ class Turn:
             if not got:
                 if self._ancestor_holds(store.holder_pids_here(handle, store.kernel(handle))):
                     return self._nested(handle)
+                if self._try_only:
+                    store.release(handle)
+                    self._handle = None
+                    raise WouldBlock
                 timeout = None if self.wait is None else max(self.wait, gate.grace)
                 got = store.wait_lock(handle, timeout, self._cancel)
             self.waited = time.monotonic() - started

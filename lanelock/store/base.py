@@ -50,6 +50,9 @@ class LaneFacts:
 
 class LaneStore(ABC):
     kind = "?"
+    # True when taking a free lane may block on the network (an asyncio turn then takes it in a
+    # thread); False when it is a few local system calls (it is then tried on the event loop).
+    blocking_io = True
 
     # -- where the lane lives ----------------------------------------------------------------------
     @abstractmethod

@@ -57,6 +57,7 @@ class Handle:
 
 class FlockStore(LaneStore):
     kind = "flock"
+    blocking_io = False
 
     def __init__(self, root: Root):
         self.root = root
