@@ -4,7 +4,8 @@ that nothing a test started outlives it and no lane is left held, whichever lock
 
 Isolation: LANELOCK_DIR points at a fresh directory under tmp_path (not created: lanelock makes
 it), both config files point at files that do not exist yet (a real /etc/lanelock or ~/.config
-must never leak in), and every LANELOCK_* variable a surrounding turn could have set is removed.
+must never leak in), and every LANELOCK_* variable a surrounding turn or shell could have set is
+removed (and NO_COLOR, FORCE_COLOR, CLICOLOR_FORCE).
 
 Synchronisation is never a sleep: a holder's child prints "ready PID" on a pipe the test reads, and
 holds the lane until the test writes its exit status to (or closes) its stdin. Deaths and stops are
@@ -90,8 +91,8 @@ def isolated(tmp_path, monkeypatch) -> Path:
     """A fresh lock root and no configuration: what every test starts from."""
     lock_dir = tmp_path / "locks"
     for name in list(os.environ):
-        if name.startswith("LANELOCK_"):
-            monkeypatch.delenv(name)
+        if name.startswith("LANELOCK_") and not name.startswith("LANELOCK_REQUIRE_"):
+            monkeypatch.delenv(name)   # (LANELOCK_REQUIRE_*: the suite's own switches, for CI)
     for name in COLOUR_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LANELOCK_DIR", str(lock_dir))
