@@ -73,11 +73,14 @@ def add(dir_fd: int, name: str, outcome: str, *, reason: str | None = None,
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, f"{name} is not a regular file")
         fcntl.flock(fd, fcntl.LOCK_EX)
-        counts = merge(os.pread(fd, MAX_BYTES + 1, 0), outcome, reason=reason, held=held,
-                       waited=waited)
+        old = os.pread(fd, MAX_BYTES + 1, 0)
+        counts = merge(old, outcome, reason=reason, held=held, waited=waited)
         data = json.dumps(counts).encode()
-        # Grows only: a pwrite over the old bytes then a truncate, under the exclusive lock.
-        os.pwrite(fd, data, 0)
+        # A pwrite over the old bytes then a truncate, under the exclusive lock. The text can
+        # shrink (a rounded sum: 0.123456 + 0.076544 is 0.2), so it is padded with spaces to the
+        # old length: a turn killed between the two leaves valid JSON, not a tail of old bytes
+        # that reads as no counts at all -- every counter back to zero.
+        os.pwrite(fd, data.ljust(len(old)), 0)
         os.ftruncate(fd, len(data))
     finally:
         os.close(fd)   # drops the flock too
