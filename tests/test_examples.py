@@ -131,6 +131,11 @@ KNOWN = [
           test="test_systemd_units_verify",
           not_run="starting it as a service (no systemd here); the proxy itself runs in "
                   "test_proxy_recipe"),
+    Known("metrics-cron", "README.md", r"^\* \* \* \* \* \S+ metrics ",
+          test="test_metrics_textfile_cron_line"),
+    Known("scrape-config", "README.md", r"^scrape_configs:\n  - job_name: lanelock-proxy",
+          test="test_scrape_config",
+          not_run="scraping itself: test_metrics.py's real Prometheus scrapes a proxy with it"),
     Known("completion", "README.md", r"lanelock completion bash > ",
           test="test_completion.py::shell"),   # each line installs the script a real shell loads
     Known("man-cron", "lanelock.1", r"^\*/10 \* \* \* \* ", test="test_cron_line"),
@@ -377,6 +382,54 @@ def test_cron_line(name, standins, holder, run_cmd, default_root_lane, tmp_path)
     assert held.release() == 0
 
 
+@pytest.fixture
+def promtool() -> str:
+    from test_metrics import tool
+    return tool("promtool")
+
+
+def test_metrics_textfile_cron_line(default_root_lane, standins, holder, run_cmd, promtool,
+                                    lanelock, tmp_path):
+    """The textfile line, run as cron runs it: DIR/lanelock.prom appears, promtool accepts it, and
+    it shows the lanes of the default root -- one held by a session with its own environment."""
+    from prometheus_client.parser import text_string_to_metric_families
+    entry = block("metrics-cron").text.strip()
+    fields = entry.split(None, 5)
+    assert len(fields) == 6 and "%" not in fields[5], entry
+    textfiles = tmp_path / "node-exporter"
+    textfiles.mkdir()
+    command = localize(fields[5], standins).replace("/var/lib/prometheus/node-exporter",
+                                                    str(textfiles))
+    assert os.path.isabs(shlex.split(command)[0])
+    (tmp_path / "home").mkdir()
+    held = holder("-b", default_root_lane,
+                  env={"LANELOCK_DIR": None, "LANELOCK_SYSTEM_CONFIG": None,
+                       "HOME": tmp_path / "home", "XDG_RUNTIME_DIR": tmp_path / "home"})
+    done = run_cmd(["env", "-i", f"PATH={CRON_PATH}", "sh", "-c", command], cwd=tmp_path)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "", ""), done
+    assert sorted(path.name for path in textfiles.iterdir()) == ["lanelock.prom"]
+    text = (textfiles / "lanelock.prom").read_text()
+    checked = run_cmd([promtool, "check", "metrics"], input=text)
+    assert (checked.returncode, checked.stderr) == (0, ""), checked
+    held_gauges = {sample.labels["lane"]: sample.value
+                   for family in text_string_to_metric_families(text)
+                   for sample in family.samples if sample.name == "lanelock_lane_held"}
+    lane = json.loads(lanelock("where", "--json", "-b", default_root_lane).stdout)["lane"]
+    assert held_gauges[lane] == 1.0, held_gauges
+    assert held.release() == 0
+
+
+def test_scrape_config(promtool, run_cmd, tmp_path):
+    """The scrape config is valid for Prometheus and names the proxy's default address."""
+    from lanelock.settings import SETTINGS
+    config = tmp_path / "prometheus.yml"
+    config.write_text(block("scrape-config").text)
+    checked = run_cmd([promtool, "check", "config", config])
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    default = SETTINGS["proxy_listen"].default
+    assert f'"{default}"' in block("scrape-config").text
+
+
 # -- the shell script ---------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["shell-fallback", "man-shell-fallback"])
 def test_shell_script(name, standins, holder, run_cmd, tmp_path):
@@ -601,6 +654,8 @@ def test_proxy_recipe(procs, tmp_path):
     base = re.search(r"OPENAI_BASE_URL=(\S+)", text).group(1)
     host, port = re.match(r"http://([\d.]+):(\d+)/v1$", base).groups()
     with socket.socket() as probe:
+        # As the proxy binds (aiohttp sets SO_REUSEADDR): a previous run's TIME_WAIT is no user.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, int(port)))
         except OSError:
