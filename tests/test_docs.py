@@ -69,7 +69,7 @@ def test_exit_status_table_is_documented():
 
 
 def test_every_lanelock_variable_is_documented():
-    source = "".join(p.read_text() for p in (TOP / "lanelock").glob("*.py"))
+    source = "".join(p.read_text() for p in (TOP / "lanelock").rglob("*.py"))
     names = set(re.findall(r"LANELOCK_[A-Z_]+", source))
     text, readme = man_text(), README.read_text()
     for name in sorted(names):
@@ -98,6 +98,17 @@ def test_the_completion_command_is_documented():
     section = README.read_text().split("\n## Shell completion\n", 1)[1].split("\n## ", 1)[0]
     for shell in sorted(COMPLETIONS):
         assert f"lanelock completion {shell} > " in section
+
+
+def test_synopsis_and_commands_list_every_command():
+    """The man SYNOPSIS and README's Commands list name every top-level command."""
+    man = MAN.read_text()
+    synopsis = man.split(".SH SYNOPSIS\n", 1)[1].split("\n.SH ", 1)[0]
+    listed = README.read_text().split("\n## Commands\n", 1)[1].split("\n## ", 1)[0]
+    for path, _ in commands():
+        if len(path) == 1:
+            assert f".B lanelock {path[0]}\n" in synopsis, f"{path[0]} missing from SYNOPSIS"
+            assert f"- `lanelock {path[0]}" in listed, f"{path[0]} missing from README Commands"
 
 
 def test_help_works_for_every_command():
