@@ -204,9 +204,7 @@ def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
     if all_lanes and backend:
         raise click.UsageError("--all and --backend exclude each other")
     gate = strict_gate(backend, lock_dir, model, key_by, store=store)
-    notes = list(gate.config.ignored)
-    if not gate.gated and not all_lanes:
-        notes.append(f"{gate.lane.name} is not a local lane: turns on it are never gated")
+    notes = lane_notes(gate, all_lanes)
 
     def fetch():
         return statuses(gate.store, None if all_lanes else gate.lane)
@@ -232,6 +230,15 @@ def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
         return exitcodes.USAGE
     render.status(results, json_, notes=notes)
     return exitcodes.OK
+
+
+def lane_notes(gate, all_lanes: bool = False) -> list[str]:
+    """What a reader of one lane's status, history or metrics should know first: config lines
+    not applied, and a backend that has no lane at all (its zeros mean "never gated")."""
+    notes = list(gate.config.ignored)
+    if not gate.gated and not all_lanes:
+        notes.append(f"{gate.lane.name} is not a local lane: turns on it are never gated")
+    return notes
 
 
 def _other_keyings(gate, statuses) -> list[str]:
@@ -263,6 +270,8 @@ def history(backend, lock_dir, model, key_by, store, since, json_):
         cutoff = lane_history.parse_since(since)
     except lane_history.SinceError as error:
         raise click.UsageError(str(error)) from None
+    for note in lane_notes(gate):
+        render.warn(note)
     try:
         data = lane_history.from_events(*gate.store.events(gate.lane, cutoff))
     except GateUnavailable as error:
@@ -296,6 +305,8 @@ def metrics(backend, lock_dir, model, key_by, store, all_lanes, textfile):
     if textfile is not None and not os.path.isdir(textfile):
         raise click.UsageError(f"--textfile {textfile}: not a directory")
     gate = strict_gate(backend, lock_dir, model, key_by, store=store)
+    for note in lane_notes(gate, all_lanes):
+        render.warn(note)
     try:
         data = exposition(LaneCollector(lanes_fetch(gate.store, None if all_lanes else gate.lane)))
     except GateUnavailable as error:

@@ -108,3 +108,15 @@ def test_status_names_the_lanes_of_the_same_backend_keyed_by_model(holder, lanel
     holder("-b", "localhost:7213", "--key-by", "model", "-m", "qwen")
     result = lanelock("status", "-b", "localhost:7213")
     assert "localhost:7213#qwen (held)" in result.stderr and "does not exclude" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["status", "history", "metrics"])
+def test_reading_a_public_backend_says_it_has_no_lane(command, lanelock):
+    """status, history and metrics of a backend that is never gated say so once (its "free" and
+    zeros would otherwise read as an idle lane); a local lane gets no such line."""
+    public = lanelock(command, "-b", "https://api.openai.com/v1")
+    assert public.returncode == 0
+    assert public.stderr == ("lanelock: warning: api.openai.com:443 is not a local lane: turns "
+                             "on it are never gated\n")
+    local = lanelock(command, "-b", "127.1:8080")
+    assert (local.returncode, local.stderr) == (0, "")
