@@ -701,6 +701,26 @@ def test_non_loopback_listen_needs_a_token(lanelock, listen):
     assert "--token-env" in refused.stderr and "loopback" in refused.stderr
 
 
+@pytest.mark.parametrize("listen", ["127.1:0", "0x7f.0.0.1:0", "LOCALHOST:0",
+                                    "http://127.0.0.1:0/", "0"])
+def test_loopback_spellings_listen_on_loopback_without_a_token(procs, listen):
+    """127.1 is 127.0.0.1 here as in every backend (inet_aton); the URL a client is given and a
+    bare port are what users type too."""
+    proxy = Proxy(procs, "127.0.0.1:9", "--listen", listen)
+    assert "listening on http://127.0.0.1:" in proxy.lines[-1]
+    status, _, body = request(proxy.port, "GET", "/lanelock/status")
+    assert status == 200 and json.loads(body)["lanes"][0]["lane"] == "localhost:9"
+    assert proxy.stop() == 0
+
+
+@pytest.mark.parametrize("listen", [":0", "https://127.0.0.1:0", "127.0.0.1:0/v1", "127.0.0.1:"])
+def test_a_listen_address_that_is_not_one_says_so(lanelock, listen):
+    refused = lanelock("proxy", "--listen", listen, "-b", "127.0.0.1:9")
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.startswith("lanelock: --listen ") and refused.stderr.count("\n") == 1
+    assert "expected HOST:PORT or a port" in refused.stderr
+
+
 def test_fallback_key_reaches_the_fallback_and_nowhere_else(procs, lanelock, holder, lock_dir):
     engine = Engine(procs, delay=0.01)
     cloud = Recorder(procs)
