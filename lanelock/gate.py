@@ -165,6 +165,9 @@ class Turn:
         self.nested = False
         self.lost = False      # the store took the lane away mid-turn (PostgreSQL session ended)
         self.waited = 0.0
+        # True once the turn blocked in the store's wait: 'waited' is that fact, not a duration
+        # (a hand-off can take less than a millisecond, and it was still a wait).
+        self._blocked = False
         self._handle = None
         self._key: tuple | None = None
         self._started = 0.0
@@ -249,6 +252,7 @@ class Turn:
                     self._handle = None
                     raise WouldBlock
                 timeout = None if self.wait is None else max(self.wait, gate.grace)
+                self._blocked = True
                 got = store.wait_lock(handle, timeout, self._cancel)
             self.waited = time.monotonic() - started
             if not got and self._cancel is not None and self._cancel.is_set():
@@ -295,7 +299,7 @@ class Turn:
         self.gate.store.open_events(self._handle, self.gate.journal_max_bytes)
         self._write_sidecar(self._record())
         events = [self._event("acquired", at=(now, self._acquired_at))]
-        if self.waited >= 0.001 and self.wait != 0:
+        if self._blocked and self.wait != 0:
             events.insert(0, self._event("waited", at=(now, self._acquired_at),
                                          waited=round(self.waited, 6)))
         self._log(*events)
@@ -347,7 +351,7 @@ class Turn:
                                   duration=duration, exit_status=exit_status))
         _debug_pause("during-release")
         _HELD_HERE.pop(self._key, None)
-        waited = self.waited if self.wait != 0 and self.waited >= 0.001 else None
+        waited = self.waited if self._blocked and self.wait != 0 else None
         count = None if self.lost else {"outcome": "waited" if waited is not None else "local",
                                         "held": duration, "waited": waited}
         self._settled = True
