@@ -299,7 +299,7 @@ class Turn:
         self.gate.store.open_events(self._handle, self.gate.journal_max_bytes)
         self._write_sidecar(self._record())
         events = [self._event("acquired", at=(now, self._acquired_at))]
-        if self._blocked and self.wait != 0:
+        if self._had_to_wait:
             events.insert(0, self._event("waited", at=(now, self._acquired_at),
                                          waited=round(self.waited, 6)))
         self._log(*events)
@@ -351,13 +351,19 @@ class Turn:
                                   duration=duration, exit_status=exit_status))
         _debug_pause("during-release")
         _HELD_HERE.pop(self._key, None)
-        waited = self.waited if self._blocked and self.wait != 0 else None
+        waited = self.waited if self._had_to_wait else None
         count = None if self.lost else {"outcome": "waited" if waited is not None else "local",
                                         "held": duration, "waited": waited}
         self._settled = True
         self.gate.store.release(handle, count)
         self._handle = None
         self.state = RELEASED
+
+    @property
+    def _had_to_wait(self) -> bool:
+        """The turn asked to wait and blocked: the journal's 'waited' event and the 'waited'
+        outcome of the counts (a wait=0 turn's grace is not a wait)."""
+        return self._blocked and self.wait != 0
 
     def mark_stopped(self, stopped: bool) -> None:
         """The command was stopped (^Z, SIGSTOP) or continued: the holder record says since when,
