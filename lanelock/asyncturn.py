@@ -37,43 +37,47 @@ def _owner() -> tuple:
 
 async def acquire(turn):
     loop = asyncio.get_running_loop()
-    turn._owner = _owner()
-    turn._cancel = threading.Event()
+    turn.own_by(_owner())
     if not turn.gate.store.blocking_io:
         # A free lane is a few local system calls: take it here, without a thread's start and
         # wake-up (the proxy's time to first byte). Busy: wait in a thread, as below.
         from .gate import WouldBlock
 
-        turn._try_only = True
         try:
-            return turn.acquire()
+            return turn.take(try_only=True).commit()
         except WouldBlock:
             pass
-        finally:
-            turn._try_only = False
     done = loop.create_future()
 
     def work() -> None:
         try:
-            result, error = turn.acquire(), None
+            result, error = turn.take(), None   # records nothing: the task commits below
         except BaseException as raised:   # noqa: BLE001 - handed to the awaiting task
             result, error = None, raised
         try:
             loop.call_soon_threadsafe(_settle, done, result, error)
         except RuntimeError:   # the loop is closed: nobody waits, so nobody keeps the lane
-            turn.release(None)
+            turn.abandon()
 
     threading.Thread(target=work, name="lanelock-turn", daemon=True).start()
     try:
-        return await asyncio.shield(done)
+        await asyncio.shield(done)
     except asyncio.CancelledError:
-        turn._cancel.set()
-        handle = turn.handle
-        if handle is not None:
-            turn.gate.store.cancel_wait(handle)
+        turn.cancel_wait()
         await _finished(done)
+        turn.abandon()   # a lock the wait got too late goes back unrecorded
         await release(turn, None)
         raise
+    # The task resumed: only now is the turn recorded (a cancellation before this point leaves
+    # no trace). A flock store's records are local writes; a network store's go to a thread.
+    if not turn.gate.store.blocking_io:
+        return turn.commit()
+    try:
+        await _finished(asyncio.ensure_future(asyncio.to_thread(turn.commit)))
+    except asyncio.CancelledError:
+        await release(turn, None)
+        raise
+    return turn
 
 
 async def release(turn, exit_status) -> None:

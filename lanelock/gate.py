@@ -17,7 +17,7 @@ import os
 import time
 
 from . import holder as holder_facts
-from . import holders, key, say
+from . import handover, key, say
 from .errors import GateUnavailable, RecordNotWritten, UsageProblem
 from .facts import boot_id, default_session, hostname, own_start_ticks, user_name, utc_now
 from .paths import Root, resolve_root
@@ -39,9 +39,10 @@ class WouldBlock(Exception):
     busy: nothing was recorded, the caller waits elsewhere and tries again."""
 
 
-# In-process reentrancy: store ident -> the thread holding it. flock conflicts between two open
-# file descriptions even inside one process, so the same thread nesting turns must not re-lock.
-_HELD_HERE: dict[tuple, int] = {}
+# In-process reentrancy: store ident -> (the thread or task holding it, its turn). flock conflicts
+# between two open file descriptions even inside one process, so the same thread nesting turns must
+# not re-lock.
+_HELD_HERE: dict[tuple, tuple] = {}
 
 
 class Gate:
@@ -102,13 +103,15 @@ class Gate:
 
     def turn(self, *, session: str | None = None, model: str | None = None,
              argv: list[str] | None = None, wait: float | None = 0.0,
-             labels: dict | None = None) -> "Turn":
+             labels: dict | None = None, askers=None) -> "Turn":
         """A turn on this lane; the lock is taken on entering it (`with`, or `async with` in
         asyncio code, which never blocks the event loop), or by acquire(). wait: seconds to block
         for the lane (None: forever); 0 deflects after the short grace period. labels: more
-        facts for the holder record and the journal (the proxy's client and path)."""
+        facts for the holder record and the journal (the proxy's client and path). askers: who
+        asks for the turn when not this process (the proxy's client): a callable returning
+        handover.Asker values, called only when the lane is busy."""
         return Turn(self, session=session, model=model or self.model, argv=argv, wait=wait,
-                    labels=labels)
+                    labels=labels, askers=askers)
 
     def busy(self) -> bool:
         """Is the lane held right now? Asks the kernel (/proc/locks) and never takes the lock, so
@@ -147,7 +150,7 @@ class Gate:
 
 
 class Turn:
-    def __init__(self, gate: Gate, *, session, model, argv, wait, labels=None):
+    def __init__(self, gate: Gate, *, session, model, argv, wait, labels=None, askers=None):
         self.gate = gate
         self.session = session or gate.settings.get("session") or default_session()
         self.model = model
@@ -157,7 +160,9 @@ class Turn:
         self._settled = False   # its outcome was counted (metrics)
         self._owner = None    # who may nest in this turn: the thread, or an asyncio task
         self._cancel = None   # threading.Event: an asyncio turn's wait was cancelled
-        self._try_only = False   # raise WouldBlock instead of waiting (asyncturn's first try)
+        self._askers = askers   # who asks, when not this process (handover.py)
+        self._pending: tuple | None = None   # what take() decided and commit() records
+        self.token: str | None = None   # names this held turn (or the one it nests in)
         self.wait = wait
         self.state: str | None = None
         self.reason: str | None = None
@@ -195,6 +200,28 @@ class Turn:
     def handle(self):
         return self._handle
 
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment that hands this turn to a subprocess:
+        `subprocess.run(cmd, env={**os.environ, **turn.env})`. Only a process started with it
+        (and its descendants) is part of the turn (handover.py); it also tells the process its
+        lane and state (LANELOCK_STATE, LANELOCK_LANE, ...). Empty before the turn is taken."""
+        if self.state is None:
+            return {}
+        env = {"LANELOCK_STATE": self.state, "LANELOCK_LANE": self.lane,
+               "LANELOCK_LOCK_PATH": self.lock_path, "LANELOCK_SESSION": self.session}
+        if self.model:
+            env["LANELOCK_MODEL"] = self.model
+        if self.state == DEFLECTED:
+            env["LANELOCK_FAILOVER_REASON"] = self.reason or REASON_BUSY
+        inherited = os.environ.get(handover.VARIABLE)
+        if self.state == HELD and self.token is not None:
+            env[handover.VARIABLE] = handover.with_token(inherited, self.token)
+            env["LANELOCK_HELD"] = self.lock_path   # which lock, for the command's own use
+        elif inherited:
+            env[handover.VARIABLE] = inherited
+        return env
+
     def __enter__(self) -> "Turn":
         return self.acquire()
 
@@ -214,7 +241,16 @@ class Turn:
         self.settle()
 
     # -- acquiring -------------------------------------------------------------------------------
+    # A turn is taken in two steps: take() gets the lock (or learns the lane is busy) and records
+    # nothing; commit() writes the holder record and the journal. An asyncio turn takes in a thread
+    # and commits only once its task resumes, so a wait cancelled as the lane frees leaves no
+    # trace (issue 23: cancelled waiters were journaled as turns whose block never ran).
     def acquire(self) -> "Turn":
+        return self.take().commit()
+
+    def take(self, try_only: bool = False) -> "Turn":
+        """Take the lane, or learn what the turn will be. try_only: raise WouldBlock instead of
+        waiting (an asyncio turn's first try, on the event loop)."""
         gate = self.gate
         if gate.config_error:
             return self._fail_open(gate.config_error, None)
@@ -222,11 +258,48 @@ class Turn:
             self.state = UNGATED
             return self
         try:
-            return self._acquire_gated()
+            self._take_gated(try_only)
         except GateUnavailable as error:
             return self._fail_open(str(error), self._handle)
+        return self
 
-    def _acquire_gated(self) -> "Turn":
+    def commit(self) -> "Turn":
+        """Record what take() decided: the holder record and 'acquired', or 'deflected'."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return self
+        state, detail = pending
+        if state == HELD:
+            return self._held(self._handle, detail)
+        return self._deflect(self._handle, detail)
+
+    def abandon(self) -> None:
+        """An asyncio turn cancelled before it committed: let go of whatever it took, record
+        nothing."""
+        if self._pending is None:
+            return
+        self._pending = None
+        if self._handle is not None:
+            self.gate.store.release(self._handle)
+            self._handle = None
+        self.state = CANCELLED
+
+    def own_by(self, owner) -> None:
+        """Who may nest in this turn (an asyncio task's token instead of the thread); a fresh
+        cancellation event for its wait."""
+        import threading
+
+        self._owner, self._cancel = owner, threading.Event()
+
+    def cancel_wait(self) -> None:
+        """Make a wait blocked in another thread give up (the asyncio turn's cancellation)."""
+        if self._cancel is not None:
+            self._cancel.set()
+        handle = self._handle
+        if handle is not None:
+            self.gate.store.cancel_wait(handle)
+
+    def _take_gated(self, try_only: bool) -> None:
         gate, store = self.gate, self.gate.store
         # Facts the holder record needs, read (once per process) before the lock: after it, they
         # would delay the hand-off.
@@ -239,18 +312,19 @@ class Turn:
             ident = store.ident(handle)
             if self._owner is None:
                 self._owner = _thread.get_ident()
-            if _HELD_HERE.get(ident) == self._owner:
-                return self._nested(handle)
+            outer = _HELD_HERE.get(ident)
+            if outer is not None and outer[0] == self._owner:
+                return self._nested(handle, outer[1])
             started = time.monotonic()
             _debug_pause("before-acquire")
             got = store.try_lock(handle)
             if not got:
-                if self._ancestor_holds(store.holder_pids_here(handle, store.kernel(handle))):
-                    return self._nested(handle)
-                if self._try_only:
+                if try_only:
                     store.release(handle)
                     self._handle = None
                     raise WouldBlock
+                if self._handed_over(handle):
+                    return self._nested(handle)
                 timeout = None if self.wait is None else max(self.wait, gate.grace)
                 self._blocked = True
                 got = store.wait_lock(handle, timeout, self._cancel)
@@ -258,38 +332,45 @@ class Turn:
             if not got and self._cancel is not None and self._cancel.is_set():
                 store.release(handle)   # abandoned, not deflected: nothing to record
                 self._handle, self.state = None, CANCELLED
-                return self
+                return
             if not got:
-                return self._deflect(handle)
+                self._pending = (DEFLECTED, describe_holder(gate, handle))
+                return
             if store.still_current(handle):
                 orphan = store.orphan_holder(handle)
                 if orphan is not None:   # a live turn holds a removed/replaced lock file
-                    return self._deflect(handle, orphan)
-                return self._held(handle, ident)
+                    self._pending = (DEFLECTED, orphan)
+                else:
+                    self._pending = (HELD, ident)
+                return
             store.release(handle)   # the file was replaced while we waited: lock the new one
         raise GateUnavailable(f"lock file {gate.lock_path} keeps being replaced")
 
-    def _ancestor_holds(self, pids: set[int]) -> bool:
-        """True when a process up our own tree holds the lane: we are part of its turn."""
-        if not pids:  # no kernel view: trust the holder named in our environment, if an ancestor
-            if os.environ.get("LANELOCK_HELD") != self.gate.lock_path:
-                return False
-            try:
-                pids = {int(os.environ.get("LANELOCK_HOLDER_PID", ""))}
-            except ValueError:
-                return False
-        return bool(pids & set(holders.ancestors()))
+    def _handed_over(self, handle) -> bool:
+        """Is the process asking part of the holding turn (handover.py)? Only a busy lane asks,
+        so a free lane never pays for the lookup."""
+        askers = self._askers() if self._askers is not None else [handover.this_process()]
+        if not askers or None in askers:
+            return False
+        store = self.gate.store
+        record, _ = store.read_holder(handle)
+        view = store.kernel(handle)
+        live = store.holder_pids_here(handle, view) if view is not None else None
+        return all(handover.part_of(record, asker, live) for asker in askers)
 
-    def _nested(self, handle) -> "Turn":
-        """Part of a turn this thread (or a process up our tree) already holds: run through."""
+    def _nested(self, handle, outer: "Turn | None" = None) -> None:
+        """Part of a turn this thread already holds, or one handed over to this process: run
+        through. outer: the same thread's turn (its token goes on in env)."""
         self.gate.store.release(handle)
         self._handle = None
         self.state, self.nested = HELD, True
-        return self
+        if outer is not None:
+            self.token = outer.token
 
     def _held(self, handle, ident) -> "Turn":
         self.state, self._key = HELD, ident
-        _HELD_HERE[ident] = self._owner
+        self.token = handover.new_token()
+        _HELD_HERE[ident] = (self._owner, self)
         self._started = time.monotonic()
         now = time.time()
         self._acquired_at = utc_now(now)
@@ -394,6 +475,7 @@ class Turn:
             "session": self.session, "model": self.model, **self._argv_fields(),
             "user": user_name(), "uid": os.getuid(), "hostname": hostname(),
             "acquired_at": self._acquired_at, "acquired_monotonic": self._started,
+            "turn": self.token,
         }
         if self._handle is not None:
             record.update(self.gate.store.record_extra(self._handle))
@@ -431,7 +513,8 @@ class Turn:
         return {"event": event, "time": text or utc_now(now), "ts": round(now, 6),
                 "monotonic": round(time.monotonic(), 6),
                 "lane": self.gate.lane.name, "pid": os.getpid(), "session": self.session,
-                "model": self.model, **self.labels, **extra}
+                "model": self.model, **({"turn": self.token} if self.token else {}),
+                **self.labels, **extra}
 
     def _write_sidecar(self, record: dict) -> None:
         try:

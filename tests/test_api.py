@@ -95,11 +95,14 @@ def test_a_public_backend_is_ungated_and_touches_nothing(lock_dir):
     assert not lock_dir.exists()
 
 
-def test_a_child_of_the_holding_process_is_nested_in_its_turn(lanelock):
-    """A command the holder runs is part of its turn: `lanelock run` straight through, held."""
-    with Gate("127.0.0.1:8080").turn():
-        result = lanelock("run", "--", "printenv", "LANELOCK_STATE")
+def test_a_child_of_the_holding_process_is_nested_only_when_handed_the_turn(lanelock):
+    """A command the holder runs is part of its turn when given turn.env (`lanelock run`
+    straight through, held); without it, it is another session (test_handover.py has the rest)."""
+    with Gate("127.0.0.1:8080").turn() as turn:
+        result = lanelock("run", "--", "printenv", "LANELOCK_STATE", env=turn.env)
         assert (result.returncode, result.stdout.strip()) == (0, "held"), result.stderr
+        alone = lanelock("run", "--", "printenv", "LANELOCK_STATE")
+        assert (alone.returncode, alone.stdout.strip()) == (75, ""), alone.stderr
 
 
 # -- busy() ------------------------------------------------------------------------------------

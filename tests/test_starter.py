@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import platform
 import select
 import signal
@@ -325,10 +326,11 @@ def test_the_command_environment_is_byte_exact(mode, turn, lock_dir):
                 if name not in (b"LANELOCK_FAILOVER_REASON", b"LANELOCK_DEBUG_PAUSE")}
     expected.update({b"LANELOCK_STATE": b"held", b"LANELOCK_LANE": f"localhost:{port}".encode(),
                      b"LANELOCK_LOCK_PATH": lock_path, b"LANELOCK_HELD": lock_path,
-                     b"LANELOCK_HOLDER_PID": str(wrapper.pid).encode(),
+                     b"LANELOCK_TURNS": seen.get(b"LANELOCK_TURNS", b""),
                      b"LANELOCK_SESSION": seen.get(b"LANELOCK_SESSION", b"")})
     assert seen == expected
     assert seen[b"LANELOCK_SESSION"], "the turn's session is named"
+    assert re.fullmatch(rb"[0-9a-f]{32}", seen[b"LANELOCK_TURNS"]), "the turn is handed over by name"
 
 
 def signal_state(out: bytes) -> dict[str, int]:

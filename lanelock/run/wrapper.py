@@ -216,21 +216,17 @@ def _fallback_gate(primary: Gate, entry: Entry, options: Options) -> tuple[Turn 
 
 def env_changes(turn: Turn, fallback_turn: Turn | None = None,
                 index: int | None = None) -> dict[str, str | None]:
-    """What the child's environment adds to ours (None: removed): LANELOCK_* facts of its turn."""
+    """What the child's environment adds to ours (None: removed): the turn's hand-over (turn.env:
+    a child is part of the turn it was handed, handover.py) and the LANELOCK_* facts of its turn."""
     changes: dict[str, str | None] = {
-        "LANELOCK_STATE": turn.state or "", "LANELOCK_LANE": turn.lane,
-        "LANELOCK_LOCK_PATH": turn.lock_path, "LANELOCK_SESSION": turn.session,
-        "LANELOCK_FAILOVER_REASON": None,
+        "LANELOCK_FAILOVER_REASON": None, "LANELOCK_FALLBACK_INDEX": None,
         "LANELOCK_DEBUG_PAUSE": None,   # the hook is for this wrapper, not nested turns
     }
-    if turn.model:
-        changes["LANELOCK_MODEL"] = turn.model
+    changes.update(turn.env)
     if turn.state == DEFLECTED:
-        changes["LANELOCK_FAILOVER_REASON"] = REASON_BUSY
         changes["LANELOCK_FALLBACK_INDEX"] = str(index or 0)
-    holding = fallback_turn if fallback_turn is not None and fallback_turn.held else turn
-    if holding.held and not holding.nested:
-        # Lets a nested `lanelock run` recognise its holder when /proc/locks is unreadable.
-        changes["LANELOCK_HELD"] = holding.lock_path
-        changes["LANELOCK_HOLDER_PID"] = str(os.getpid())
+        if fallback_turn is not None and fallback_turn.held:   # handed the fallback lane's turn
+            handed = fallback_turn.env
+            changes["LANELOCK_TURNS"] = handed["LANELOCK_TURNS"]
+            changes["LANELOCK_HELD"] = handed["LANELOCK_HELD"]
     return changes
