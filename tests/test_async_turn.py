@@ -216,3 +216,45 @@ def test_the_same_task_nests_and_another_task_is_a_separate_turn(lanelock, lock_
     assert lanelock("probe", "-b", BACKEND).returncode == 0
     seen = [(event["event"], event["session"]) for event in events(lanelock)]
     assert seen == [("acquired", "outer"), ("deflected", "separate"), ("released", "outer")]
+
+
+def test_a_wait_cancelled_as_the_lane_frees_is_never_journaled_as_a_turn(procs, lock_dir):
+    """Issue 23, item 11: waiters cancelled the moment the lane freed were journaled as
+    acquired/released although their block never ran. Here 3 tasks wait in each of 100 rounds;
+    the holder (flock(1), quick to start) lets go and every task is cancelled as soon as this
+    process learns it did, racing the hand-off. A turn in the journal is a block that ran."""
+    gate = Gate(BACKEND)
+    lock = lock_path(lock_dir)
+    with gate.turn():   # makes the lock file
+        pass
+    ran: list[str] = []
+
+    async def one(name):
+        async with gate.turn(session=name, wait=None):
+            ran.append(name)
+
+    async def round_(number):
+        held = procs.start(["flock", lock, "sh", "-c", 'echo ready; read go'],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert held.stdout.readline() == b"ready\n"
+        tasks = [asyncio.ensure_future(one(f"race-{number}-{index}")) for index in range(3)]
+        await asyncio.to_thread(wait_for, lambda: is_waiting(lock, os.getpid()),
+                                "this process waits in the kernel")
+        held.stdin.write(b"go\n")
+        held.stdin.close()
+        await asyncio.to_thread(held.wait)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def main():
+        for number in range(100):
+            await round_(number)
+
+    asyncio.run(main())
+    wait_for(lambda: none_of_ours(lock_dir), "the helper thread let go")
+    journal = lock_dir / "localhost-8080.journal"
+    turns = [json.loads(line) for line in journal.read_text().splitlines()]
+    acquired = sorted(event["session"] for event in turns
+                      if event["event"] == "acquired" and event["session"].startswith("race-"))
+    assert acquired == sorted(ran)
