@@ -190,8 +190,9 @@ def where(backend, lock_dir, model, key_by, store, json_):
 @lane_options
 @click.option("--all", "all_lanes", is_flag=True, help="Every lane under the lock root.")
 @click.option("--json", "json_", is_flag=True, help="Print the facts as JSON.")
-@click.option("--watch", is_flag=True, help="Refresh a live view until ^C (with --json: one JSON "
-                                            "object per line per refresh).")
+@click.option("--watch", is_flag=True, help="Refresh a live view until ^C or until nothing reads "
+                                            "it (with --json: one JSON object per line per "
+                                            "refresh).")
 def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
     """Who holds the lane, from the kernel's /proc/locks, cross-checked with the sidecar.
 
@@ -218,6 +219,7 @@ def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
     if watch:
         try:
             render.watch(fetch, as_json=json_, notes=notes)
+            return exitcodes.OK   # its reader went away: not an error
         except KeyboardInterrupt:
             return exitcodes.OK
         except GateUnavailable as error:

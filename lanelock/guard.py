@@ -91,6 +91,25 @@ def protect_streams() -> None:
         sys.stderr = _Dropping(sys.stderr, 2)
 
 
+def stdout_gone(within: float) -> bool:
+    """Wait up to `within` seconds; True, at once, when nobody can read stdout any more: it was
+    closed (`>&-`), a write to it failed, or -- a pipe -- its reader went away, which the kernel
+    tells poll(2) as POLLERR before anything is written. A loop that only writes (`status
+    --watch`) would otherwise refresh forever into a pipe that `head -1` has left."""
+    import select
+
+    stream = sys.stdout
+    if stream is None or getattr(stream, "broken", False):
+        return True
+    poller = select.poll()
+    poller.register(1, 0)   # no events asked: poll reports only POLLERR, POLLHUP and POLLNVAL
+    if not poller.poll(within * 1000):
+        return False
+    if isinstance(stream, _Dropping):
+        stream._break()     # what is still buffered must not fail again at exit
+    return True
+
+
 def flush_quietly() -> None:
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:

@@ -488,6 +488,46 @@ def test_watch_piped_prints_plain_lines_and_sigint_exits_0(lanelock, procs, lock
     assert ESCAPE.encode() not in out and b"Traceback" not in err
 
 
+def test_watch_on_a_terminal_refreshes_when_the_lane_changes(procs, holder):
+    """The wait between refreshes also listens for the reader going away; on a terminal it must
+    still be a wait, and the table must still follow the lane."""
+    child, pexpect = _spawn(procs, ["status", "--watch"])
+    child.expect("no turn has used this lane yet")
+    held = holder()
+    child.expect(f"held by lanelock turn pid {held.pid}")
+    assert held.release() == 0
+    child.expect("released cleanly")
+    child.sendintr()
+    child.expect(pexpect.EOF, timeout=15)
+    child.close()
+    assert (child.exitstatus, child.signalstatus) == (0, None)
+
+
+# A reader that went away is not lanelock's error: the watch ends at once with 0, as a read
+# command whose output fails does (test_edges), and says nothing about it.
+WATCH_READERS = {
+    "plain-into-head": ("status --watch | head -1", 1),
+    "json-into-head": ("status --json --watch | head -1", 1),
+    "stdout-closed": ("status --watch >&-", 0),
+    "nothing-written-into-true": ("status --all --watch | true", 0),   # an empty root: no line
+}
+
+
+@pytest.mark.parametrize("case", WATCH_READERS, ids=list(WATCH_READERS))
+def test_watch_ends_when_its_reader_goes_away(case, run_cmd, lock_dir):
+    command, lines = WATCH_READERS[case]
+    program = " ".join(map(shlex.quote, LANELOCK))
+    done = run_cmd(["bash", "-c", f"{program} {command}; echo \"rc=${{PIPESTATUS[0]}}\" >&2"],
+                   timeout=30)   # the old watch ran until killed here
+    assert done.stderr.splitlines() == ["rc=0"], done.stderr   # no traceback, no "Exception ignored"
+    assert len(done.stdout.splitlines()) == lines, done.stdout
+    if case == "plain-into-head":
+        assert done.stdout.startswith(f"{LANE}: free")
+    if case == "json-into-head":
+        refresh = json.loads(done.stdout)
+        assert [lane["lane"] for lane in refresh["lanes"]] == [LANE] and refresh["time"] > 0
+
+
 @pytest.mark.parametrize("env", [{}, {"NO_COLOR": "1"}, {"TERM": "xterm-256color", "FORCE_COLOR": "1",
                                                           "CLICOLOR_FORCE": "1"}],
                          ids=["plain", "no-color", "colour-forced"])

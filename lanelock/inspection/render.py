@@ -137,8 +137,11 @@ def status_table(results: list[dict]):
 
 def watch(fetch, interval: float = 0.5, *, as_json: bool = False, notes=()) -> None:
     """Refresh the status table until ^C (rich Live on a terminal; plain lines otherwise; with
-    as_json, JSON lines: one {"time", "lanes"} object per refresh)."""
+    as_json, JSON lines: one {"time", "lanes"} object per refresh), or until nobody reads stdout
+    any more (`| head -1`, `>&-`): that ends the watch quietly, as a finished command."""
     import time
+
+    from ..guard import stdout_gone
 
     for note in notes:
         warn(note)
@@ -147,19 +150,20 @@ def watch(fetch, interval: float = 0.5, *, as_json: bool = False, notes=()) -> N
             sys.stdout.write(json.dumps({"time": time.time(), "lanes": fetch()}, sort_keys=True)
                              + "\n")
             sys.stdout.flush()
-            time.sleep(interval)
+            if stdout_gone(interval):
+                return
     console = _console()
     if console is None:
         while True:
             for result in fetch():
                 sys.stdout.write(_status_line(result) + "\n")
             sys.stdout.flush()
-            time.sleep(interval)
+            if stdout_gone(interval):
+                return
     from rich.live import Live
 
     with Live(status_table(fetch()), console=console, refresh_per_second=4) as live:
-        while True:
-            time.sleep(interval)
+        while not stdout_gone(interval):
             live.update(status_table(fetch()))
 
 
