@@ -550,6 +550,11 @@ def _click_main(argv: list[str] | None):
 
     try:
         return cli.main(args=argv, prog_name="lanelock", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as error:   # bare `lanelock`, `lanelock config`
+        from . import say
+
+        say.usage_help(error.format_message())
+        return exitcodes.USAGE
     except click.NoSuchOption as error:
         if _NEGATIVE.fullmatch(error.option_name or ""):
             error.message = (f"{error.option_name} is a negative number, not an option: seconds "

@@ -1,7 +1,8 @@
 """lanelock's own lines on stderr -- notes, warnings, errors -- and nothing else writes them.
 
 Every line is `lanelock: ...`, one printable line (labels from a sidecar may carry newlines or
-escape sequences), written with one write(2) on fd 2. A closed or broken stderr is ignored: whether
+escape sequences), written with one write(2) on fd 2 -- except a group's help when its command
+is missing, which keeps its lines (usage_help). A closed or broken stderr is ignored: whether
 lanelock could say something must never change what runs or the exit status.
 """
 
@@ -17,7 +18,18 @@ def sanitize(text: object, limit: int = 300) -> str:
 
 
 def line(message: str, limit: int = 2000) -> None:
-    data = f"lanelock: {sanitize(message, limit)}\n".encode("utf-8", "replace")
+    _write(f"lanelock: {sanitize(message, limit)}\n")
+
+
+def usage_help(text: str) -> None:
+    """A group's help when its command is missing (bare `lanelock`, `lanelock config`): the one
+    message kept on several lines, as --help prints it -- flattened into one line it read as a `?`
+    for every newline. Each line is still made printable."""
+    _write("".join(sanitize(row, 2000) + "\n" for row in text.splitlines()))
+
+
+def _write(text: str) -> None:
+    data = text.encode("utf-8", "replace")
     try:
         while data:
             data = data[os.write(2, data):]

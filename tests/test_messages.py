@@ -120,3 +120,28 @@ def test_reading_a_public_backend_says_it_has_no_lane(command, lanelock):
                              "on it are never gated\n")
     local = lanelock(command, "-b", "127.1:8080")
     assert (local.returncode, local.stderr) == (0, "")
+
+
+# -- issue 23 item 10: a group called without its command prints its help, readably ---------------
+@pytest.mark.parametrize("group", [[], ["config"]], ids=["lanelock", "lanelock config"])
+def test_a_group_without_its_command_prints_its_help_on_several_lines(group, lanelock):
+    """A missing command is a usage error (2, as click does); its help is the one message that is
+    not flattened into one `lanelock:` line (that printed a `?` for every newline)."""
+    bare = lanelock(*group)
+    asked = lanelock(*group, "--help")
+    assert (bare.returncode, bare.stdout) == (2, "")   # stdout is for data
+    assert bare.stderr == asked.stdout, bare.stderr   # the very help --help prints
+    lines = bare.stderr.splitlines()
+    assert lines[0].startswith(f"Usage: lanelock {' '.join(group + [''])}[OPTIONS] COMMAND"), lines
+    commands = lines[lines.index("Commands:") + 1:]
+    names = [line.split()[0] for line in commands]
+    assert names == (["path", "set", "show"] if group else
+                     ["completion", "config", "duel", "history", "metrics", "probe", "proxy",
+                      "run", "status", "where"]), commands
+
+
+@pytest.mark.parametrize("args", [["nosuchcmd"], ["config", "nosuchcmd"]])
+def test_an_unknown_command_stays_one_line(args, lanelock):
+    result = lanelock(*args)
+    assert result.returncode == 2
+    assert "No such command 'nosuchcmd'" in one_line(result)
