@@ -76,9 +76,11 @@ def stopped(wrapper: int, record: dict | None = None) -> dict | None:
     when = f" since {since}" if since else ""
     how = f"fg in its shell, or kill -CONT {pid}" + (
         f" and kill -CONT {wrapper}" if pid != wrapper else "")
+    # A stopped wrapper takes its TERM only once continued; a running one continues its command.
+    end = f"kill {wrapper}; kill -CONT {wrapper}" if pid == wrapper else f"kill {wrapper}"
     return {"pid": pid, "since": since,
             "words": f"pid {pid} is stopped{when}: it keeps the lane until resumed ({how}) or "
-                     f"ended (kill {wrapper})"}
+                     f"ended ({end})"}
 
 
 def seconds(value) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import pty
 import resource
 import shutil
@@ -249,6 +250,39 @@ def test_status_and_deflections_say_the_holder_is_stopped(holder, lanelock):
         os.kill(held.child_pid, signal.SIGCONT)
     wait_for(lambda: "stopped" not in lane()["message"], what="the wrapper to record the continue")
     assert held.release() == 0
+
+
+@pytest.mark.parametrize("stop", ["command SIGSTOP", "job kill -TSTP"])
+def test_following_status_advice_ends_a_stopped_holder(stop, holder, lanelock, run_cmd):
+    """Issue 23, item 6: `status` says how to end a stopped holder; doing exactly that ends it and
+    frees the lane (a TERM forwarded to a stopped command used to wait for a resume forever)."""
+    held = holder("-b", "localhost:7018", "-s", "paused-agent")
+    if stop == "command SIGSTOP":
+        os.kill(held.child_pid, signal.SIGSTOP)
+    else:   # ^Z without a terminal: the wrapper stops its command, then itself
+        os.kill(held.pid, signal.SIGTSTP)
+
+    def advice() -> str | None:
+        lane = json_of(["status", "-b", "localhost:7018", "--json"])["lanes"][0]
+        found = re.search(r"ended \(([^)]*)\)", lane["message"])
+        return found.group(1) if found else None
+
+    command = wait_for(advice, what="status to advise how to end the stopped holder")
+    assert f"kill {held.pid}" in command, command
+    assert run_cmd(["sh", "-c", command]).returncode == 0
+    assert held.wait() == 128 + signal.SIGTERM
+    assert lanelock("probe", "-b", "localhost:7018").returncode == 0
+
+
+@pytest.mark.parametrize("signo", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_an_ending_signal_to_the_wrapper_ends_its_stopped_command(signo, holder, lanelock):
+    held = holder("-b", "localhost:7019")
+    os.kill(held.child_pid, signal.SIGSTOP)
+    wait_stopped_state = lambda: open(f"/proc/{held.child_pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T"  # noqa: E731
+    wait_for(wait_stopped_state, what="the command to stop")
+    os.kill(held.pid, signo)
+    assert held.wait() == 128 + signo
+    assert lanelock("probe", "-b", "localhost:7019").returncode == 0
 
 
 from hypothesis import given, settings as hypothesis_settings, strategies as st  # noqa: E402

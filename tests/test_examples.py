@@ -124,6 +124,8 @@ KNOWN = [
           test="test_systemd_unit_command"),
     Known("python-loop", "README.md", r"^with gate\.turn\(session=", test="test_python_api"),
     Known("asyncio", "README.md", r"^async def answer", test="test_asyncio_agents"),
+    Known("nested", "README.md", r"env=\{\*\*os\.environ, \*\*turn\.env\}",
+          test="test_nested_turns"),
     Known("proxy", "README.md", r"^lanelock proxy -b ", test="test_proxy_recipe",
           not_run="`pip install 'lanelock[proxy]'` (network; the test extra installs aiohttp) and "
                   "a deflection to api.openai.com (network)"),
@@ -143,7 +145,10 @@ KNOWN = [
           test="test_shell_script"),
     Known("man-systemd", "lanelock.1", r"^\[Service\]\nExecStart=",
           test="test_systemd_unit_command"),
-    Known("man-python", "lanelock.1", r"^from lanelock import Gate", test="test_python_api"),
+    Known("man-python", "lanelock.1", r"^from lanelock import Gate\nwith .*\n    answer",
+          test="test_python_api"),
+    Known("man-nested", "lanelock.1", r"env=\{\*\*os\.environ, \*\*turn\.env\}",
+          test="test_nested_turns"),
 ]
 # Not code blocks, and not run here (the inline recipes that can run are tested at the end:
 # --wait, the fallback chain). Each must still be in README.md, so this list cannot go stale.
@@ -641,6 +646,26 @@ def test_asyncio_agents(holder, procs, run_cmd, lock_dir):
     assert other.release() == 0
     assert done.returncode == 0 and deflected["ran"] == ["cloud"], done.stderr
     assert deflected["seconds"] >= wait and deflected["ticks"] > 10
+
+
+@pytest.mark.parametrize("name", ["nested", "man-nested"])
+def test_nested_turns(name, standins, holder, run_cmd, tmp_path, lock_dir):
+    """The subagent handed turn.env runs as part of the turn (held, one turn in the journal);
+    with the lane busy the block does not run it."""
+    standins.make("subagent.sh", directory=tmp_path)
+    env = {"PATH": standins.path}
+    code = block(name).text
+    done = run_cmd([sys.executable, "-c", code], cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    assert [(r.name, r.state, r.held) for r in standins.runs()] == \
+        [("subagent.sh", "held", "localhost-8080.lock")]
+    journal = (lock_dir / "localhost-8080.journal").read_text().splitlines()
+    assert [json.loads(line)["event"] for line in journal] == ["acquired", "released"]
+    standins.clear()
+    other = holder("-b", "localhost:8080")
+    done = run_cmd([sys.executable, "-c", code], cwd=tmp_path, env=env)
+    assert done.returncode == 0 and standins.runs() == [], done.stderr
+    assert other.release() == 0
 
 
 # -- the proxy ----------------------------------------------------------------------------------

@@ -13,7 +13,9 @@
   session leader: the kernel sends that to the leader alone (tmux, `ssh -t`, a pty; PITFALLS 14),
   and a child that never hears of it would keep the lane forever.
 - A stopped child (SIGSTOP, ^Z) keeps the lane, as flock does; the wrapper tells the turn (on_stop)
-  so the holder record says since when, and on ^Z it records that before stopping itself.
+  so the holder record says since when, and on ^Z it records that before stopping itself. INT, TERM,
+  HUP or QUIT forwarded to a stopped child is followed by SIGCONT, so the child acts on it and the
+  lane frees (a stopped child would hold it until someone resumed it).
 - Signals are taken with sigwaitinfo() while blocked: no handler races, no polling.
 """
 
@@ -30,6 +32,7 @@ from . import launch
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
              signal.SIGUSR1, signal.SIGUSR2)
 FROM_TERMINAL = (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
+ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)   # also resume a stopped child
 SI_KERNEL = 0x80
 PR_SET_PDEATHSIG = 1
 _NOT_FOUND = (errno.ENOENT, errno.ENOTDIR)
@@ -323,6 +326,10 @@ def _supervise(pid: int, watched: set, kill_after: float | None, on_stop=None) -
             tty_signal = info.si_signo   # the child is in our foreground group and got it too
         else:
             _kill(pid, info.si_signo)
+        if info.si_signo in ENDING and _stopped(pid):
+            # A stopped command cannot act on the signal: it would keep the lane until someone
+            # resumes it. Continue it so it ends (as kill(1) users and systemd do: TERM, then CONT).
+            _kill(pid, signal.SIGCONT)
         if kill_after is not None and deadline is None and info.si_signo in (
                 signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             deadline = time.monotonic() + kill_after
@@ -340,6 +347,16 @@ def _group_got_it(child: int, signo: int) -> bool:
         return os.getpgid(child) == os.getpgrp()
     except OSError:
         return False
+
+
+def _stopped(pid: int) -> bool:
+    """Is the child stopped by a signal (state T; a ptrace stop, t, is the tracer's business)?"""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            data = handle.read()
+    except OSError:
+        return False
+    return data[data.rfind(b")") + 2:][:1] == b"T"
 
 
 def _kill(pid: int, signo: int) -> None:
