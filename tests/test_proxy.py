@@ -14,6 +14,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from conftest import LANELOCK, TIMEOUT, environ, is_waiting, read_line, wait_for
-from lanelock import holders
+from lanelock import Gate, holders
 
 pytest.importorskip("aiohttp")
 
@@ -790,3 +791,60 @@ def test_ungated_paths_pass_through_without_touching_the_lane(procs, lanelock, h
     assert not [event for event in history(lanelock, engine.backend)
                 if event.get("via") == "proxy"]
     assert proxy.stop() == 0 and "busy" not in proxy.stderr()
+
+
+# -- a request from inside a turn (issue 23, item 2) ----------------------------------------------
+def curl_chat(proxy) -> list[str]:
+    """curl posting one chat request to the proxy, printing the status and X-Lanelock-State."""
+    return ["curl", "-s", "-o", "/dev/null", "-D", "-", "-H", "Content-Type: application/json",
+            "--data-binary", chat_body().decode(), proxy.url + CHAT]
+
+
+def answer_of(done) -> tuple[int, str]:
+    assert done.returncode == 0, done.stderr
+    status = int(re.search(r"^HTTP/\S+ (\d+)", done.stdout, re.M).group(1))
+    state = re.search(r"^X-Lanelock-State: (\S+)", done.stdout, re.M | re.I)
+    return status, state.group(1) if state else ""
+
+
+def test_a_request_from_inside_a_turn_passes_the_proxy_as_part_of_it(procs, lanelock, run_cmd):
+    """The cron recipe beside the proxy recipe: a wrapped job whose client points at the proxy
+    is part of its own turn (it was refused by its own lane); the engine never sees two."""
+    engine = Engine(procs, delay=0.01)
+    proxy = Proxy(procs, engine.backend)
+    done = lanelock("run", "-b", engine.backend, "--", *curl_chat(proxy))
+    assert answer_of(done) == (200, "held")
+    # through a shell, and with another spelling of the backend
+    done = lanelock("run", "-b", f"localhost:{engine.port}", "--", "sh", "-c",
+                    " ".join(shlex.quote(word) for word in curl_chat(proxy)))
+    assert answer_of(done) == (200, "held")
+    assert engine.stats()["max_in_flight"] == 1 and engine.stats()["total"] == 2
+    turns = [event for event in history(lanelock, engine.backend) if event["event"] == "acquired"]
+    assert [event.get("via") for event in turns] == [None, None], "one turn each: the wrapper's"
+
+
+def test_a_request_outside_the_holding_turn_is_busy_whatever_it_carries(procs, lanelock, holder,
+                                                                          run_cmd):
+    engine = Engine(procs, delay=0.01)
+    proxy = Proxy(procs, engine.backend)
+    held = holder("-b", engine.backend, command=[
+        "sh", "-c", 'echo "ready $$"; echo "$LANELOCK_TURNS"; read code; exit "${code:-0}"'])
+    token = held.read_line().strip()
+    assert answer_of(run_cmd(curl_chat(proxy))) == (503, "busy")
+    copied = run_cmd(curl_chat(proxy), env={"LANELOCK_TURNS": token})   # not the holder's child
+    assert answer_of(copied) == (503, "busy")
+    assert held.release() == 0
+    assert engine.stats()["total"] == 0
+
+
+def test_a_client_handed_an_api_turn_passes_the_proxy_as_part_of_it(procs, lanelock):
+    engine = Engine(procs, delay=0.01)
+    proxy = Proxy(procs, engine.backend)
+    with Gate(engine.backend).turn() as turn:
+        assert turn.held
+        handed = subprocess.run(curl_chat(proxy), env={**os.environ, **turn.env},
+                                capture_output=True, text=True, timeout=TIMEOUT)
+        alone = subprocess.run(curl_chat(proxy), capture_output=True, text=True, timeout=TIMEOUT)
+    assert answer_of(handed) == (200, "held")
+    assert answer_of(alone) == (503, "busy")
+    assert engine.stats()["total"] == 1

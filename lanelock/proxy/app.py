@@ -137,7 +137,8 @@ class Proxy:
         turn = reused.turn if reused else self.gate.turn(
             session=session[:200], model=model and model[:200], argv=[request.method, request.path],
             wait=wait, labels={"via": "proxy", "client": request.remote or "?",
-                               "path": request.path[:200]})
+                               "path": request.path[:200]},
+            askers=_client_of(request))
         status = None
         started = time.monotonic()
         try:
@@ -311,6 +312,23 @@ class Proxy:
         lanes = await asyncio.to_thread(statuses, self.gate.store, self.gate.lane)
         return web.json_response({"lanes": lanes}, dumps=lambda data: json.dumps(data, indent=2,
                                                                                  sort_keys=True))
+
+
+def _client_of(request):
+    """Who asks for the turn: the client process behind the connection, looked up only if the
+    lane is busy (a client handed the holding turn is part of it: handover.py, peer.py)."""
+    transport = request.transport
+    peer = transport.get_extra_info("peername") if transport is not None else None
+    local = transport.get_extra_info("sockname") if transport is not None else None
+
+    def askers():
+        if not isinstance(peer, tuple) or not isinstance(local, tuple):
+            return []   # not a TCP client (a Unix socket): outside every turn
+        from .peer import askers as client_askers
+
+        return client_askers(peer, local)
+
+    return askers
 
 
 def _json_fields(body: bytes) -> dict:

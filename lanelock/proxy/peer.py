@@ -1,0 +1,92 @@
+"""The process behind a proxy's client connection, read from /proc.
+
+A request from inside a turn is part of it, through the proxy too (issue 23: a `lanelock run`
+job whose client points at the proxy was refused by its own lane). The proxy asks only when a
+gated request finds the lane busy: the client's end of the connection is a socket whose local
+address is the request's peer and whose remote address is the proxy's; /proc/net/tcp (tcp6) gives
+its inode, and the process holding socket:[inode] among its descriptors is the client. Both files
+list this network namespace's sockets, which is where a loopback client lives.
+
+Where the client cannot be read -- another user's process, for a proxy that is not root -- no
+owner is found and the request is outside every turn.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import sys
+
+from ..handover import Asker, process
+
+
+def askers(peer, local) -> list[Asker | None]:
+    """The client's processes as hand-over askers (None where one cannot be read); [] when the
+    client socket is not found. peer, local: the connection's (host, port, ...) tuples."""
+    return [process(pid) for pid in owners(peer, local)]
+
+
+def owners(peer, local) -> list[int]:
+    """Pids holding the client end of the connection peer -> local."""
+    found = _socket(peer, local)
+    if found is None:
+        return []
+    inode, uid = found
+    target = f"socket:[{inode}]"
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != uid:   # the socket's owner: skip the rest
+                continue
+            descriptors = os.listdir(f"/proc/{name}/fd")
+        except OSError:   # gone, or not ours to read
+            continue
+        for fd in descriptors:
+            try:
+                if os.readlink(f"/proc/{name}/fd/{fd}") == target:
+                    pids.append(int(name))
+                    break
+            except OSError:
+                continue
+    return pids
+
+
+def _socket(peer, local) -> tuple[int, int] | None:
+    """(inode, uid) of the socket whose local address is peer and remote address is local."""
+    try:
+        wanted = {(mine, theirs) for mine in _spellings(peer[0], peer[1])
+                  for theirs in _spellings(local[0], local[1])}
+    except (TypeError, ValueError, IndexError):
+        return None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, "rb") as handle:
+                lines = handle.read().decode("ascii", "replace").splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            words = line.split()
+            if len(words) > 9 and (words[1], words[2]) in wanted:
+                try:
+                    inode, uid = int(words[9]), int(words[7])
+                except ValueError:
+                    continue
+                if inode:
+                    return inode, uid
+    return None
+
+
+def _spellings(host: str, port: int) -> list[str]:
+    """How the kernel writes host:port in /proc/net/tcp (tcp6): each 32-bit word of the address
+    as the host's byte order reads it, in hex, then the port. An IPv4-mapped address is listed
+    both ways (a dual-stack listener sees an IPv4 client as ::ffff:a.b.c.d)."""
+    address = ipaddress.ip_address(str(host).split("%")[0])
+    packed = [address.packed]
+    if address.version == 6 and address.ipv4_mapped is not None:
+        packed.append(address.ipv4_mapped.packed)
+    elif address.version == 4:
+        packed.append(ipaddress.IPv6Address(f"::ffff:{address}").packed)
+    return ["".join(f"{int.from_bytes(raw[i:i + 4], sys.byteorder):08X}"
+                    for i in range(0, len(raw), 4)) + f":{int(port):04X}" for raw in packed]
