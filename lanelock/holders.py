@@ -103,6 +103,30 @@ def start_ticks(pid: int) -> int | None:
     return found[1] if found else None
 
 
+def still_running(record: dict) -> bool | None:
+    """Does the process a turn's record names (its pid, start_ticks, boot_id and hostname, as the
+    holder record and the journal's `acquired` event carry them) still run? False when the pid is
+    gone or a zombie, runs another process (another start time: the pid was reused), or belongs
+    to another boot of this machine; None when this machine cannot tell: another host's turn,
+    or an old line without a start time whose pid runs."""
+    from .facts import boot_id, hostname
+
+    def given(key, kind):
+        value = record.get(key)
+        return value if isinstance(value, kind) and not isinstance(value, bool) else None
+
+    pid, host, boot = given("pid", int), given("hostname", str), given("boot_id", str)
+    if pid is None or pid <= 0 or (host is not None and host != hostname()):
+        return None
+    if boot is not None and boot_id() and boot != boot_id():
+        return False
+    ticks = start_ticks(pid)
+    if ticks is None:
+        return False
+    recorded = given("start_ticks", int)
+    return None if recorded is None else ticks == recorded
+
+
 def ancestors(pid: int | None = None) -> list[int]:
     """Parent, grandparent, ... up to (not including) pid 0."""
     chain: list[int] = []

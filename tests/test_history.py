@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LANE, LANELOCK, STEM, TIMEOUT, wait_for
+from conftest import LANE, LANELOCK, STEM, TIMEOUT, ExitWatch, wait_for
 from lanelock import holders
 
 BUSY = 75
@@ -364,3 +364,84 @@ def test_rotation_keeps_every_line_across_both_files(lanelock, lock_dir, tmp_pat
     data = history_json(lanelock)
     assert len(data["events"]) == 2 * turns and data["unreadable_lines"] == 0
     assert data["summary"]["turns"] == turns == data["summary"]["local"]
+
+
+# -- issue 23 item 8: a killed turn is not a long one ------------------------------------------------
+def test_a_killed_turn_shows_as_died_and_is_not_the_longest_hold(lanelock, holder, lock_dir):
+    """A turn kill -9'd never writes `released`: history used to stretch it to the journal's last
+    event (a 1 s turn became "longest hold 10.4 s; busy 100%"). It is died, bounded by the next
+    turn that took the lane, and counts in neither the longest hold nor busy."""
+    killed = holder("--session", "killed")
+    deaths = [ExitWatch(killed.pid), ExitWatch(killed.child_pid)]
+    for pid in (killed.pid, killed.child_pid):
+        os.kill(pid, signal.SIGKILL)
+    for death in deaths:
+        death.wait()
+    assert killed.wait() == -signal.SIGKILL
+    later = holder("--session", "later")   # takes the lane the kernel dropped
+    assert later.release() == 0
+
+    data = history_json(lanelock)
+    died, taken, released = data["events"]
+    assert [e["event"] for e in data["events"]] == ["acquired", "acquired", "released"]
+    assert (died["pid"], died["ended"], died["ended_before"]) == (killed.pid, "died", taken["ts"])
+    assert (taken["pid"], taken["ended"]) == (later.pid, "released")
+    summary = data["summary"]
+    assert (summary["local"], summary["died"], summary["holding"]) == (2, 1, 0)
+    assert summary["longest_hold"] == pytest.approx(released["duration"], abs=1e-3)   # not the gap
+    window = released["ts"] - died["ts"]
+    assert summary["busy_fraction"] == pytest.approx(released["duration"] / window, abs=2e-3)
+    assert summary["busy_fraction"] < 1
+
+    done = lanelock("history")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    (killed_line,) = [line for line in lines if line.split()[3:6] == ["acquired", "killed", str(killed.pid)]]
+    assert "died without releasing" in killed_line, killed_line
+    assert f"longest hold {summary['longest_hold']:.1f}s (1 died turn not counted)" in lines[-1]
+
+
+def test_a_live_turn_without_a_release_is_still_holding(lanelock, holder):
+    held = holder()
+    (acquired,) = history_json(lanelock)["events"]
+    assert (acquired["pid"], acquired["ended"], acquired["ended_before"]) == (held.pid, "holding", None)
+    shown = lanelock("history").stdout.splitlines()
+    assert "still holding" in shown[0] and "1 still holding" in shown[-1], shown
+    assert held.release() == 0
+    data = history_json(lanelock)
+    assert data["events"][0]["ended"] == "released" and data["summary"]["holding"] == 0
+
+
+def _crafted(case: str, gone_pid: int) -> dict:
+    """An `acquired` line whose holder is this test process, seen through what the line says of
+    it (start time, boot, host), or a process that has ended."""
+    from lanelock.facts import boot_id, hostname, own_start_ticks
+
+    me = {"pid": os.getpid(), "start_ticks": own_start_ticks(), "boot_id": boot_id(),
+          "hostname": hostname()}
+    return {"running": me,
+            "pid-reused": {**me, "start_ticks": own_start_ticks() + 1},
+            "previous-boot": {**me, "boot_id": "00000000-0000-0000-0000-000000000000"},
+            "pid-gone": {**me, "pid": gone_pid},
+            "another-host": {**me, "hostname": "elsewhere.invalid"},
+            "old-line-running": {"pid": os.getpid()},
+            "old-line-gone": {"pid": gone_pid}}[case]
+
+
+LIVENESS = {"running": "holding", "pid-reused": "died", "previous-boot": "died", "pid-gone": "died",
+            "another-host": "unknown", "old-line-running": "unknown", "old-line-gone": "died"}
+
+
+@pytest.mark.parametrize("case", LIVENESS, ids=list(LIVENESS))
+def test_an_unreleased_turn_is_judged_by_its_holders_liveness(case, lanelock, run_cmd, lock_dir):
+    turn(lanelock)
+    last = journal_lines(journal(lock_dir))[-1]
+    gone = run_cmd(["true"]).pid
+    event = {"event": "acquired", "ts": last["ts"] + 1, "time": last["time"], "session": "x",
+             **_crafted(case, gone)}
+    with open(journal(lock_dir), "a") as handle:
+        handle.write(json.dumps(event) + "\n")
+    data = history_json(lanelock)
+    assert data["events"][-1]["ended"] == LIVENESS[case]
+    assert data["summary"]["died"] == (LIVENESS[case] == "died")
+    assert data["summary"]["holding"] == (LIVENESS[case] == "holding")

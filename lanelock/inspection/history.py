@@ -3,6 +3,13 @@
 Turns are the journal's `acquired` (local) and `deflected` events; a local turn that follows a
 deflection is marked as the way back. The timeline divides each hour into 60 one-minute cells:
 local (held), deflected, or idle.
+
+A local turn ends with its `released` event. One without (its holder was kill -9'd, or still runs)
+is judged by its holder: still running is "holding", gone is "died". A died turn never said when
+it ended, so it counts in neither the longest hold nor busy: stretched to the next line of the
+journal, one killed 1 s turn once read as "longest hold 10.4 s; busy 100%". What is known of its
+end is an upper bound: the next turn that took the lane (one holder at a time: the kernel had
+dropped the dead one's lock by then).
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ import time
 
 
 LOCAL, DEFLECTED, IDLE = "local", "deflected", "idle"
+# How a local turn ended (its `acquired` event's "ended"); see the module docstring.
+RELEASED, DIED, HOLDING, UNKNOWN = "released", "died", "holding", "unknown"
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -40,11 +49,12 @@ def parse_since(text: str | None, now: float | None = None) -> float | None:
     return moment.timestamp()
 
 
-def from_events(events: list[dict], bad: int) -> dict:
+def from_events(events: list[dict], bad: int, now: float | None = None) -> dict:
     """The history view of events from any store (journal lines or the events table)."""
     events = [e for e in events if isinstance(e.get("event"), str) and _number(e.get("ts")) is not None]
     events.sort(key=lambda e: e["ts"])
     _mark_way_back(events)
+    _mark_endings(events, time.time() if now is None else now)
     return {"events": events, "unreadable_lines": bad, "summary": summarise(events)}
 
 
@@ -58,40 +68,66 @@ def _mark_way_back(events: list[dict]) -> None:
             deflected_since_local = False
 
 
-def holds(events: list[dict]) -> list[tuple[float, float, dict]]:
-    """(start, end, acquired event) for each local turn; an unfinished one ends at the last event."""
+def _mark_endings(events: list[dict], now: float) -> None:
+    """On each acquired event: how its turn ended ("ended"), how long it held ("held": to its
+    release, or until now while holding; None when the end is unknown) and, for a turn that did
+    not say when it ended, the latest it can have ended ("ended_before": the next turn that took
+    the lane, else None)."""
+    from ..holders import still_running
+
     open_turns: dict[int, dict] = {}
-    spans = []
-    last = events[-1]["ts"] if events else 0.0
+
+    def close(start: dict, ended: str, held: float | None = None, before: float | None = None):
+        start.update(ended=ended, held=None if held is None else round(max(held, 0.0), 6),
+                     ended_before=before)
+
     for event in events:
         pid = event.get("pid") if isinstance(event.get("pid"), int) else None
-        if pid is None:
-            continue
         if event["event"] == "acquired":
-            open_turns[pid] = event
+            # One holder at a time: a turn still open here has lost its lock, whatever it says.
+            for start in open_turns.values():
+                close(start, UNKNOWN if still_running(start) else DIED, before=event["ts"])
+            open_turns.clear()
+            if pid is not None:
+                open_turns[pid] = event
+            else:
+                close(event, UNKNOWN)
         elif event["event"] == "released" and pid in open_turns:
             start = open_turns.pop(pid)
             duration = _number(event.get("duration"))
-            end = start["ts"] + duration if duration is not None else event["ts"]
-            spans.append((start["ts"], end, start))
+            close(start, RELEASED, duration if duration is not None else event["ts"] - start["ts"])
     for start in open_turns.values():
-        spans.append((start["ts"], last, start))
-    return sorted(spans, key=lambda span: span[0])
+        running = still_running(start)
+        if running:
+            close(start, HOLDING, now - start["ts"])
+        else:
+            close(start, UNKNOWN if running is None else DIED)
+
+
+def holds(events: list[dict]) -> list[tuple[float, float, dict]]:
+    """(start, end, acquired event) for each local turn whose length is known (released, or
+    holding until now)."""
+    return [(event["ts"], event["ts"] + event["held"], event) for event in events
+            if event["event"] == "acquired" and event.get("held") is not None]
 
 
 def summarise(events: list[dict]) -> dict:
     local = sum(1 for e in events if e["event"] == "acquired")
     deflected = sum(1 for e in events if e["event"] == "deflected")
     fail_open = sum(1 for e in events if e["event"] == "fail-open")
+    ended = [e.get("ended") for e in events if e["event"] == "acquired"]
     spans = holds(events)
     busy = sum(end - start for start, end, _ in spans)
-    window = (events[-1]["ts"] - events[0]["ts"]) if len(events) > 1 else 0.0
+    last = max([events[-1]["ts"]] + [end for _, end, _ in spans]) if events else 0.0
+    window = (last - events[0]["ts"]) if events else 0.0
     turns = local + deflected + fail_open
     return {
         "turns": turns, "local": local, "deflected": deflected, "fail_open": fail_open,
         "deflection_rate": round(deflected / turns, 4) if turns else 0.0,
         "busy_fraction": round(min(1.0, busy / window), 4) if window > 0 else (1.0 if spans else 0.0),
         "longest_hold": round(max((end - start for start, end, _ in spans), default=0.0), 3),
+        "died": ended.count(DIED), "holding": ended.count(HOLDING),
+        "end_unknown": ended.count(UNKNOWN),
         "way_back": sum(1 for e in events if e.get("way_back")),
         "first": events[0].get("time") if events else None,
         "last": events[-1].get("time") if events else None,
@@ -99,10 +135,12 @@ def summarise(events: list[dict]) -> dict:
 
 
 def timeline(events: list[dict]) -> list[tuple[str, list[str]]]:
-    """[(hour label, 60 cells)] from the first event's hour to the last's, local time."""
+    """[(hour label, 60 cells)] from the first event's hour to the last's, local time (a turn
+    whose end is unknown shows in the minute it began)."""
     if not events:
         return []
-    spans = holds(events)
+    spans = holds(events) + [(e["ts"], e["ts"], e) for e in events
+                             if e["event"] == "acquired" and e.get("held") is None]
     first_hour = int(events[0]["ts"] // 3600) * 3600
     last_hour = int(events[-1]["ts"] // 3600) * 3600
     rows = []
@@ -137,7 +175,21 @@ def describe(event: dict) -> str:
     if kind == "fail-open":
         return str(event.get("reason"))[:120]
     if kind == "acquired":
-        return "back on local after deflections" if event.get("way_back") else ""
+        parts = ["back on local after deflections"] if event.get("way_back") else []
+        return "; ".join(parts + [_ending(event)]).strip("; ")
+    return ""
+
+
+def _ending(acquired: dict) -> str:
+    ended, before = acquired.get("ended"), _number(acquired.get("ended_before"))
+    if ended == DIED:
+        return "died without releasing" + (
+            f"; the next turn took the lane {before - acquired['ts']:.1f}s after it began"
+            if before is not None else "")
+    if ended == HOLDING:
+        return "still holding"
+    if ended == UNKNOWN:
+        return "no release seen; its end cannot be told from here"
     return ""
 
 

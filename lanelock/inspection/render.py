@@ -209,7 +209,17 @@ def history(data: dict, lane: str, as_json: bool, rows: list) -> None:
         f"{', ' + str(summary['fail_open']) + ' fail-open' if summary['fail_open'] else ''}); "
         f"deflection rate {summary['deflection_rate'] * 100:.0f}%; busy "
         f"{summary['busy_fraction'] * 100:.0f}% of the span; longest hold "
-        f"{summary['longest_hold']:.1f}s; way back to local {summary['way_back']}x\n")
+        f"{summary['longest_hold']:.1f}s{_uncounted(summary)}"
+        f"{'; ' + str(summary['holding']) + ' still holding' if summary['holding'] else ''}; "
+        f"way back to local {summary['way_back']}x\n")
+
+
+def _uncounted(summary: dict) -> str:
+    """The turns busy and the longest hold leave out: they never said when they ended."""
+    parts = [f"{count} {one if count == 1 else many}" for count, one, many in (
+        (summary["died"], "died turn", "died turns"),
+        (summary["end_unknown"], "turn with no known end", "turns with no known end")) if count]
+    return f" ({', '.join(parts)} not counted)" if parts else ""
 
 
 def local_time(ts) -> str:
