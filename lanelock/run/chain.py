@@ -5,15 +5,17 @@ An entry is a command, optionally bound to a backend of its own:
     --fallback 'llm -m gpt-4o-mini'                      a cloud command: runs ungated
     --fallback '@127.0.0.1:8081 llm -m local-small'      bound to a backend: gated on that lane
 
-The first word starting with '@' names the entry's backend. Entries are tried in order: one whose
-backend is a busy local lane is skipped (it would thrash that lane too), one that cannot be executed
-is skipped with a warning; the first entry that runs decides the exit status. A failing fallback is
-not retried on the next entry: its side effects may already have happened.
+An entry is split into words as bash quotes them (words.py: '…', "…", backslashes and $'…', so the
+`printf %q` of any prompt can be part of it); no shell is run. The first word starting with '@'
+names the entry's backend. Entries are tried in order: one whose backend is a busy local lane is
+skipped (it would thrash that lane too), one that cannot be executed is skipped with a warning; the
+first entry that runs decides the exit status. A failing fallback is not retried on the next entry:
+its side effects may already have happened.
 """
 
 from __future__ import annotations
 
-import shlex
+from . import words
 
 
 class ChainError(ValueError):
@@ -37,25 +39,22 @@ class Entry:
 
     @property
     def text(self) -> str:
-        words = shlex.join(self.argv)
-        return f"@{self.backend} {words}" if self.backend else words
+        line = words.join(self.argv)   # one printable line that reads back as the argv
+        return f"@{self.backend} {line}" if self.backend else line
 
 
 def parse(text: str) -> Entry:
-    """A --fallback string, split as a shell splits words (no shell is run)."""
-    try:
-        words = shlex.split(text)
-    except ValueError as error:
-        raise ChainError(f"--fallback {text!r}: {error}") from None
+    """A --fallback string, split as bash splits words (no shell is run)."""
+    argv = _split(text, f"--fallback {text!r}")
     backend = None
-    if words and words[0].startswith("@"):
-        backend = words.pop(0)[1:]
+    if argv and argv[0].startswith("@"):
+        backend = argv.pop(0)[1:]
         if not backend:
             raise ChainError(f"--fallback {text!r}: '@' must be followed by a backend")
         _check_backend(backend, text)
-    if not words:
+    if not argv:
         raise ChainError(f"--fallback {text!r}: no command")
-    return Entry(tuple(words), backend)
+    return Entry(tuple(argv), backend)
 
 
 def from_config(name: str, chains: dict | None) -> list[Entry]:
@@ -66,13 +65,20 @@ def from_config(name: str, chains: dict | None) -> list[Entry]:
     entries = []
     for item in chains[name]:
         command = item["command"]
-        argv = tuple(shlex.split(command)) if isinstance(command, str) else tuple(command)
+        argv = tuple(_split(command, f"chain {name!r}") if isinstance(command, str) else command)
         if not argv:
             raise ChainError(f"chain {name!r}: an entry has no command")
         if item.get("backend"):
             _check_backend(item["backend"], f"chain {name!r}")
         entries.append(Entry(argv, item.get("backend")))
     return entries
+
+
+def _split(text: str, where: str) -> list[str]:
+    try:
+        return words.split(text)
+    except ValueError as error:   # an unclosed quote: a usage error, not an internal one
+        raise ChainError(f"{where}: {error}") from None
 
 
 def _check_backend(backend: str, where: str) -> None:
