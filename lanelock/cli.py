@@ -196,7 +196,8 @@ def where(backend, lock_dir, model, key_by, store, json_):
 def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
     """Who holds the lane, from the kernel's /proc/locks, cross-checked with the sidecar.
 
-    Never takes the lock. Exit 0 whatever the lane's state; 2 on a usage error.
+    Never takes the lock. Exit 0 whatever the lane's state; 69 when a turn could not take the
+    gate (it would run ungated); 2 on a usage error.
     """
     from .errors import GateUnavailable
     from .inspection import render
@@ -206,6 +207,9 @@ def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
         raise click.UsageError("--all and --backend exclude each other")
     gate = strict_gate(backend, lock_dir, model, key_by, store=store)
     notes = lane_notes(gate, all_lanes)
+    # --all lists the lanes that exist; whether a new one could be made is the store's to say.
+    broken = gate.store.problems() if all_lanes else []
+    notes += broken
 
     def fetch():
         return statuses(gate.store, None if all_lanes else gate.lane)
@@ -231,7 +235,9 @@ def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
         render.fail(str(error))
         return exitcodes.USAGE
     render.status(results, json_, notes=notes)
-    return exitcodes.OK
+    ungated = broken or (gate.gated or all_lanes) and any(
+        result["gate"] == "unavailable" for result in results)
+    return exitcodes.GATE_UNAVAILABLE if ungated else exitcodes.OK
 
 
 def lane_notes(gate, all_lanes: bool = False) -> list[str]:

@@ -7,6 +7,7 @@ OK = 0
 PROBE_BUSY = 1        # `probe`: the lane is held by someone
 FAILED = 1            # `duel`: the proof failed
 USAGE = 2             # bad flags, malformed backend, bad config for read commands
+GATE_UNAVAILABLE = 69  # EX_UNAVAILABLE: `status`: a lane's gate cannot be taken (turns run ungated)
 INTERNAL = 70         # EX_SOFTWARE: a lanelock bug (LANELOCK_DEBUG=1 shows the traceback)
 BUSY = 75             # EX_TEMPFAIL: lane busy and no fallback ran (--busy-exit-code)
 CANNOT_EXECUTE = 126  # command found but not executable

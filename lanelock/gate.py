@@ -138,6 +138,11 @@ class Gate:
         result = {"lane": self.lane.name, "lock_path": self.lock_path, "gated": self.gated}
         if not self.gated:
             return {**result, "state": "ungated"}
+        from .store.availability import gate_problem
+
+        problem = gate_problem(self.store, self.lane)   # what a turn would meet here (issue 23)
+        if problem:
+            raise GateUnavailable(problem)   # the caller's error: never "free"
         handle = self.store.open(self.lane, create=False)  # GateUnavailable: caller's error
         try:
             if handle.fd is None:

@@ -62,6 +62,55 @@ def resolve_root(settings) -> Root:
                 f"set by lock_dir in {source.removeprefix('system file ')}")
 
 
+# What a gate that cannot be taken means for the turns (where, probe, status say it alike).
+UNGATED = "turns here would run ungated (fail open)"
+
+
+def creation_problem(root: Root) -> str | None:
+    """Why a turn could not create a lane's lock file under the root (it would fail open), found
+    without creating anything; None when it could. (issue 23: a read-only, full or misplaced root
+    was reported "free" while every turn there ran ungated.)
+
+    What exists must open as a turn opens it (open_root: no symlink, a trusted directory). What
+    does not must be creatable: the root (mkdir makes only its last component) in its parent, a
+    lock file in the root. An unnamed file (O_TMPFILE) asks the file system itself what creating
+    would meet -- read-only, no inode left, no permission -- and leaves nothing behind."""
+    try:
+        fd = open_root(root, create=False)
+    except FileNotFoundError:
+        error = _cannot_create_in(os.path.dirname(root.path))
+        return _why(root.path, error, creating=True) if error else None
+    except GateUnavailable as error:
+        return str(error)
+    try:
+        error = _cannot_create_in(".", fd)
+    finally:
+        os.close(fd)
+    return f"cannot create lock files in {root.path}: {error.strerror}" if error else None
+
+
+def _cannot_create_in(directory: str, dir_fd: int | None = None) -> OSError | None:
+    try:
+        os.close(os.open(directory, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600,
+                         dir_fd=dir_fd))
+        return None
+    except OSError as error:
+        if error.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            return error
+    # No O_TMPFILE on this file system (NFS, older kernels): permission and read-only-ness only.
+    try:
+        read_only = os.statvfs(directory if dir_fd is None else f"/proc/self/fd/{dir_fd}").f_flag \
+            & os.ST_RDONLY
+    except OSError as error:
+        return error
+    if read_only:
+        return OSError(errno.EROFS, os.strerror(errno.EROFS))
+    if not os.access(directory, os.W_OK | os.X_OK, dir_fd=dir_fd,
+                     effective_ids=os.access in os.supports_effective_ids):
+        return OSError(errno.EACCES, os.strerror(errno.EACCES))
+    return None
+
+
 def open_root(root: Root, *, create: bool) -> int:
     """An O_DIRECTORY fd on the root, never through a symlink; creates the last component if asked.
 

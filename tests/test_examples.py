@@ -138,6 +138,8 @@ KNOWN = [
     Known("scrape-config", "README.md", r"^scrape_configs:\n  - job_name: lanelock-proxy",
           test="test_scrape_config",
           not_run="scraping itself: test_metrics.py's real Prometheus scrapes a proxy with it"),
+    Known("alert-rule", "README.md", r"^groups:\n  - name: lanelock\n", test="test_alert_rule",
+          not_run="a running Alertmanager: promtool evaluates the rule on real scrapes instead"),
     Known("completion", "README.md", r"lanelock completion bash > ",
           test="test_completion.py::shell"),   # each line installs the script a real shell loads
     Known("man-cron", "lanelock.1", r"^\*/10 \* \* \* \* ", test="test_cron_line"),
@@ -433,6 +435,46 @@ def test_scrape_config(promtool, run_cmd, tmp_path):
     assert checked.returncode == 0, checked.stdout + checked.stderr
     default = SETTINGS["proxy_listen"].default
     assert f'"{default}"' in block("scrape-config").text
+
+
+def test_alert_rule(promtool, lanelock, run_cmd, tmp_path):
+    """The alert rule is valid, and fires on what `lanelock metrics` really says of a root no turn
+    can lock -- and not on a healthy one (promtool's rule unit test, fed the two scrapes)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    rules = tmp_path / "lanelock-rules.yml"
+    rules.write_text(block("alert-rule").text)
+    checked = run_cmd([promtool, "check", "rules", rules])
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    (tmp_path / "file").write_text("")
+    roots = {"healthy": tmp_path / "locks", "broken": tmp_path / "file" / "locks"}
+    series = []
+    for instance, root in roots.items():
+        done = lanelock("metrics", env={"LANELOCK_DIR": root})
+        assert done.returncode == 0, done
+        for family in text_string_to_metric_families(done.stdout):
+            for sample in family.samples:
+                if sample.name in ("lanelock_gate_available", "lanelock_store_available"):
+                    labels = ", ".join(f'{name}="{value}"' for name, value in
+                                       sorted({**sample.labels, "instance": instance}.items()))
+                    series.append({"series": f"{sample.name}{{{labels}}}",
+                                   "values": f"{int(sample.value)}x10"})
+    assert len(series) == 4, series
+    summary = "lanelock cannot take its gate on broken: turns run ungated"
+    description = "Run `lanelock status` (and `lanelock where`) there for the reason."
+    expected = [{"exp_labels": labels, "exp_annotations": {"summary": summary,
+                                                            "description": description}}
+                for labels in ({"instance": "broken", "lane": "localhost:8080"},
+                               {"instance": "broken"})]
+    unit = tmp_path / "lanelock-rules.test.yml"
+    unit.write_text(json.dumps({   # JSON is YAML
+        "rule_files": [str(rules)], "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": [
+            {"eval_time": "3m", "alertname": "LanelockGateUnavailable", "exp_alerts": []},
+            {"eval_time": "10m", "alertname": "LanelockGateUnavailable",
+             "exp_alerts": expected}]}]}))
+    tested = run_cmd([promtool, "test", "rules", unit])
+    assert tested.returncode == 0, tested.stdout + tested.stderr
 
 
 # -- the shell script ---------------------------------------------------------------------------

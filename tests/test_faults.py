@@ -170,6 +170,133 @@ def test_unsafe_root_of_another_user_is_not_trusted(lanelock, tmp_path, monkeypa
     assert not (root / LOCK).exists()
 
 
+# -- a broken gate says so where people look (issue 23, item 3) ---------------------------------
+# A root no turn can lock: every turn there fails open. probe, status and metrics must say so
+# instead of "free" (probe and status said "free; no turn has used this lane yet", exit 0).
+GATE_UNAVAILABLE = 69   # exitcodes.GATE_UNAVAILABLE: status of a lane whose turns run ungated
+BROKEN_REASONS = {"read-only": "Read-only file system", "regular-file": "not a directory",
+                  "no-space": "No space left on device"}
+
+
+def fill_inodes(mount: Path) -> None:
+    """Use up a tmpfs's inodes: nothing more can be created there (ENOSPC)."""
+    for number in range(10000):
+        try:
+            (mount / f"filler{number}").touch()
+        except OSError as error:
+            assert error.errno == 28, error   # ENOSPC
+            return
+    raise AssertionError("the tmpfs never filled up")
+
+
+@pytest.fixture(params=sorted(BROKEN_REASONS))
+def broken_root(request, tmp_path, tmpfs, monkeypatch) -> tuple[str, Path]:
+    """(kind, root): LANELOCK_DIR points at a root that does not exist and cannot be created."""
+    kind = request.param
+    if kind == "read-only":
+        root = tmpfs("ro,size=1m") / "lanes"
+    elif kind == "regular-file":
+        (tmp_path / "file").write_text("x")
+        root = tmp_path / "file" / "locks"
+    else:
+        mount = tmpfs("size=64k,nr_inodes=8")
+        fill_inodes(mount)
+        root = mount / "lanes"
+    monkeypatch.setenv("LANELOCK_DIR", str(root))
+    return kind, root
+
+
+def test_a_broken_root_fails_open_and_probe_says_why(broken_root, lanelock):
+    kind, root = broken_root
+    assert_fail_open(lanelock("run", "--", "echo", "ran"))   # what every turn here does
+    for args in ((), ("--json",)):
+        done = lanelock("probe", *args)
+        assert (done.returncode, done.stdout) == (2, ""), done
+        (line,) = done.stderr.splitlines()
+        assert line.startswith("lanelock: ") and str(root) in line, line
+        assert BROKEN_REASONS[kind] in line and "ungated" in line, line
+
+
+def test_status_of_a_broken_root_says_turns_run_ungated(broken_root, lanelock):
+    kind, root = broken_root
+    done = lanelock("status")
+    assert done.returncode == GATE_UNAVAILABLE, done
+    (line,) = done.stdout.splitlines()
+    assert line.startswith("localhost:8080: gate unavailable: "), line
+    assert BROKEN_REASONS[kind] in line and str(root) in line, line
+    assert line.endswith("turns here would run ungated (fail open)"), line
+    assert "Traceback" not in done.stderr
+    done = lanelock("status", "--json")
+    assert done.returncode == GATE_UNAVAILABLE, done
+    (lane,) = json.loads(done.stdout)["lanes"]
+    assert (lane["gate"], lane["verdict"]) == ("unavailable", "gate-unavailable"), lane
+    assert BROKEN_REASONS[kind] in lane["gate_problem"], lane
+    assert lane["message"] == line.split(": ", 1)[1]
+    # --all finds no lane under a root that is not there; the root itself is what is broken.
+    every = lanelock("status", "--all", "--json")
+    assert every.returncode == GATE_UNAVAILABLE, every
+    assert json.loads(every.stdout)["lanes"] == []
+    assert BROKEN_REASONS[kind] in every.stderr and "ungated" in every.stderr
+
+
+def test_metrics_of_a_broken_root_say_the_gate_cannot_be_taken(broken_root, lanelock, run_cmd):
+    from prometheus_client.parser import text_string_to_metric_families
+    from test_metrics import tool
+
+    promtool = tool("promtool")
+    for args in ((), ("--all",)):
+        done = lanelock("metrics", *args)
+        assert (done.returncode, done.stderr) == (0, ""), done   # a scrape of a broken gate works
+        checked = run_cmd([promtool, "check", "metrics"], input=done.stdout)
+        assert (checked.returncode, checked.stdout, checked.stderr) == (0, "", ""), checked
+        gauges = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                  for family in text_string_to_metric_families(done.stdout)
+                  for sample in family.samples}
+        assert gauges[("lanelock_store_available", ())] == 0
+        if not args:
+            assert gauges[("lanelock_gate_available", (("lane", "localhost:8080"),))] == 0
+
+
+def test_a_root_that_is_not_there_yet_is_free(lanelock, lock_dir, run_cmd):
+    """The first turn makes a missing root: that is no broken gate."""
+    from test_metrics import tool
+
+    assert not lock_dir.exists()
+    done = lanelock("probe")
+    assert (done.returncode, done.stdout, done.stderr) == (0, "free: localhost:8080\n", "")
+    done = lanelock("status", "--json")
+    assert done.returncode == 0, done
+    (lane,) = json.loads(done.stdout)["lanes"]
+    assert (lane["gate"], lane["gate_problem"], lane["verdict"]) == ("available", None, "never-used")
+    metrics = lanelock("metrics").stdout
+    assert 'lanelock_gate_available{lane="localhost:8080"} 1.0' in metrics
+    assert "lanelock_store_available 1.0" in metrics
+    checked = run_cmd([tool("promtool"), "check", "metrics"], input=metrics)
+    assert checked.returncode == 0, checked
+    assert not lock_dir.exists()   # asking created nothing
+
+
+def test_a_read_only_root_gates_the_lanes_it_has_and_says_new_ones_cannot(lanelock, monkeypatch,
+                                                                           tmpfs):
+    mount = tmpfs("size=1m")
+    monkeypatch.setenv("LANELOCK_DIR", str(mount))
+    assert lanelock("run", "--", "true").returncode == 0
+    if subprocess.run(["mount", "-o", "remount,ro", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot remount read-only here")
+    # The lane with a lock file: flock works on a read-only descriptor, its gate is there.
+    assert lanelock("probe").returncode == 0
+    done = lanelock("status", "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["lanes"][0]["gate"] == "available"
+    # A lane with none yet: its first turn cannot create one.
+    new = lanelock("probe", "-b", "localhost:7391")
+    assert new.returncode == 2 and "Read-only file system" in new.stderr
+    done = lanelock("status", "-b", "localhost:7391")
+    assert done.returncode == GATE_UNAVAILABLE and "gate unavailable" in done.stdout
+    metrics = lanelock("metrics", "--all").stdout
+    assert 'lanelock_gate_available{lane="localhost:8080"} 1.0' in metrics
+    assert "lanelock_store_available 0.0" in metrics
+
+
 def test_lock_file_replaced_while_held(lanelock, lock_dir, holder):
     held = holder("-s", "first")
     (lock_dir / LOCK).unlink()          # someone "cleans up" the lock file under a live holder

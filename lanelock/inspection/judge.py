@@ -7,7 +7,11 @@ store's facts go through here, so `status` says the same thing in the same words
 Verdicts (documented under `status --json` in the README):
   held, held-foreign, held-unlabelled, lock-file-replaced   -- state "held"
   released, died, releasing, sidecar-stale, sidecar-bad, never-used, collision   -- state "free"
-  bad-lock-file, error   -- state "unknown"
+  bad-lock-file, gate-unavailable, error   -- state "unknown"
+
+Beside the verdict, whether a turn could take the lane's gate at all (store/availability.py):
+"gate" is "available" or "unavailable" (then "gate_problem" says why). A lane nobody holds whose
+gate cannot be taken is not "free": turns there run ungated, and the verdict says so.
 """
 
 from __future__ import annotations
@@ -23,18 +27,22 @@ FUTURE_SLACK = 300.0   # seconds a record's clock may run ahead before it counts
 HELD, FREE, UNKNOWN = "held", "free", "unknown"
 
 
-def judge(facts) -> dict:
-    """The status of one lane (the `status --json` lane object)."""
+def judge(facts, gate_problem: str | None = None) -> dict:
+    """The status of one lane (the `status --json` lane object). gate_problem: why a turn could
+    not take the lane's gate (store/availability.py), None when it could."""
     result = {"lane": facts.lane, "lock_path": facts.lock_path, "sidecar_path": facts.sidecar_path,
               "exists": facts.exists, "state": FREE, "verdict": "never-used", "message": "",
               "holders": facts.holders, "waiters": facts.waiters,
               "kernel_source": facts.kernel_source, "holder": None, "last": None,
-              "sidecar_problem": facts.record_problem}
-    if facts.error:
-        return _verdict(result, UNKNOWN, "error", facts.error)
+              "sidecar_problem": facts.record_problem,
+              "gate": "unavailable" if gate_problem else "available", "gate_problem": gate_problem}
     if facts.problem_lock:
         return _verdict(result, UNKNOWN, "bad-lock-file",
                         f"{facts.problem_lock}: turns cannot take this gate and run without it")
+    if gate_problem and not facts.held:
+        return _verdict(result, UNKNOWN, "gate-unavailable", f"gate unavailable: {gate_problem}")
+    if facts.error:
+        return _verdict(result, UNKNOWN, "error", facts.error)
     if not facts.exists:
         return _verdict(result, FREE, "never-used", "free; no turn has used this lane yet")
     record = facts.record

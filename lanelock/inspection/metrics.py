@@ -20,15 +20,15 @@ NEEDS = "metrics need prometheus-client: pip install 'lanelock[metrics]'"
 
 def snapshot(store, lane=None) -> list[tuple[dict, dict]]:
     """[(status, counts)] for the lane, or every lane the store knows."""
-    facts_list = store.survey(lane)
-    from .judge import judge
+    from .status import judged
 
-    return [(judge(facts), store.counts(facts)) for facts in facts_list]
+    return [(status, store.counts(facts)) for status, facts in judged(store, lane)]
 
 
 class LaneCollector:
-    """A prometheus-client collector over the lanes; fetch() gives snapshot()'s list. extra:
-    {outcome: count} turns of this process the store never sees (a proxy's ungated requests)."""
+    """A prometheus-client collector over the lanes; fetch() gives (snapshot()'s list, the
+    store's problems()). extra: {outcome: count} turns of this process the store never sees (a
+    proxy's ungated requests)."""
 
     def __init__(self, fetch, extra=None):
         self.fetch, self.extra = fetch, extra
@@ -63,8 +63,20 @@ class LaneCollector:
         wait = HistogramMetricFamily("lanelock_lane_wait_seconds",
                                      "how long turns that waited for the lane waited",
                                      labels=["lane"])
-        for status, counts in self.fetch():
+        # Whether the gate can be taken at all (issue 23): 0 means turns run ungated (fail open),
+        # for the lane, or for any lane with no lock yet (a root that is not there cannot list
+        # its lanes: only the store-wide gauge can say it is broken).
+        gate = GaugeMetricFamily("lanelock_gate_available",
+                                 "1 when a turn can take the lane's gate; 0: turns run ungated "
+                                 "(fail open; `lanelock status` says why)", labels=["lane"])
+        lanes, problems = self.fetch()
+        store = GaugeMetricFamily("lanelock_store_available",
+                                  "1 when a turn on a lane with no lock yet can create one; 0: "
+                                  "such turns run ungated (`lanelock where` says why)",
+                                  value=0.0 if problems else 1.0)
+        for status, counts in lanes:
             lane = status["lane"]
+            gate.add_metric([lane], 0.0 if status.get("gate") == "unavailable" else 1.0)
             is_held = status["state"] == "held"
             held.add_metric([lane], 1.0 if is_held else 0.0)
             waiters.add_metric([lane], float(len(status["waiters"])))
@@ -86,7 +98,7 @@ class LaneCollector:
                     cumulative.append((_bound(bound), float(total)))
                 cumulative.append(("+Inf", float(histogram["count"])))
                 family.add_metric([lane], cumulative, histogram["sum"])
-        yield from (held, waiters, since, stopped, turns, deflections, hold, wait)
+        yield from (gate, store, held, waiters, since, stopped, turns, deflections, hold, wait)
 
 
 def _bound(value: float) -> str:
@@ -123,7 +135,7 @@ def write_textfile(directory: str, data: bytes) -> str:
 
 
 def lanes_fetch(store, lane):
-    return lambda: snapshot(store, lane)
+    return lambda: (snapshot(store, lane), store.problems())
 
 
 __all__ = ["LaneCollector", "exposition", "write_textfile", "snapshot", "lanes_fetch",

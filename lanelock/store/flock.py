@@ -22,7 +22,7 @@ import stat
 
 from .. import holders
 from ..errors import GateUnavailable, RecordNotWritten
-from ..paths import Root, open_root
+from ..paths import UNGATED, Root, creation_problem, open_root
 from . import journal, sidecar, waiting
 from .base import LaneStore
 
@@ -71,18 +71,8 @@ class FlockStore(LaneStore):
         return os.path.join(self.root.path, name)
 
     def problems(self) -> list:
-        try:
-            os.close(open_root(self.root, create=False))
-        except FileNotFoundError:
-            parent = os.path.dirname(self.root.path)
-            if os.path.isdir(parent):
-                return []   # the first turn creates it
-            why = f"cannot create lock root {self.root.path}: {parent} is not a directory"
-        except GateUnavailable as error:
-            why = str(error)
-        else:
-            return []
-        return [f"{why}: turns here would run ungated (fail open)"]
+        why = creation_problem(self.root)   # a missing root is fine when the first turn can make it
+        return [f"{why}: {UNGATED}"] if why else []
 
     def qualify(self, lane):
         return lane   # one machine, one root: "localhost" is this machine
