@@ -39,6 +39,22 @@ def _text(value) -> str | None:
     return "a non-empty string"
 
 
+def relative_root(shown: str, value: str) -> str:
+    """Why a relative lock root is refused (issue 23: LANELOCK_DIR=locks was one gate per working
+    directory, each turn alone in its own)."""
+    why = f"{shown} is relative: the lock root must be an absolute path (one gate for every " \
+          "working directory)"
+    if value.startswith("~"):
+        why += "; ~ is not expanded (a root that followed HOME would be one gate per user)"
+    return why
+
+
+def _lock_dir(value) -> str | None:
+    if _text(value):
+        return f"{str(value)[:80]!r} is not a path: the lock root must be an absolute path"
+    return None if value.startswith("/") else relative_root(repr(value[:80]), value)
+
+
 def _seconds(value) -> str | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 86400 * 365:
         return None
@@ -150,8 +166,9 @@ TABLE = (
     Setting("backend", flags=("--backend", "-b"), env="LANELOCK_BACKEND", default=DEFAULT_BACKEND,
             check=_backend, metavar="BACKEND",
             help="The local engine: HOST:PORT, [V6]:PORT or URL."),
-    Setting("lock_dir", flags=("--lock-dir",), env="LANELOCK_DIR", check=_text, metavar="DIR",
-            shown="computed", help="Lock root (system file only; default /run/lock/lanelock)."),
+    Setting("lock_dir", flags=("--lock-dir",), env="LANELOCK_DIR", check=_lock_dir, metavar="DIR",
+            shown="computed",
+            help="Lock root, an absolute path (system file only; default /run/lock/lanelock)."),
     Setting("model", flags=("--model", "-m"), env="LANELOCK_MODEL", check=_text, metavar="NAME",
             help="Model label."),
     Setting("session", flags=("--session", "-s"), env="LANELOCK_SESSION", check=_text,
@@ -206,7 +223,7 @@ def validate(name: str, value) -> str | None:
     problem = setting.check(value) if setting.check else None
     if problem is None:
         return None
-    if setting.check in (_backend, store_problem):
+    if setting.check in (_backend, store_problem, _lock_dir):
         return f"bad value for {name!r}: {problem}"
     return f"bad value for {name!r}: {str(value)[:80]!r} (expected {problem})"
 
@@ -215,7 +232,9 @@ class Settings:
     """The effective value of every setting, and where each came from.
 
     flags: values given on the command line or to the API (None: not given). The config files are
-    read once, here; a broken file is config_error (run fails open on it, read commands exit 2)."""
+    read once, here; a broken file is config_error (run fails open on it, read commands exit 2),
+    and so is a lock root given relative on the command line or in the environment (a file's is
+    refused as the file is read)."""
 
     def __init__(self, flags: dict | None = None, *, config=None, config_error=None):
         self.flags = {name: value for name, value in (flags or {}).items() if value is not None}
@@ -225,7 +244,17 @@ class Settings:
             except config_files.ConfigError as error:
                 config, config_error = config_files.Config(), str(error)
         self.config = config
-        self.config_error = config_error
+        self.config_error = config_error or self._relative_root()
+
+    def _relative_root(self) -> str | None:
+        value, source = self.lookup("lock_dir")
+        if not value or not isinstance(value, str) or value.startswith("/"):
+            return None
+        if source == "flag":
+            return relative_root(f"--lock-dir {value}", value)
+        if source.startswith("env "):
+            return relative_root(f"{source[4:]}={value}", value)
+        return f"{source}: {relative_root(f'lock_dir = {value!r}', value)}"
 
     def derive(self, **flags) -> "Settings":
         """Other flags over the same files (a fallback entry's own backend, say)."""

@@ -141,3 +141,59 @@ def test_no_color_and_dumb_terminal_give_plain_text(lanelock, procs):
 def test_version(lanelock):
     done = lanelock("--version")
     assert done.returncode == 0 and done.stdout.startswith("lanelock, version ")
+
+
+# -- a relative lock root is refused (issue 23 item 4) -----------------------------------------------
+# LANELOCK_DIR=locks, --lock-dir locks and a file's lock_dir = "locks" made one gate per working
+# directory. Every spelling, asked from two working directories: the read commands exit 2 with one
+# line naming the setting and where it came from, `run` fails open with one warning (the command's
+# exit status kept), and nothing is created in either directory. `~` is not expanded (a root that
+# followed HOME would be one gate per user): it is refused like any relative path.
+RELATIVE_ROOTS = ["env", "env-tilde", "flag", "flag-tilde", "system-file", "user-file"]
+
+
+def relative_root(spelling: str, config_files) -> tuple[dict, list, list]:
+    """(environment, flags, the words the refusal must name) for a relative root so spelled."""
+    system, user = config_files
+    value = "~/locks" if spelling.endswith("tilde") else "locks"
+    if spelling.startswith("env"):
+        return {"LANELOCK_DIR": value}, [], [f"LANELOCK_DIR={value} is relative"]
+    if spelling.startswith("flag"):
+        return {"LANELOCK_DIR": None}, ["--lock-dir", value], [f"--lock-dir {value} is relative"]
+    config = system if spelling == "system-file" else user
+    config.write_text(f'# the lanes\nlock_dir = "{value}"\n')
+    return {"LANELOCK_DIR": None}, [], [f"{config}: line 2:", "'lock_dir'", "is relative"]
+
+
+@pytest.mark.parametrize("spelling", RELATIVE_ROOTS)
+def test_a_relative_lock_root_is_refused(spelling, lanelock, config_files, tmp_path):
+    env, flags, names = relative_root(spelling, config_files)
+    for place in ("here", "there"):
+        cwd = tmp_path / place
+        cwd.mkdir()
+        ran = lanelock("run", *flags, "--", "sh", "-c", 'echo "$LANELOCK_STATE"; exit 7',
+                       env=env, cwd=cwd)
+        assert (ran.returncode, ran.stdout) == (7, "fail-open\n"), ran
+        (warning,) = ran.stderr.splitlines()
+        assert warning.startswith("lanelock: warning: gate unavailable ("), warning
+        assert all(words in warning for words in names), warning
+        for command in ("probe", "where", "status", "history", "metrics"):
+            done = lanelock(command, *flags, env=env, cwd=cwd)
+            assert (done.returncode, done.stdout) == (2, ""), (command, done)
+            (line,) = done.stderr.splitlines()
+            assert line.startswith("lanelock: ") and "absolute path" in line, (command, line)
+            assert all(words in line for words in names), (command, line)
+        assert list(cwd.iterdir()) == [], "a gate was made in the working directory"
+
+
+@pytest.mark.parametrize("value", ["locks", "./locks", "../locks", "~/locks", "lanes/../locks"])
+def test_config_set_refuses_a_relative_lock_root(value, lanelock, config_files, tmp_path):
+    system, _ = config_files
+    system.write_text("# the admin's own\n")
+    done = lanelock("config", "set", "--system", "lock_dir", value, cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (2, ""), done
+    (line,) = done.stderr.splitlines()
+    assert "'lock_dir'" in line and f"{value!r} is relative" in line and "absolute path" in line
+    assert system.read_text() == "# the admin's own\n"
+    done = lanelock("config", "set", "--system", "lock_dir", str(tmp_path / "lanes"))
+    assert done.returncode == 0, done   # an absolute one is taken as before
