@@ -1,4 +1,4 @@
-"""TOML configuration: a system file and a per-user file, read with tomllib.
+"""TOML configuration: a system file and a per-user file, read with tomllib, edited with tomlkit.
 
 The per-user file may set anything except the lock root: a user file that moved the root would split
 the gate silently, so its lock_dir is ignored and reported (``lanelock where`` says so loudly).
@@ -71,6 +71,11 @@ def load() -> Config:
 
 def read_file(path: str) -> dict | None:
     """Parsed and validated settings of one file, None when it does not exist."""
+    raw = _read_bytes(path)
+    return None if raw is None else _parse(path, raw)
+
+
+def _read_bytes(path: str) -> bytes | None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -81,6 +86,10 @@ def read_file(path: str) -> dict | None:
         raw = handle.read(MAX_BYTES + 1)
     if len(raw) > MAX_BYTES:
         raise ConfigError(f"{path}: larger than {MAX_BYTES} bytes")
+    return raw
+
+
+def _parse(path: str, raw: bytes) -> dict:
     import tomllib
 
     try:
@@ -124,7 +133,11 @@ def parse_value(text: str):
 
 
 def set_value(key: str, text: str, *, system: bool) -> str:
-    """Validate and write one setting; the file is left untouched on any error. Returns the path."""
+    """Validate and write one setting; the file is left untouched on any error. Returns the path.
+
+    The file is edited, not rewritten: its comments, spacing, quoting and order stay, and only the
+    line of KEY changes or is added (people write these files by hand, and a rewrite lost every
+    comment -- issue 23 item 12)."""
     if key == "lock_dir" and not system:
         raise ConfigError("lock_dir can only be set in the system file (--system): a per-user "
                           "lock root would split the gate")
@@ -135,19 +148,73 @@ def set_value(key: str, text: str, *, system: bool) -> str:
     path = system_file() if system else user_file()
     if not path:
         raise ConfigError("no user config path: HOME and XDG_CONFIG_HOME are unset")
-    data = read_file(path) or {}
+    raw = _read_bytes(path)
+    data = {} if raw is None else _parse(path, raw)   # a file that does not parse stays as it is
     data[key] = value
-    import tomli_w
+    text_out = _edited(raw.decode("utf-8") if raw else "", key, value)
+    import tomllib
 
-    text_out = tomli_w.dumps(data)
+    try:   # the edit must read back as exactly what was meant, or the file is not touched
+        same = tomllib.loads(text_out) == data
+    except tomllib.TOMLDecodeError:
+        same = False
+    if not same:
+        raise ConfigError(f"{path}: cannot set {key} here without rewriting the file; edit it "
+                          f"by hand")
+    _write(path, text_out, raw is not None)
+    return path
+
+
+def _edited(source: str, key: str, value) -> str:
+    """source with key set to value, everything else as it was (tomlkit edits TOML round-trip;
+    it is imported here only: never on `run`'s path). An existing key keeps its place, spacing
+    and inline comment. A new key goes on its own line after the last top-level key: tomlkit on
+    its own would put it after the comment that introduces the first table, and a blank line
+    after it. Its insertion is private API, hence the fallback to tomlkit's own placement."""
+    import tomlkit
+
+    document = tomlkit.parse(source)
+    after = _after_last_top_level_key(document.body)
+    if key in document or after is None or after >= len(document.body):
+        document[key] = value
+    else:
+        try:
+            document._insert_at(after, key, tomlkit.item(value))
+        except (AttributeError, TypeError, ValueError):
+            document = tomlkit.parse(source)
+            document[key] = value
+    return tomlkit.dumps(document)
+
+
+def _after_last_top_level_key(body: list) -> int | None:
+    """The index after the last `key = value` before the first [table] header, None if none."""
+    from tomlkit.items import AoT, Table
+
+    after = None
+    for index, (name, item) in enumerate(body):
+        if isinstance(item, (Table, AoT)) and name is not None and not name.is_dotted():
+            break
+        if name is not None:
+            after = index + 1
+    return after
+
+
+def _write(path: str, text: str, existed: bool) -> None:
+    """Atomically: a temp file renamed over the old one, keeping the old one's permissions."""
     directory = os.path.dirname(path) or "."
     try:
+        mode = os.stat(path).st_mode & 0o7777 if existed else 0o644
         os.makedirs(directory, exist_ok=True)
         temp = f"{path}.{os.getpid()}.tmp"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text_out)
-        os.replace(temp, path)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+                if existed:   # what the umask would take off the old file's mode
+                    os.fchmod(handle.fileno(), mode)
+            os.replace(temp, path)
+        except OSError:
+            os.unlink(temp)
+            raise
     except OSError as error:
         raise ConfigError(f"{path}: cannot write: {error.strerror}") from None
-    return path

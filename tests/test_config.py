@@ -44,6 +44,80 @@ def test_bad_set_is_a_usage_error_and_leaves_the_file_untouched(lanelock, config
     assert user.read_bytes() == before
 
 
+# -- config set edits the file in place: comments, spacing and order stay (issue 23 item 12) -------
+HAND_WRITTEN = """\
+# lanelock settings for this workstation
+#   edited by hand: keep the comments
+
+backend   =   "localhost:8080"   # the llama-swap port
+grace=0.1 # seconds
+key_by = 'model'
+
+# --- where a busy lane's turns go ---
+[[chains.local]]
+backend = "127.0.0.1:8081"   # the small model
+command = ["llm", "-m", "local-small"]
+
+\t# an indented comment between tables
+[[chains.cloud]]
+command = "llm -m gpt-4o-mini"
+
+# the end
+"""
+
+
+@pytest.mark.parametrize("system", [False, True], ids=["user", "system"])
+def test_set_keeps_a_hand_written_files_comments_and_layout(lanelock, config_files, system):
+    path = config_files[0] if system else config_files[1]
+    path.write_text(HAND_WRITTEN)
+    path.chmod(0o600)
+    flags = ["--system"] if system else []
+
+    assert lanelock("config", "set", "grace", "0.25", *flags).returncode == 0
+    changed = HAND_WRITTEN.replace("grace=0.1 # seconds", "grace=0.25 # seconds")
+    assert path.read_text() == changed          # only the value moved, its comment stayed
+
+    assert lanelock("config", "set", "wait", "5", *flags).returncode == 0
+    added = changed.replace("key_by = 'model'\n", "key_by = 'model'\nwait = 5\n")
+    assert path.read_text() == added            # one line, after the last top-level key
+    assert path.stat().st_mode & 0o777 == 0o600
+
+    settings = show(lanelock)
+    source = f"{'system' if system else 'user'} file {path}"
+    assert settings["grace"] == {"value": 0.25, "source": source}
+    assert settings["wait"] == {"value": 5, "source": source}
+    assert settings["key_by"]["value"] == "model"
+    assert settings["chains"]["value"] == {
+        "local": [{"backend": "127.0.0.1:8081", "command": ["llm", "-m", "local-small"]}],
+        "cloud": [{"command": "llm -m gpt-4o-mini"}]}
+
+
+def test_set_in_a_file_of_tables_only_keeps_every_line(lanelock, config_files):
+    _, user = config_files
+    original = "# chains only\n\n[[chains.cloud]]\ncommand = 'llm'  # cloud\n"
+    user.write_text(original)
+    assert lanelock("config", "set", "grace", "0.3").returncode == 0
+    lines = user.read_text().splitlines()
+    assert [line for line in lines if line.strip() not in ("", "grace = 0.3")] == \
+        [line for line in original.splitlines() if line.strip()]
+    assert lines.count("grace = 0.3") == 1
+    assert show(lanelock)["grace"]["value"] == 0.3
+
+
+@pytest.mark.parametrize("broken", [
+    b"grace = \n", b"grace = 0.1\ngrace = 0.2\n", b"[[chains.cloud]\ncommand = 'x'\n",
+    b"# caf\xe9\ngrace = 0.1\n", b'grace = "soon"\n',
+], ids=["no-value", "duplicate-key", "bad-header", "not-utf8", "invalid-setting"])
+def test_set_on_a_file_that_does_not_parse_leaves_it_alone(lanelock, config_files, broken):
+    _, user = config_files
+    user.write_bytes(broken)
+    done = lanelock("config", "set", "wait", "5")
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"lanelock: {user}")
+    assert user.read_bytes() == broken
+
+
 def test_user_file_cannot_set_the_lock_root(lanelock, config_files, tmp_path):
     system, user = config_files
     assert lanelock("config", "set", "lock_dir", str(tmp_path / "mine")).returncode == 2
