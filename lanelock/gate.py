@@ -384,7 +384,10 @@ class Turn:
         # running must also find who runs it.
         self.gate.store.open_events(self._handle, self.gate.journal_max_bytes)
         self._write_sidecar(self._record())
-        events = [self._event("acquired", at=(now, self._acquired_at))]
+        # Who holds, precisely enough for `history` to tell a live turn from a killed one.
+        events = [self._event("acquired", at=(now, self._acquired_at),
+                              start_ticks=own_start_ticks(), boot_id=boot_id(),
+                              hostname=hostname())]
         if self._had_to_wait:
             events.insert(0, self._event("waited", at=(now, self._acquired_at),
                                          waited=round(self.waited, 6)))
