@@ -305,7 +305,8 @@ def metrics(backend, lock_dir, model, key_by, store, all_lanes, textfile):
     if all_lanes and backend:
         raise click.UsageError("--all and --backend exclude each other")
     try:
-        from .inspection.metrics import LaneCollector, exposition, lanes_fetch, write_textfile
+        from .inspection.metrics import (LaneCollector, counts_problems, exposition, lanes_fetch,
+                                         write_textfile)
         import prometheus_client  # noqa: F401
     except ImportError:
         raise click.UsageError("metrics need prometheus-client: pip install "
@@ -316,10 +317,13 @@ def metrics(backend, lock_dir, model, key_by, store, all_lanes, textfile):
     for note in lane_notes(gate, all_lanes):
         render.warn(note)
     try:
-        data = exposition(LaneCollector(lanes_fetch(gate.store, None if all_lanes else gate.lane)))
+        scraped = lanes_fetch(gate.store, None if all_lanes else gate.lane)()
     except GateUnavailable as error:
         render.fail(str(error))
         return exitcodes.USAGE
+    for note in counts_problems(scraped[0]):
+        render.warn(note)
+    data = exposition(LaneCollector(lambda: scraped))
     if textfile is None:
         sys.stdout.write(data.decode())
         return exitcodes.OK
@@ -334,15 +338,22 @@ def metrics(backend, lock_dir, model, key_by, store, all_lanes, textfile):
 @cli.command(context_settings=CONTEXT)
 @setting_option("proxy_listen")
 @setting_option("backend")
-@click.option("--fallback", "fallbacks", metavar="URL", multiple=True,
-              help="Where a busy lane's requests go: an OpenAI-compatible base URL "
-                   "(https://api.example.com/v1), or @HOST:PORT for another local engine on its "
-                   "own lane; repeatable, tried in order.")
-@click.option("--fallback-model", metavar="NAME", default=None,
-              help="The model a URL fallback is asked for (replaces the request's model).")
-@click.option("--fallback-key-env", metavar="VAR", default=None,
-              help="Environment variable holding the URL fallbacks' API key (sent as "
-                   "'Authorization: Bearer'; never logged).")
+@click.option("--fallback", "fallbacks", metavar="[KIND=]URL", multiple=True,
+              help="Where a busy lane's requests go: a base URL of an API of KIND (openai, the "
+                   "default: https://api.example.com/v1; anthropic: https://api.anthropic.com), "
+                   "serving that dialect's requests, or @HOST:PORT for another local engine on "
+                   "its own lane (every dialect); repeatable, tried in order.")
+@click.option("--fallback-model", metavar="[KIND=]NAME", multiple=True,
+              help="The model a URL fallback (of KIND, or every kind) is asked for (replaces the "
+                   "request's model); repeatable.")
+@click.option("--fallback-key-env", metavar="[KIND=]VAR", multiple=True,
+              help="Environment variable holding the API key of the URL fallbacks (of KIND, or "
+                   "every kind): sent as 'Authorization: Bearer' to openai, 'x-api-key' to "
+                   "anthropic; never logged; repeatable.")
+@click.option("--fallback-timeout", metavar="SECONDS", type=click.FloatRange(min=0,
+              min_open=True), default=60.0, show_default=True,
+              help="A fallback that has not answered (status and headers) within this long is "
+                   "skipped and the next one tried.")
 @setting_option("wait")
 @setting_option("proxy_linger")
 @setting_option("proxy_session_header")
@@ -353,8 +364,8 @@ def metrics(backend, lock_dir, model, key_by, store, all_lanes, textfile):
 @setting_option("lock_dir")
 @click.option("--quiet", "-q", is_flag=True, help="No notes or warnings from lanelock.")
 @click.option("--verbose", "-v", is_flag=True, help="One line per request.")
-def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, wait, proxy_linger,
-          proxy_session_header, token_env, store, lock_dir, quiet, verbose):
+def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fallback_timeout,
+          wait, proxy_linger, proxy_session_header, token_env, store, lock_dir, quiet, verbose):
     """Serve the lane to HTTP clients: a loopback proxy that holds the lane per generation request.
 
     Point a client's base URL at it (http://127.0.0.1:8089/v1). A busy lane sends the request to
@@ -384,11 +395,12 @@ def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, wa
     except ValueError as error:
         raise click.UsageError(str(error)) from None
     wait_value = settings.get("wait")
-    options = Options(fallbacks=entries, fallback_model=fallback_model,
+    options = Options(fallbacks=entries, fallback_model=list(fallback_model) or None,
                       wait=None if wait_value == float("inf") else float(wait_value or 0),
                       linger=float(settings.get("proxy_linger")),
                       session_header=settings.get("proxy_session_header"),
-                      paths=settings.get("proxy_paths"), quiet=quiet, verbose=verbose)
+                      cheap_paths=settings.get("proxy_cheap_paths"), quiet=quiet,
+                      verbose=verbose, fallback_timeout=fallback_timeout)
     try:
         app, host, port = build(gate, options, say, settings.get("proxy_listen"), token_env,
                                 fallback_key_env)

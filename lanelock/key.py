@@ -119,6 +119,15 @@ def split_backend(text: str) -> tuple[str, int, str]:
     return _check_host(host, text), _check_port(port, text), text
 
 
+def origin(backend: str) -> str:
+    """scheme://HOST:PORT to connect to for a backend, HOST as the lane reads it: every spelling
+    the lane accepts (127.1, 0177.0.0.1, 2130706433, http://127.1:PORT/v1) reaches the address it
+    means, not a string a client library refuses (issue 24). BackendError when malformed."""
+    host, port, spelled = split_backend(backend)
+    scheme = spelled.split("://", 1)[0].lower() if "://" in spelled else "http"
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 def _split_url(text: str) -> tuple[str, int, str]:
     from urllib.parse import urlsplit
 

@@ -149,8 +149,8 @@ def _header_name(value) -> str | None:
     return "an HTTP header name"
 
 
-def _paths(value) -> str | None:
-    if isinstance(value, list) and value and all(
+def _cheap_paths(value) -> str | None:
+    if isinstance(value, list) and all(
             isinstance(path, str) and path.startswith("/") and len(path) < 512 for path in value):
         return None
     return "a list of paths, each starting with /"
@@ -206,8 +206,11 @@ TABLE = (
             help="Keep the lane this long after a request for the same session's next one."),
     Setting("proxy_session_header", flags=("--session-header",), default="X-Lanelock-Session",
             check=_header_name, metavar="NAME", help="Request header that names the session."),
-    Setting("proxy_paths", check=_paths, shown="the generation endpoints (see the README)",
-            help="Paths whose POST requests hold the lane (a list; replaces the default list)."),
+    Setting("proxy_cheap_paths", check=_cheap_paths,
+            shown="/tokenize /detokenize /apply-template /v1/messages/count_tokens "
+                  "/v1/responses/input_tokens /api/show",
+            help="Paths whose requests never hold the lane (cheap: no generation); every other "
+                 "request but GET, HEAD and OPTIONS holds it. A list; replaces the default."),
 )
 SETTINGS = {setting.name: setting for setting in TABLE}
 # The settings `lanelock run` takes as flags (run/args.py and the click command read this).

@@ -41,7 +41,8 @@ ENGINE_SCRIPT = """
 import sys
 from lanelock.testing.standin import make_server
 delay, name, tokens, interval = float(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
-server = make_server(0, delay, name, tokens, float(interval) if interval != "-" else None)
+server = make_server(0, delay, name, tokens, float(interval) if interval != "-" else None,
+                     strict=sys.argv[5:] == ["strict"])
 print(server.server_address[1], flush=True)
 server.serve_forever()
 """
@@ -97,10 +98,12 @@ server.serve_forever()
 class Engine:
     """The stand-in engine in its own process."""
 
-    def __init__(self, procs, *, delay=0.1, name="stand-in", tokens=8, interval=None):
+    def __init__(self, procs, *, delay=0.1, name="stand-in", tokens=8, interval=None,
+                 strict=False):
         self.name = name
         self.proc = procs.start([PYTHON, "-c", ENGINE_SCRIPT, str(delay), name, str(tokens),
-                                 "-" if interval is None else str(interval)],
+                                 "-" if interval is None else str(interval),
+                                 *(["strict"] if strict else [])],
                                 stdout=subprocess.PIPE)
         line = read_line(self.proc.stdout)
         assert line.strip().isdigit(), f"the stand-in did not start: {line!r}"
@@ -773,13 +776,16 @@ def test_ungated_paths_pass_through_without_touching_the_lane(procs, lanelock, h
     proxy = Proxy(procs, engine.backend)
     busy = holder("-b", engine.backend, "-s", "holder")    # the lane is taken all along
     models = request(proxy.port, "GET", "/v1/models")
-    reset = request(proxy.port, "POST", "/stats/reset", b"{}")
-    missing = request(proxy.port, "POST", "/tokenize", b"{}")
+    stats = request(proxy.port, "GET", "/stats")
+    missing = request(proxy.port, "POST", "/tokenize", b"{}")      # a cheap endpoint
     assert models[0] == 200 and json.loads(models[2])["data"][0]["id"] == "stand-in"
-    assert reset[0] == 200 and json.loads(reset[2])["total"] == 0
+    assert stats[0] == 200 and json.loads(stats[2])["total"] == 0
     assert missing[0] == 404           # the engine's own answer, passed back
-    for answer in (models, reset, missing):
+    for answer in (models, stats, missing):
         assert "X-Lanelock-State" not in answer[1]
+    # A POST the proxy does not know is gated (an endpoint an engine adds next year)
+    unknown = request(proxy.port, "POST", "/stats/reset", b"{}")
+    assert (unknown[0], unknown[1]["X-Lanelock-State"]) == (503, "busy")
     by_proxy = json.loads(request(proxy.port, "GET", "/lanelock/status")[2])["lanes"]
     by_cli = lane_status(lanelock, engine.backend)
     assert [by_cli.keys()] == [lane.keys() for lane in by_proxy]     # the same JSON, one lane
@@ -788,9 +794,9 @@ def test_ungated_paths_pass_through_without_touching_the_lane(procs, lanelock, h
     assert by_cli["holder"]["session"] == by_proxy[0]["holder"]["session"] == "holder"
     assert by_cli["holder"]["pid"] == busy.pid
     assert busy.release() == 0
-    assert not [event for event in history(lanelock, engine.backend)
-                if event.get("via") == "proxy"]
-    assert proxy.stop() == 0 and "busy" not in proxy.stderr()
+    assert [event["path"] for event in history(lanelock, engine.backend)
+            if event.get("via") == "proxy"] == ["/stats/reset"]    # the gated one alone
+    assert proxy.stop() == 0
 
 
 # -- a request from inside a turn (issue 23, item 2) ----------------------------------------------
@@ -848,3 +854,169 @@ def test_a_client_handed_an_api_turn_passes_the_proxy_as_part_of_it(procs, lanel
     assert answer_of(handed) == (200, "held")
     assert answer_of(alone) == (503, "busy")
     assert engine.stats()["total"] == 1
+
+
+# -- gate by default, every spelling, every dialect (issue 24) ------------------------------------
+def raw_request(port, method: str, target: str, body: bytes = b"{}", headers=None):
+    """(status, headers, body) for a request whose target goes out exactly as written."""
+    head = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
+        sock.sendall(f"{method} {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                     f"{head}Connection: close\r\n\r\n".encode() + body)
+        data = read_all(sock)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    fields = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        fields[name.strip().lower()] = value.strip()
+    if fields.get("transfer-encoding") == "chunked":
+        out, rest_ = b"", rest
+        while rest_:
+            size, _, rest_ = rest_.partition(b"\r\n")
+            length = int(size, 16)
+            if not length:
+                break
+            out, rest_ = out + rest_[:length], rest_[length + 2:]
+        rest = out
+    return int(lines[0].split()[1]), fields, rest
+
+
+SPELLINGS = ["/./v1/chat/completions", "/v1/../v1/chat/completions", "//v1/chat/completions",
+             "/v1/chat/completions/", "/v1/chat%2Fcompletions", "/V1/chat/completions",
+             "/v1/chat/completions?stream=false", "/v1/messages", "/messages", "/responses",
+             "/v1/responses", "/v1/audio/transcriptions", "/v1/reranking", "/reranking",
+             "/upstream/qwen/v1/chat/completions", "/api/chat", "/api/generate",
+             "/tokenize/", "/tok%65nize", "/v1/some-endpoint-of-next-year"]
+
+
+def test_the_strictest_engine_never_sees_two_generations_through_the_proxy(procs, lanelock):
+    """A stand-in that generates on every request but GETs and the cheap endpoints. While one
+    streamed generation holds the lane through the proxy, no spelling, dialect or method gets a
+    second one in; cheap endpoints and GETs keep answering."""
+    engine = Engine(procs, delay=0.05, tokens=400, interval=0.05, strict=True)
+    proxy = Proxy(procs, engine.backend)
+    stream = open_stream(proxy.port, chat_body(stream=True))
+    try:
+        read_until(stream, b"data: ")          # the engine is generating for the holder
+        for target in SPELLINGS:
+            status, headers, _ = raw_request(proxy.port, "POST", target)
+            assert (headers.get("x-lanelock-state"), headers.get("x-lanelock-reason")) == \
+                ("busy", "local_backend_busy"), (target, status, headers)
+            assert int(headers["retry-after"]) >= 1
+        for method in ("PUT", "PATCH", "DELETE"):
+            status, headers, _ = raw_request(proxy.port, method, "/v1/chat/completions")
+            assert headers.get("x-lanelock-state") == "busy", (method, status)
+        for target in ("/tokenize", "/detokenize", "/v1/messages/count_tokens", "/api/show"):
+            status, headers, _ = raw_request(proxy.port, "POST", target)
+            assert status == 200 and "x-lanelock-state" not in headers, target
+        assert raw_request(proxy.port, "GET", "/v1/models")[0] == 200
+        assert engine.stats()["max_in_flight"] == 1
+    finally:
+        stream.close()
+
+
+def test_busy_answers_speak_the_clients_dialect(procs, holder):
+    engine = Engine(procs, delay=0.01)
+    proxy = Proxy(procs, engine.backend)
+    busy = holder("-b", engine.backend, "-s", "holder")
+    status, headers, body = raw_request(proxy.port, "POST", "/v1/messages")
+    answer = json.loads(body)
+    assert status == 529 and answer["type"] == "error"
+    assert answer["error"]["type"] == "overloaded_error"
+    assert answer["error"]["message"].startswith("local model in use by another session (")
+    status, headers, body = raw_request(proxy.port, "POST", "/api/chat")
+    assert status == 503 and list(json.loads(body)) == ["error"]
+    assert json.loads(body)["error"].startswith("local model in use by another session (")
+    for target in ("/v1/chat/completions", "/v1/responses", "/whatever"):
+        status, headers, body = raw_request(proxy.port, "POST", target)
+        assert status == 503 and json.loads(body)["error"]["type"] == "local_backend_busy"
+    assert busy.release() == 0 and engine.stats()["total"] == 0
+
+
+def test_the_engine_is_asked_exactly_the_target_the_gate_judged(procs, holder):
+    """Forwarded byte for byte: the engine sees /./v1/chat/completions, not a normalised path
+    (the stand-in answers 404 for what is not its own path, as llama-server would)."""
+    engine = Engine(procs, delay=0.01)
+    proxy = Proxy(procs, engine.backend)
+    # (not //v1/...: Python's http.server, the stand-in's, collapses leading slashes itself)
+    for target in ("/./v1/chat/completions", "/v1/../v1/chat/completions"):
+        status, headers, _ = raw_request(proxy.port, "POST", target, chat_body())
+        assert (status, headers.get("x-lanelock-state")) == (404, "held"), target
+    assert engine.stats()["total"] == 0
+    status, headers, _ = raw_request(proxy.port, "POST", "/v1/chat/completions", chat_body())
+    assert (status, headers.get("x-lanelock-state")) == (200, "held")
+
+
+@pytest.mark.parametrize("spelling", ["127.1:{port}", "0177.0.0.1:{port}", "2130706433:{port}",
+                                      "http://127.1:{port}/v1", "localhost:{port}",
+                                      "[::ffff:127.0.0.1]:{port}"])
+def test_every_documented_backend_spelling_reaches_the_engine(spelling, procs):
+    engine = Engine(procs, delay=0.01)
+    proxy = Proxy(procs, spelling.format(port=engine.port))
+    assert proxy.lane == f"localhost:{engine.port}"
+    status, headers, body = request(proxy.port, "POST", CHAT, chat_body())
+    assert (status, headers["X-Lanelock-State"]) == (200, "held"), body
+    assert engine.stats()["total"] == 1
+
+
+def test_an_unreachable_fallback_is_skipped_and_the_next_one_answers(procs, holder):
+    engine = Engine(procs, delay=0.01)
+    cloud = Engine(procs, delay=0.01, name="cloud")
+    dead = free_port()
+    # a listener that never answers: accepted by the kernel's backlog, never read
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        proxy = Proxy(procs, engine.backend, "--fallback", f"http://127.0.0.1:{dead}/v1",
+                      "--fallback", f"http://127.0.0.1:{silent.getsockname()[1]}/v1",
+                      "--fallback-timeout", "0.5", "--fallback", f"{cloud.url}/v1")
+        busy = holder("-b", engine.backend)
+        status, headers, body = request(proxy.port, "POST", CHAT, chat_body())
+        assert (status, headers["X-Lanelock-State"]) == (200, "deflected")
+        assert json.loads(body)["model"] == "cloud"
+        log = proxy.stderr()
+        assert f"fallback 1 http://127.0.0.1:{dead}/v1 failed" in log
+        assert "fallback 2" in log and "no answer within 0.5s" in log
+        assert busy.release() == 0
+    finally:
+        silent.close()
+
+
+def test_when_every_fallback_fails_the_answer_names_them_and_says_the_lane_was_busy(procs,
+                                                                                       holder):
+    engine = Engine(procs, delay=0.01)
+    dead = free_port()
+    proxy = Proxy(procs, engine.backend, "--fallback", f"http://127.0.0.1:{dead}/v1")
+    busy = holder("-b", engine.backend)
+    status, headers, body = request(proxy.port, "POST", CHAT, chat_body())
+    message = json.loads(body)["error"]["message"]
+    assert (status, headers["X-Lanelock-State"]) == (503, "busy")
+    assert message.startswith("local model in use by another session (")
+    assert f"fallback 1 http://127.0.0.1:{dead}/v1 failed" in message
+    assert "local engine" not in message
+    assert busy.release() == 0
+
+
+def test_an_anthropic_fallback_gets_its_key_as_x_api_key_and_only_messages(procs, holder):
+    engine = Engine(procs, delay=0.01)
+    recorder = Recorder(procs)
+    proxy = Proxy(procs, engine.backend, "--fallback", f"anthropic={recorder.url}",
+                  "--fallback-key-env", "anthropic=ANTHROPIC_KEY", "--fallback-model",
+                  "anthropic=claude-small", env={"ANTHROPIC_KEY": "sk-ant-secret"})
+    busy = holder("-b", engine.backend)
+    body = json.dumps({"model": "local", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "hi"}], "metadata": {"user_id": "agent-7"}}).encode()
+    status, headers, _ = raw_request(proxy.port, "POST", "/v1/messages", body,
+                                     {"anthropic-version": "2023-06-01"})
+    assert (status, headers["x-lanelock-state"]) == (200, "deflected")
+    seen = recorder.next_request()
+    assert seen["path"] == "/v1/messages" and seen["headers"]["x-api-key"] == "sk-ant-secret"
+    assert "authorization" not in seen["headers"]
+    assert json.loads(seen["body"])["model"] == "claude-small"
+    # an OpenAI request has no fallback here: busy, in its own dialect
+    status, headers, _ = raw_request(proxy.port, "POST", CHAT, chat_body())
+    assert (status, headers["x-lanelock-state"]) == (503, "busy")
+    assert busy.release() == 0

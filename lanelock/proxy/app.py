@@ -23,6 +23,7 @@ from aiohttp import web
 from .. import asyncturn
 from ..gate import BUSY_WORDS, DEFLECTED, FAIL_OPEN, HELD, REASON_BUSY, UNGATED, Gate
 from ..holder import words as holder_words
+from . import dialects
 from .relay import Unreachable, error_response, relay, request_headers
 from .routes import Routes
 
@@ -34,13 +35,17 @@ BUSY = "busy"
 
 class Options:
     def __init__(self, *, fallbacks=(), fallback_model=None, fallback_key=None, wait=0.0,
-                 linger=0.0, session_header="X-Lanelock-Session", token=None, paths=None,
-                 quiet=False, verbose=False, max_body=32 << 20):
+                 linger=0.0, session_header="X-Lanelock-Session", token=None, cheap_paths=None,
+                 quiet=False, verbose=False, max_body=32 << 20, fallback_timeout=60.0):
         self.fallbacks = list(fallbacks)
-        self.fallback_model, self.fallback_key = fallback_model, fallback_key
+        # fallback_model and fallback_key: {kind or None (every kind): value}
+        self.fallback_model = _per_kind(fallback_model)
+        self.fallback_key = fallback_key if isinstance(fallback_key, dict) else (
+            {None: fallback_key} if fallback_key else {})
+        self.fallback_timeout = fallback_timeout   # seconds to a fallback's answer (headers)
         self.wait, self.linger = wait, linger
         self.session_header, self.token = session_header, token
-        self.routes = Routes(paths)
+        self.routes = Routes(cheap_paths)
         self.quiet, self.verbose = quiet, verbose
         self.max_body = max_body
 
@@ -88,21 +93,29 @@ class Proxy:
         finally:
             self.in_flight -= 1
             if self.options.verbose:
-                state = response.headers.get(STATE, "-") if response is not None else "-"
-                status = response.status if response is not None else "client gone"
-                self.say.note(f"proxy: {request.method} {request.path[:200]} {status} {state} "
-                              f"{time.monotonic() - started:.3f}s")
+                state = response.headers.get(STATE, "-") if response is not None else \
+                    request.get("lanelock_state", "-")
+                # A stream relayed to its last byte is an answer even if the client hung up
+                # before the handler returned (curl closes right after [DONE]).
+                status = response.status if response is not None else (
+                    request.get("lanelock_status") if request.get("lanelock_done")
+                    else "client gone")
+                self.say.note(f"proxy: {request.method} {request.raw_path[:200]} {status} "
+                              f"{state} {time.monotonic() - started:.3f}s")
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        if request.path == "/lanelock/status" and request.method == "GET":
+        # Decided on the raw target, forwarded as the raw target: the path judged is the path the
+        # engine is asked (routes.py).
+        path_qs = request.raw_path
+        path = path_qs.partition("?")[0]
+        if path == "/lanelock/status" and request.method == "GET":
             return await self._status()
-        if request.path == "/metrics" and request.method == "GET":
+        if path == "/metrics" and request.method == "GET":
             return await self.metrics(request)
         body = await request.read()
-        path_qs = request.raw_path
-        if not self.options.routes.is_gated(request.method, request.path):
+        if not self.options.routes.is_gated(request.method, path):
             return await self._forward(request, self.backend_url + path_qs, body, {})
-        return await self._gated(request, path_qs, body)
+        return await self._gated(request, path_qs, path, body)
 
     async def metrics(self, request) -> web.Response:
         """lanelock's exposition for this lane, then the engine's own /metrics when it has one
@@ -126,18 +139,19 @@ class Proxy:
         return web.Response(body=body, headers={"Content-Type":
                                                 "text/plain; version=0.0.4; charset=utf-8"})
 
-    async def _gated(self, request, path_qs: str, body: bytes) -> web.StreamResponse:
+    async def _gated(self, request, path_qs: str, path: str, body: bytes) -> web.StreamResponse:
         fields = _json_fields(body)
+        dialect = dialects.of(path)
+        request["lanelock_dialect"] = dialect
         session = request.headers.get(self.options.session_header) or \
-            (fields.get("user") if isinstance(fields.get("user"), str) else None) or \
-            (request.remote or "?")
-        model = fields.get("model") if isinstance(fields.get("model"), str) else None
+            dialect.session_of(fields) or (request.remote or "?")
+        model = dialect.model_of(fields)
         wait = self._wait_for(request)
         reused = self._take_lingering(session)
         turn = reused.turn if reused else self.gate.turn(
-            session=session[:200], model=model and model[:200], argv=[request.method, request.path],
+            session=session[:200], model=model and model[:200], argv=[request.method, path[:200]],
             wait=wait, labels={"via": "proxy", "client": request.remote or "?",
-                               "path": request.path[:200]},
+                               "path": path[:200]},
             askers=_client_of(request))
         status = None
         started = time.monotonic()
@@ -214,9 +228,9 @@ class Proxy:
     # -- forwarding ---------------------------------------------------------------------------
     async def _forward(self, request, url: str, body: bytes, state: dict,
                        headers: dict | None = None) -> web.StreamResponse:
-        drop = ("authorization",) if self.options.token else ()
+        """To the local engine: a failure there is the engine's (502)."""
         if headers is None:
-            headers = request_headers(request, drop=drop)
+            headers = request_headers(request, drop=self._drop())
         try:
             return await relay(self.client, request, url, body, headers, state)
         except Unreachable as error:
@@ -226,40 +240,65 @@ class Proxy:
                                   state)
 
     async def _deflected(self, request, path_qs, body, fields, turn) -> web.StreamResponse:
+        """The fallback chain for a busy lane: the entries that serve the request's dialect, in
+        order; one that cannot be reached (refused, no answer within --fallback-timeout) is
+        skipped and the next tried. None left: the dialect's busy answer, naming what failed."""
         who = holder_words(turn.holder)
-        busy_headers = {REASON: REASON_BUSY}
+        dialect = request["lanelock_dialect"]
+        failures = []
         for index, fallback in enumerate(self.options.fallbacks, 1):
+            if not fallback.serves(dialect):
+                continue
             if fallback.backend is not None:
-                response = await self._local_fallback(request, path_qs, body, fallback, index, who)
+                response = await self._local_fallback(request, path_qs, body, fallback, index,
+                                                      who, failures)
             else:
                 response = await self._url_fallback(request, path_qs, body, fields, fallback,
-                                                    index, who)
+                                                    index, who, failures)
             if response is not None:
                 turn.settle("deflected")
                 return response
         turn.settle("busy")
-        self.say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}); no fallback for "
-                      f"{request.method} {request.path}: 503")
-        return error_response(503, REASON_BUSY, f"{BUSY_WORDS} ({who})",
-                              {STATE: BUSY, **busy_headers}, self._retry_after(turn.holder))
+        failed = "; ".join(failures)
+        self.say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}); "
+                      + (f"every fallback failed ({failed})" if failed else
+                         f"no fallback for {request.method} {path_qs.partition('?')[0][:200]}")
+                      + f": {dialect.busy_status}")
+        message = f"{BUSY_WORDS} ({who})" + (f"; {failed}" if failed else "")
+        status, payload = dialects.busy_answer(dialect, REASON_BUSY, message)
+        response = web.Response(status=status, body=payload, content_type="application/json")
+        response.headers[STATE] = BUSY
+        response.headers[REASON] = REASON_BUSY
+        response.headers["Retry-After"] = str(self._retry_after(turn.holder))
+        return response
 
-    async def _url_fallback(self, request, path_qs, body, fields, fallback, index, who):
+    async def _url_fallback(self, request, path_qs, body, fields, fallback, index, who,
+                            failures):
         url = fallback.target(path_qs)
-        if url is None:
-            return None   # Ollama- and llama.cpp-native paths only go to @ local engines
-        if self.options.fallback_model and fields:
-            body = json.dumps({**fields, "model": self.options.fallback_model}).encode()
-        headers = request_headers(request, drop=("authorization",))
-        if self.options.fallback_key:
-            headers["Authorization"] = f"Bearer {self.options.fallback_key}"
-        elif not self.options.token and "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]
+        model = self.options.fallback_model.get(fallback.kind, self.options.fallback_model.get(None))
+        if model and fields:
+            body = json.dumps({**fields, "model": model}).encode()
+        headers = request_headers(request, drop=("authorization", "x-api-key"))
+        key = self.options.fallback_key.get(fallback.kind, self.options.fallback_key.get(None))
+        name, form = dialects.FALLBACK_KINDS[fallback.kind]["key"]
+        if key:
+            headers[name] = form.format(key=key)
+        elif not self.options.token:   # the client's own credentials, where it sent them
+            for credential in ("Authorization", "x-api-key"):
+                if credential in request.headers:
+                    headers[credential] = request.headers[credential]
         self.say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}); deflecting to fallback {index}: "
                       f"{fallback.url}")
-        return await self._forward(request, url, body, {STATE: DEFLECTED, REASON: REASON_BUSY},
-                                   headers)
+        try:
+            return await relay(self.client, request, url, body, headers,
+                               {STATE: DEFLECTED, REASON: REASON_BUSY},
+                               answer_within=self.options.fallback_timeout)
+        except Unreachable as error:
+            failures.append(f"fallback {index} {fallback.url} failed: {error}")
+            self.say.warn(f"fallback {index} {fallback.url} failed: {error}; trying the next")
+            return None
 
-    async def _local_fallback(self, request, path_qs, body, fallback, index, who):
+    async def _local_fallback(self, request, path_qs, body, fallback, index, who, failures):
         gate = self.fallback_gates.get(fallback.backend)
         if gate is None:
             gate = self.fallback_gates[fallback.backend] = Gate(
@@ -268,8 +307,8 @@ class Proxy:
                     store=self.gate.settings.flags.get("store")), warn=self.gate.warn)
         if gate.gated and gate.lock_path == self.gate.lock_path:
             return None
-        turn = gate.turn(session=f"proxy:{request.remote or '?'}", argv=[request.method,
-                                                                          request.path],
+        path = path_qs.partition("?")[0][:200]
+        turn = gate.turn(session=f"proxy:{request.remote or '?'}", argv=[request.method, path],
                          labels={"via": "proxy", "client": request.remote or "?"})
         await asyncturn.acquire(turn)
         status = None
@@ -277,16 +316,29 @@ class Proxy:
             if turn.state == DEFLECTED:
                 self.say.note(f"fallback {index} skipped: @{fallback.backend} is a busy local "
                               f"lane ({holder_words(turn.holder)})")
+                failures.append(f"fallback {index} @{fallback.backend} is busy")
                 return None
             self.say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}); deflecting to fallback "
                           f"{index}: @{fallback.backend}")
-            host = gate.lane.given if "://" in gate.lane.given else f"http://{gate.lane.given}"
-            response = await self._forward(request, host.rstrip("/") + path_qs, body,
-                                           {STATE: DEFLECTED, REASON: REASON_BUSY})
+            from ..key import origin
+
+            try:
+                response = await relay(self.client, request, origin(gate.lane.given) + path_qs,
+                                       body, request_headers(request, drop=self._drop()),
+                                       {STATE: DEFLECTED, REASON: REASON_BUSY},
+                                       answer_within=self.options.fallback_timeout)
+            except Unreachable as error:
+                failures.append(f"fallback {index} @{fallback.backend} failed: {error}")
+                self.say.warn(f"fallback {index} @{fallback.backend} failed: {error}; "
+                              "trying the next")
+                return None
             status = response.status
             return response
         finally:
             await asyncturn.release(turn, status)
+
+    def _drop(self) -> tuple:
+        return ("authorization",) if self.options.token else ()
 
     def _retry_after(self, holder: dict | None) -> int:
         """Seconds until the lane is likely free: a typical turn's length (this proxy's recent
@@ -329,6 +381,23 @@ def _client_of(request):
         return client_askers(peer, local)
 
     return askers
+
+
+def _per_kind(value) -> dict:
+    """{kind: value} from a --fallback-model/--fallback-key value or values: 'KIND=VALUE' for the
+    URL fallbacks of one kind, a bare VALUE for all (None: none)."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    result = {}
+    for item in ([value] if isinstance(value, str) else value):
+        kind, sep, rest = item.partition("=")
+        if sep and kind.lower() in dialects.FALLBACK_KINDS:
+            result[kind.lower()] = rest
+        else:
+            result[None] = item
+    return result
 
 
 def _json_fields(body: bytes) -> dict:

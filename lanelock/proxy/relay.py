@@ -46,17 +46,30 @@ def response_headers(upstream) -> list:
 
 
 async def relay(session, request: web.BaseRequest, url: str, body: bytes, headers: dict,
-                extra: dict) -> web.StreamResponse:
-    """Send the request to url and stream the answer to the client; extra: headers of ours."""
+                extra: dict, answer_within: float | None = None) -> web.StreamResponse:
+    """Send the request to url and stream the answer to the client; extra: headers of ours.
+    answer_within: seconds for the answer's status line and headers (a fallback's bound; None
+    for the local engine, which may think for minutes before a non-streamed answer)."""
+    import asyncio
+
+    from yarl import URL
+
     skip = [name for name in AUTO_HEADERS if name not in headers]
     try:
-        context = session.request(request.method, url, headers=headers,
+        # encoded=True: the target goes out byte for byte as the client sent it (yarl would
+        # otherwise resolve dot segments: the path judged must be the path forwarded).
+        context = session.request(request.method, URL(url, encoded=True), headers=headers,
                                   data=body if body else None, allow_redirects=False,
                                   skip_auto_headers=skip)
-        upstream = await context.__aenter__()
+        entering = context.__aenter__()
+        upstream = await (entering if answer_within is None
+                          else asyncio.wait_for(entering, answer_within))
+    except asyncio.TimeoutError:
+        raise Unreachable(f"no answer within {answer_within:g}s") from None
     except (ClientError, OSError) as error:
         raise Unreachable(str(error) or type(error).__name__) from None
     request["lanelock_status"] = upstream.status   # the turn's record, even if the client leaves
+    request["lanelock_state"] = extra.get("X-Lanelock-State", "-")
     try:
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         for name, value in response_headers(upstream):
@@ -74,6 +87,7 @@ async def relay(session, request: web.BaseRequest, url: str, body: bytes, header
             request.transport and request.transport.close()
             return response
         await response.write_eof()
+        request["lanelock_done"] = True
         return response
     finally:
         await context.__aexit__(None, None, None)

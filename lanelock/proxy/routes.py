@@ -1,57 +1,70 @@
 """Which requests hold the lane, and which fallbacks may take them.
 
-Generation endpoints (POST) hold the lane; everything else (/v1/models, /health, /props, /slots,
-/api/tags, ...) passes through ungated. The list is the `proxy_paths` setting (config file).
+Gate by default: every request that can make the engine compute holds the lane -- any method but
+GET, HEAD and OPTIONS, on any path that is not on the list of cheap endpoints (token counting and
+templating: llama.cpp's /tokenize, /detokenize, /apply-template; Anthropic's and OpenAI's token
+counters; Ollama's /api/show). An endpoint an engine adds next year is gated until someone lists
+it as cheap; the `proxy_cheap_paths` setting replaces the list.
+
+The decision is made on the raw request path -- the very bytes the proxy forwards -- and a cheap
+path must match exactly: a dot segment, a doubled or trailing slash or a percent-encoding never
+makes a request cheap (issue 24: /./v1/chat/completions was judged ungated, then forwarded
+normalised, and generated beside the holder).
 """
 
 from __future__ import annotations
 
-# OpenAI style, llama.cpp native, Ollama native.
-DEFAULT_GATED = (
-    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
-    "/chat/completions", "/completions",
-    "/completion", "/infill", "/embedding", "/embeddings", "/rerank", "/reranking", "/v1/rerank",
-    "/api/chat", "/api/generate", "/api/embed", "/api/embeddings",
+from .dialects import FALLBACK_KINDS
+
+DEFAULT_CHEAP = (
+    "/tokenize", "/detokenize", "/apply-template",     # llama.cpp
+    "/v1/messages/count_tokens",                        # Anthropic Messages
+    "/v1/responses/input_tokens",                       # OpenAI Responses
+    "/api/show",                                        # Ollama: a model's details
 )
+# Methods that read: no engine computes for them (models, health, props, slots, metrics).
+READS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 class Routes:
-    def __init__(self, paths=None):
-        self.gated = frozenset(_norm(path) for path in (paths or DEFAULT_GATED))
+    def __init__(self, cheap=None):
+        self.cheap = frozenset(DEFAULT_CHEAP if cheap is None else cheap)
 
-    def is_gated(self, method: str, path: str) -> bool:
-        return method == "POST" and _norm(path) in self.gated
-
-
-def _norm(path: str) -> str:
-    return path.rstrip("/") or "/"
-
-
-def openai_style(path: str) -> bool:
-    """Paths an OpenAI-compatible URL fallback understands: /v1/..."""
-    return path.startswith("/v1/")
+    def is_gated(self, method: str, raw_path: str) -> bool:
+        """raw_path: the request target as received, query removed."""
+        return method not in READS and raw_path not in self.cheap
 
 
 class Fallback:
-    """--fallback URL (an OpenAI-compatible base such as https://api.example.com/v1) or
-    --fallback @HOST:PORT (another local engine, gated on its own lane)."""
+    """--fallback [KIND=]URL (a base URL of an API of that kind: openai, the default, such as
+    https://api.openai.com/v1; anthropic, such as https://api.anthropic.com) or --fallback
+    @HOST:PORT (another local engine, gated on its own lane; it takes every dialect)."""
 
-    __slots__ = ("text", "url", "backend")
+    __slots__ = ("text", "url", "backend", "kind")
 
     def __init__(self, text: str):
         self.text = text.strip()
-        self.url = self.backend = None
+        self.url = self.backend = self.kind = None
         if self.text.startswith("@"):
             self.backend = self.text[1:]
+            return
+        kind, sep, rest = self.text.partition("=")
+        if sep and kind.lower() in FALLBACK_KINDS:
+            self.kind, self.url = kind.lower(), rest.strip().rstrip("/")
         else:
-            self.url = self.text.rstrip("/")
+            self.kind, self.url = "openai", self.text.rstrip("/")
 
-    def target(self, path_qs: str) -> str | None:
-        """The URL a request for path_qs goes to at a URL fallback, or None when it cannot go
-        there (an Ollama- or llama.cpp-native path)."""
-        if self.url is None or not openai_style(path_qs):
+    def serves(self, dialect) -> bool:
+        return self.backend is not None or dialect.fallback_kind == self.kind
+
+    def target(self, raw_path_qs: str) -> str | None:
+        """The URL a request goes to at this URL fallback (None for an @ engine)."""
+        if self.url is None:
             return None
-        return self.url + path_qs[len("/v1"):]   # a base URL as the OpenAI SDK takes it
+        strip = FALLBACK_KINDS[self.kind]["strip"]
+        path = raw_path_qs[len(strip):] if strip and raw_path_qs.startswith(strip + "/") \
+            else raw_path_qs
+        return self.url + path
 
 
 def parse_fallback(text: str) -> Fallback:
@@ -66,6 +79,7 @@ def parse_fallback(text: str) -> Fallback:
 
     parts = urlsplit(fallback.url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"--fallback {text!r}: expected an http(s):// base URL such as "
-                         "https://api.example.com/v1, or @HOST:PORT for another local engine")
+        examples = ", ".join(f"{kind}={info['example']}" for kind, info in FALLBACK_KINDS.items())
+        raise ValueError(f"--fallback {text!r}: expected an http(s):// base URL (optionally "
+                         f"KIND=URL: {examples}), or @HOST:PORT for another local engine")
     return fallback

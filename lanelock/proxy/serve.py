@@ -69,19 +69,24 @@ def build(gate, options, say, listen: str, token_env: str | None, fallback_key_e
         raise UsageProblem(f"--listen {listen} is not a loopback address: the proxy would be an "
                            "open relay; give --token-env VAR (clients then send "
                            "'Authorization: Bearer $VAR'), or listen on 127.0.0.1")
-    if fallback_key_env:
-        key = os.environ.get(fallback_key_env)
-        if not key:
-            raise UsageProblem(f"--fallback-key-env {fallback_key_env}: the variable is unset "
-                               "or empty")
-        options.fallback_key = key
-    given = gate.lane.given
-    backend_url = given if "://" in given else f"http://{given}"
-    from urllib.parse import urlsplit
+    keys = {}
+    from .dialects import FALLBACK_KINDS
 
-    parts = urlsplit(backend_url)   # the engine's origin: request paths are appended to it
-    backend_url = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
-    return Proxy(gate, options, say, backend_url), host, port
+    for given in ([fallback_key_env] if isinstance(fallback_key_env, str)
+                  else fallback_key_env or ()):
+        kind, sep, name = given.partition("=")
+        kind = kind.lower() if sep and kind.lower() in FALLBACK_KINDS else None
+        name = name if kind else given
+        key = os.environ.get(name)
+        if not key:
+            raise UsageProblem(f"--fallback-key-env {given}: the variable is unset or empty")
+        keys[kind] = key
+    if keys:
+        options.fallback_key = keys
+    from ..key import origin
+
+    # The engine's origin (request paths are appended to it), its host as the lane reads it.
+    return Proxy(gate, options, say, origin(gate.lane.given)), host, port
 
 
 def make_app(proxy):

@@ -61,10 +61,17 @@ class Counter:
 GENERATING = ("/v1/chat/completions", "/v1/completions", "/completion", "/completions")
 
 
+# What even the strictest stand-in answers at once: the cheap endpoints (proxy/routes.py).
+CHEAP = ("/tokenize", "/detokenize", "/apply-template", "/v1/messages/count_tokens",
+         "/v1/responses/input_tokens", "/api/show")
+
+
 def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in", tokens: int = 8,
-                token_interval: float | None = None) -> ThreadingHTTPServer:
+                token_interval: float | None = None, strict: bool = False) -> ThreadingHTTPServer:
     """delay: seconds a non-streaming answer takes; a streaming one ("stream": true) sends
-    `tokens` server-sent events, one every token_interval seconds (default delay / tokens)."""
+    `tokens` server-sent events, one every token_interval seconds (default delay / tokens).
+    strict: generate on every request but GET/HEAD and the cheap endpoints, whatever its path
+    or method (the strictest engine: a proxy must let no second one in)."""
     counter = Counter()
     interval = delay / max(tokens, 1) if token_interval is None else token_interval
 
@@ -121,12 +128,18 @@ def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in", token
                 counter.reset()
                 return self._send(200, counter.snapshot())
             path = self.path.split("?", 1)[0]
-            if path not in GENERATING:
+            if strict and path in CHEAP:
+                return self._send(200, {"tokens": [1, 2, 3]})
+            if path not in GENERATING and not strict:
                 return self._send(404, {"error": "not found"})
             try:
                 request = json.loads(raw or b"{}")
             except ValueError:
-                return self._send(400, {"error": "body is not JSON"})
+                if not strict:
+                    return self._send(400, {"error": "body is not JSON"})
+                request = {}
+            if not isinstance(request, dict):
+                request = {}
             counter.enter()
             with counter.lock:
                 counter.paths.append(path)
@@ -190,6 +203,8 @@ def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in", token
             except OSError:
                 self.close_connection = True
                 return False
+
+        do_PUT = do_PATCH = do_DELETE = do_POST   # the strict stand-in generates on these too
 
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     server.daemon_threads = True
