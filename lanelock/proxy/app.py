@@ -70,6 +70,7 @@ class Proxy:
         self.failing = False          # inside a fail-open incident: one warning per incident
         self.recent: list[float] = []   # recent hold times of this proxy's turns (Retry-After)
         self.in_flight = 0
+        self._idle: asyncio.Event | None = None
         self.ungated = 0              # ungated generation requests (no lane file records them)
         self.gate.warn = self._gate_warning
         self.fallback_gates: dict[str, Gate] = {}
@@ -83,8 +84,18 @@ class Proxy:
         self.say.warn(message)
 
     # -- the handler ---------------------------------------------------------------------------
+    def idle(self) -> asyncio.Event:
+        """Set while no request is in flight (a shutdown waits for it)."""
+        if self._idle is None:
+            self._idle = asyncio.Event()
+            if not self.in_flight:
+                self._idle.set()
+        return self._idle
+
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         self.in_flight += 1
+        if self._idle is not None:
+            self._idle.clear()
         started = time.monotonic()
         response = None
         try:
@@ -92,6 +103,8 @@ class Proxy:
             return response
         finally:
             self.in_flight -= 1
+            if not self.in_flight and self._idle is not None:
+                self._idle.set()
             if self.options.verbose:
                 state = response.headers.get(STATE, "-") if response is not None else \
                     request.get("lanelock_state", "-")

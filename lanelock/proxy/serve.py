@@ -17,10 +17,15 @@ import signal
 
 from ..errors import UsageProblem
 
-SHUTDOWN = 10.0
+SHUTDOWN = 10.0   # seconds from SIGTERM to exit, streams in flight included
+CANCEL = 2.0       # of which the last are for cancelling what has not finished
 MAX_FIELD = 16 * 1024      # one header line
 MAX_HEADERS = 64 * 1024    # all of them
 PARSER_LIMIT = 128 * 1024  # aiohttp's own limits, above ours, so that ours answer 431 first
+MAX_FIELDS = 256           # header fields in one request
+# aiohttp refuses more than 128 header fields with a plain-text 400 of its own: its limit goes far
+# above ours (a field costs at least 5 bytes, so this many is past 64 KiB) for ours to answer 431.
+PARSER_MAX_HEADERS = MAX_HEADERS
 
 
 def listen_address(text: str) -> tuple[str, int, bool]:
@@ -95,17 +100,18 @@ def make_app(proxy):
     @web.middleware
     async def guard(request, handler):
         total = sum(len(name) + len(value) + 4 for name, value in request.raw_headers)
-        if total > MAX_HEADERS or any(len(name) + len(value) > MAX_FIELD
-                                      for name, value in request.raw_headers):
+        if total > MAX_HEADERS or len(request.raw_headers) > MAX_FIELDS or any(
+                len(name) + len(value) > MAX_FIELD for name, value in request.raw_headers):
             from .relay import error_response
 
             return error_response(431, "request_header_fields_too_large",
-                                  f"request headers are limited to {MAX_FIELD} bytes a field and "
-                                  f"{MAX_HEADERS} in all")
+                                  f"request headers are limited to {MAX_FIELDS} fields, "
+                                  f"{MAX_FIELD} bytes a field and {MAX_HEADERS} in all")
         if proxy.options.token is not None:
-            given = request.headers.get("Authorization", "")
-            expected = f"Bearer {proxy.options.token}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
+            # RFC 7235: the scheme is case-insensitive (bearer, BEARER); the token is not.
+            scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    given.strip().encode(), proxy.options.token.encode()):
                 from .relay import error_response
 
                 return error_response(401, "unauthorized", "this lanelock proxy needs "
@@ -120,7 +126,8 @@ def make_app(proxy):
 
     app = web.Application(middlewares=[guard], client_max_size=proxy.options.max_body,
                           handler_args={"max_field_size": PARSER_LIMIT,
-                                        "max_line_size": PARSER_LIMIT})
+                                        "max_line_size": PARSER_LIMIT,
+                                        "max_headers": PARSER_MAX_HEADERS})
     app.router.add_route("*", "/{tail:.*}", proxy.handle)
 
     async def startup(app):
@@ -144,7 +151,7 @@ async def serve(proxy, host: str, port: int, say) -> int:
     from aiohttp import web
 
     runner = web.AppRunner(make_app(proxy), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=SHUTDOWN)
+                           shutdown_timeout=CANCEL / 2)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     try:
@@ -163,5 +170,26 @@ async def serve(proxy, host: str, port: int, say) -> int:
         loop.add_signal_handler(signo, stop.set)
     await stop.wait()
     say.note("proxy stopping: no new connections; letting answers in flight finish")
-    await runner.cleanup()   # stops listening, waits up to SHUTDOWN for handlers, then closes
+    await stop_within(runner, proxy, SHUTDOWN)
     return 0
+
+
+async def stop_within(runner, proxy, bound: float) -> None:
+    """Stop listening, let requests in flight finish, and be gone within `bound` seconds in all
+    (issue 24: aiohttp's cleanup waited its timeout for the handlers, then again for cancelled
+    ones -- 21 s with a stream in flight, past the unit's TimeoutStopSec). What is still running
+    at the end is cancelled: its client's connection closes and its lane is let go."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + bound
+    for site in list(runner.sites):
+        await site.stop()
+    if proxy.in_flight:
+        try:
+            await asyncio.wait_for(proxy.idle().wait(), max(0.0, deadline - loop.time() - CANCEL))
+        except asyncio.TimeoutError:
+            pass
+    runner._shutdown_timeout = CANCEL / 2   # noqa: SLF001 - aiohttp waits twice this at most
+    try:
+        await asyncio.wait_for(runner.cleanup(), max(0.1, deadline - loop.time()))
+    except asyncio.TimeoutError:
+        pass
