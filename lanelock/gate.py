@@ -168,6 +168,7 @@ class Turn:
         self._askers = askers   # who asks, when not this process (handover.py)
         self._pending: tuple | None = None   # what take() decided and commit() records
         self.token: str | None = None   # names this held turn (or the one it nests in)
+        self._started_wait = 0.0
         self.wait = wait
         self.state: str | None = None
         self.reason: str | None = None
@@ -279,10 +280,10 @@ class Turn:
         return self._deflect(self._handle, detail)
 
     def abandon(self) -> None:
-        """An asyncio turn cancelled before it committed: let go of whatever it took, record
-        nothing."""
-        if self._pending is None:
-            return
+        """An asyncio turn cancelled before it committed: let go of whatever it took (a lock its
+        wait got as it was cancelled, a decision not yet recorded), record nothing."""
+        if self.state is not None and self._pending is None:
+            return   # decided and recorded, or nothing taken (ungated, nested, fail-open)
         self._pending = None
         if self._handle is not None:
             self.gate.store.release(self._handle)
@@ -305,51 +306,74 @@ class Turn:
             self.gate.store.cancel_wait(handle)
 
     def _take_gated(self, try_only: bool) -> None:
+        for _ in range(3):
+            waiting = self.prepare(try_only)
+            if waiting is None:
+                return
+            handle, ident, timeout = waiting
+            got = self.gate.store.wait_lock(handle, timeout, self._cancel)
+            if self.conclude(handle, ident, got):
+                return
+        raise GateUnavailable(f"lock file {self.gate.lock_path} keeps being replaced")
+
+    # prepare() and conclude() are take()'s steps before and after the wait, for a caller that
+    # waits its own way (asyncturn.py: an asyncio task waits without a thread).
+    def prepare(self, try_only: bool = False, replaced: int = 0):
+        """Open the lane's lock and try it: None when the turn is decided (nested, or the lock
+        taken: commit() records it), else (handle, ident, timeout) to wait on."""
         gate, store = self.gate, self.gate.store
+        if replaced >= 3:
+            raise GateUnavailable(f"lock file {gate.lock_path} keeps being replaced")
         # Facts the holder record needs, read (once per process) before the lock: after it, they
         # would delay the hand-off.
         own_start_ticks(), boot_id(), user_name(), hostname()
-        for _ in range(3):
+        self._handle = None
+        handle = self._handle = store.open(gate.lane)
+        if handle.caveat:
+            gate.warn(handle.caveat)
+        ident = store.ident(handle)
+        if self._owner is None:
+            self._owner = _thread.get_ident()
+        outer = _HELD_HERE.get(ident)
+        if outer is not None and outer[0] == self._owner:
+            self._nested(handle, outer[1])
+            return None
+        self._started_wait = time.monotonic()
+        _debug_pause("before-acquire")
+        if store.try_lock(handle):
+            if self.conclude(handle, ident, True):
+                return None
+            return self.prepare(try_only, replaced + 1)
+        if try_only:
+            store.release(handle)
             self._handle = None
-            handle = self._handle = store.open(gate.lane)
-            if handle.caveat:
-                gate.warn(handle.caveat)
-            ident = store.ident(handle)
-            if self._owner is None:
-                self._owner = _thread.get_ident()
-            outer = _HELD_HERE.get(ident)
-            if outer is not None and outer[0] == self._owner:
-                return self._nested(handle, outer[1])
-            started = time.monotonic()
-            _debug_pause("before-acquire")
-            got = store.try_lock(handle)
-            if not got:
-                if try_only:
-                    store.release(handle)
-                    self._handle = None
-                    raise WouldBlock
-                if self._handed_over(handle):
-                    return self._nested(handle)
-                timeout = None if self.wait is None else max(self.wait, gate.grace)
-                self._blocked = True
-                got = store.wait_lock(handle, timeout, self._cancel)
-            self.waited = time.monotonic() - started
-            if not got and self._cancel is not None and self._cancel.is_set():
-                store.release(handle)   # abandoned, not deflected: nothing to record
-                self._handle, self.state = None, CANCELLED
-                return
-            if not got:
-                self._pending = (DEFLECTED, describe_holder(gate, handle))
-                return
-            if store.still_current(handle):
-                orphan = store.orphan_holder(handle)
-                if orphan is not None:   # a live turn holds a removed/replaced lock file
-                    self._pending = (DEFLECTED, orphan)
-                else:
-                    self._pending = (HELD, ident)
-                return
-            store.release(handle)   # the file was replaced while we waited: lock the new one
-        raise GateUnavailable(f"lock file {gate.lock_path} keeps being replaced")
+            raise WouldBlock
+        if self._handed_over(handle):
+            self._nested(handle)
+            return None
+        self._blocked = True
+        return handle, ident, None if self.wait is None else max(self.wait, gate.grace)
+
+    def conclude(self, handle, ident, got: bool) -> bool:
+        """After the lock was tried or waited for: decide (True), or False when the lock file
+        was replaced meanwhile and must be locked again."""
+        gate, store = self.gate, self.gate.store
+        self.waited = time.monotonic() - self._started_wait
+        if not got and self._cancel is not None and self._cancel.is_set():
+            store.release(handle)   # abandoned, not deflected: nothing to record
+            self._handle, self.state = None, CANCELLED
+            return True
+        if not got:
+            self._pending = (DEFLECTED, describe_holder(gate, handle))
+            return True
+        if store.still_current(handle):
+            orphan = store.orphan_holder(handle)
+            # a live turn holding a removed/replaced lock file deflects us
+            self._pending = (DEFLECTED, orphan) if orphan is not None else (HELD, ident)
+            return True
+        store.release(handle)   # the file was replaced while we waited: lock the new one
+        self._handle = None
+        return False
 
     def _handed_over(self, handle) -> bool:
         """Is the process asking part of the holding turn (handover.py)? Only a busy lane asks,
@@ -401,6 +425,10 @@ class Turn:
         self.gate.store.release(handle)
         self._handle = None
         return self
+
+    def fail_open(self, why: str) -> "Turn":
+        """The gate cannot be taken: the turn goes ahead ungated, with one warning."""
+        return self._fail_open(why, self._handle)
 
     def _fail_open(self, why: str, handle) -> "Turn":
         self.state, self.reason = FAIL_OPEN, why

@@ -1068,3 +1068,33 @@ def test_verbose_says_200_for_a_stream_read_to_its_end(procs):
         [line for line in proxy.stderr().splitlines() if "proxy: POST" in line]),
         what="the proxy to log the five requests")
     assert all(" 200 held " in line for line in lines), lines
+
+
+def test_two_hundred_waiting_requests_cost_a_bounded_number_of_threads(procs, holder):
+    """Issue 24: every waiting request cost a thread (202 threads for 200). Now the wait costs
+    none: the proxy stays at <= 24 threads however many wait, and all are served one at a time
+    once the lane frees."""
+    engine = Engine(procs, delay=0.001)
+    proxy = Proxy(procs, engine.backend, "--wait", "120")
+    busy = holder("-b", engine.backend)
+    socks = [open_stream(proxy.port, chat_body()) for _ in range(200)]
+
+    def threads() -> int:
+        return len(os.listdir(f"/proc/{proxy.proc.pid}/task"))
+
+    def taking() -> int:
+        return json.loads(request(proxy.port, "GET", "/lanelock/status")[2])["proxy"][
+            "taking_the_lane"]
+
+    # The proxy reports how many requests are taking the lane; the wait itself reports nothing.
+    wait_for(lambda: taking() == 200, what="the 200 requests to wait for the lane")
+    most = max(threads() for _ in range(20))
+    assert most <= 24, f"{most} threads for 200 waiting requests"
+    assert busy.release() == 0
+    answers = [read_all(sock) for sock in socks]
+    for sock in socks:
+        sock.close()
+    assert all(answer.startswith(b"HTTP/1.1 200") and b"X-Lanelock-State: held" in answer
+               for answer in answers)
+    assert engine.stats()["max_in_flight"] == 1 and engine.stats()["total"] == 200
+    assert threads() <= 24

@@ -70,6 +70,7 @@ class Proxy:
         self.failing = False          # inside a fail-open incident: one warning per incident
         self.recent: list[float] = []   # recent hold times of this proxy's turns (Retry-After)
         self.in_flight = 0
+        self.waiting = 0              # requests taking the lane now (most of them waiting for it)
         self._idle: asyncio.Event | None = None
         self.ungated = 0              # ungated generation requests (no lane file records them)
         self.gate.warn = self._gate_warning
@@ -170,7 +171,11 @@ class Proxy:
         started = time.monotonic()
         try:
             if reused is None:
-                await asyncturn.acquire(turn)
+                self.waiting += 1
+                try:
+                    await asyncturn.acquire(turn)
+                finally:
+                    self.waiting -= 1
             if turn.state == HELD and not turn.nested:
                 self.failing = False
             if turn.state in (HELD, UNGATED, FAIL_OPEN):
@@ -375,7 +380,8 @@ class Proxy:
         from ..inspection.status import statuses
 
         lanes = await asyncio.to_thread(statuses, self.gate.store, self.gate.lane)
-        return web.json_response({"lanes": lanes}, dumps=lambda data: json.dumps(data, indent=2,
+        here = {"in_flight": self.in_flight - 1, "taking_the_lane": self.waiting}  # less this one
+        return web.json_response({"lanes": lanes, "proxy": here}, dumps=lambda data: json.dumps(data, indent=2,
                                                                                  sort_keys=True))
 
 

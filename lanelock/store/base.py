@@ -88,6 +88,12 @@ class LaneStore(ABC):
         forever) for the lock. cancel: a threading.Event; once it is set (and cancel_wait called)
         the wait gives up and returns False."""
 
+    async def wait_lock_async(self, handle, timeout: float | None) -> bool:
+        """wait_lock for an asyncio task, costing no thread while it waits. Only a store whose
+        blocking_io is False is asked (an asyncio turn on any other waits in a thread of its
+        own, with wait_lock and cancel_wait)."""
+        raise NotImplementedError
+
     @abstractmethod
     def cancel_wait(self, handle) -> None:
         """Make a wait_lock blocked in another thread give up soon."""

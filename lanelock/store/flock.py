@@ -133,6 +133,17 @@ class FlockStore(LaneStore):
                 return False
             raise GateUnavailable(f"flock failed on {self.path(handle.name)}: {error.strerror}") from None
 
+    async def wait_lock_async(self, handle: Handle, timeout: float | None) -> bool:
+        """wait_lock for an asyncio task: no thread per waiter (waiting.wait_async)."""
+        try:
+            if timeout is not None and timeout <= 0:
+                return self.try_lock(handle)
+            return await waiting.wait_async(handle, timeout)
+        except OSError as error:
+            if error.errno in CONTENDED:
+                return False
+            raise GateUnavailable(f"flock failed on {self.path(handle.name)}: {error.strerror}") from None
+
     def cancel_wait(self, handle: Handle) -> None:
         pass   # the cancel Event given to wait_lock wakes the waiting thread
 

@@ -98,6 +98,55 @@ def _wait_in_thread(handle, timeout: float | None, wake=None) -> bool:
     return False
 
 
+async def wait_async(handle, timeout: float | None) -> bool:
+    """wait() for an asyncio task, without a thread of its own: the lane's waiter thread wakes
+    the task through the event loop. Cancelling the task abandons the wait; if the lock came at
+    that very moment it is in handle.fd, and the caller lets it go (as a cancelled wait's)."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    woken = loop.create_future()
+    slot = _Slot(_LoopEvent(loop, woken))
+    waiter = _Waiter.join(handle, slot)
+    try:
+        await asyncio.wait_for(asyncio.shield(woken), timeout)
+    except asyncio.TimeoutError:
+        pass
+    finally:
+        with waiter.guard:
+            got = slot.fd is not None
+            if got:
+                os.close(handle.fd)
+                handle.fd = slot.fd
+            else:
+                slot.abandoned = True
+                if slot in waiter.queue:
+                    waiter.queue.remove(slot)
+    if slot.error is not None:
+        raise slot.error
+    return got
+
+
+class _LoopEvent:
+    """The slot's event for an asyncio waiter: set() from the waiter thread resolves a future on
+    the loop."""
+
+    __slots__ = ("loop", "future")
+
+    def __init__(self, loop, future):
+        self.loop, self.future = loop, future
+
+    def set(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._resolve)
+        except RuntimeError:   # the loop is closed: nobody waits
+            pass
+
+    def _resolve(self) -> None:
+        if not self.future.done():
+            self.future.set_result(None)
+
+
 class _Slot:
     __slots__ = ("event", "fd", "abandoned", "error")
 
