@@ -1098,3 +1098,26 @@ def test_two_hundred_waiting_requests_cost_a_bounded_number_of_threads(procs, ho
                for answer in answers)
     assert engine.stats()["max_in_flight"] == 1 and engine.stats()["total"] == 200
     assert threads() <= 24
+
+
+def test_the_anthropic_and_openai_sdks_understand_the_busy_answers(procs, holder):
+    """The official SDKs, unmodified: Anthropic's reads 529 overloaded_error as its OverloadedError,
+    OpenAI's Responses API reads the 503 local_backend_busy error; no retries asked of either."""
+    anthropic = pytest.importorskip("anthropic")
+    openai = pytest.importorskip("openai")
+    engine = Engine(procs, delay=0.01, strict=True)
+    proxy = Proxy(procs, engine.backend)
+    busy = holder("-b", engine.backend, "-s", "holder")
+    claude = anthropic.Anthropic(base_url=proxy.url, api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.OverloadedError) as overloaded:
+        claude.messages.create(model="local", max_tokens=8,
+                               messages=[{"role": "user", "content": "hi"}])
+    assert overloaded.value.body["error"]["type"] == "overloaded_error"
+    assert "local model in use by another session" in overloaded.value.message
+    assert int(overloaded.value.response.headers["retry-after"]) >= 1
+    gpt = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as unavailable:
+        gpt.responses.create(model="local", input="hi")
+    assert unavailable.value.status_code == 503
+    assert unavailable.value.body["code"] == "local_backend_busy"
+    assert busy.release() == 0 and engine.stats()["total"] == 0

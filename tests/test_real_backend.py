@@ -165,3 +165,125 @@ def test_the_real_engine_streams_through_the_proxy_with_a_second_engine_as_fallb
     text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
                    for line in first_lines[:-1])
     assert text.strip()   # the engine really generated it
+
+
+class SlotWatch:
+    """The engine's own view, read all along: how many slots processed at once, at most."""
+
+    def __init__(self, url: str):
+        self.url, self.most, self.stop = url, 0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.is_set():
+            busy = slots_busy(self.url)
+            if busy is not None:
+                self.most = max(self.most, busy)
+            time.sleep(0.005)
+
+    def generating(self) -> bool:
+        return bool(slots_busy(self.url))
+
+    def close(self) -> int:
+        self.stop.set()
+        self.thread.join(10)
+        return self.most
+
+
+def start_holding_stream(port: int) -> tuple[threading.Thread, dict]:
+    """A long streamed chat completion through the proxy, holding the lane while it runs."""
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(stream=stream(port, 400, "holder")))
+    thread.start()
+    return thread, result
+
+
+def wait_generating(watch: SlotWatch, thread: threading.Thread) -> None:
+    deadline = time.monotonic() + 120
+    while not watch.generating() and thread.is_alive():   # nothing reports "generating" but /slots
+        assert time.monotonic() < deadline, "the engine never started generating"
+        time.sleep(0.01)
+
+
+def test_real_clients_of_every_dialect_are_busy_in_their_own_dialect(servers, procs):
+    """Issue 24: llama-server generates on /v1/messages (Anthropic) and /v1/responses (OpenAI
+    Responses); through the proxy, while one request streams, the anthropic SDK (messages.create,
+    streamed and not) gets Anthropic's overloaded error (529) and the openai SDK's Responses API
+    the OpenAI-style busy error, and the engine's /slots never shows two processing."""
+    anthropic = pytest.importorskip("anthropic")
+    openai = pytest.importorskip("openai")
+    local = servers["local"]
+    port = start_proxy(procs, local)
+    base = f"http://127.0.0.1:{port}"
+    claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
+    gpt = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    watch = SlotWatch(local)
+    try:
+        # free: each dialect is answered by the real engine, held
+        raw = claude.messages.with_raw_response.create(
+            model="local", max_tokens=8, messages=[{"role": "user", "content": "Say hi."}])
+        assert raw.headers["X-Lanelock-State"] == "held" and raw.parse().content
+        with claude.messages.stream(model="local", max_tokens=8,
+                                    messages=[{"role": "user", "content": "Say hi."}]) as events:
+            assert events.get_final_message().content
+        raw = gpt.responses.with_raw_response.create(model="local", input="Say hi.",
+                                                     max_output_tokens=16)
+        assert raw.headers["X-Lanelock-State"] == "held" and raw.parse().output
+        # busy: while a stream holds the lane
+        holder, result = start_holding_stream(port)
+        wait_generating(watch, holder)
+        with pytest.raises(anthropic.APIStatusError) as busy:
+            claude.messages.create(model="local", max_tokens=8,
+                                   messages=[{"role": "user", "content": "Say hi."}])
+        assert busy.value.status_code == 529
+        assert busy.value.body["error"]["type"] == "overloaded_error"
+        assert "local model in use by another session" in busy.value.body["error"]["message"]
+        assert busy.value.response.headers["X-Lanelock-State"] == "busy"
+        with pytest.raises(anthropic.APIStatusError) as busy_stream:
+            with claude.messages.stream(model="local", max_tokens=8,
+                                        messages=[{"role": "user", "content": "hi"}]) as events:
+                events.get_final_message()
+        assert busy_stream.value.status_code == 529
+        with pytest.raises(openai.APIStatusError) as busy_responses:
+            gpt.responses.create(model="local", input="Say hi.", max_output_tokens=16)
+        assert busy_responses.value.status_code == 503
+        assert busy_responses.value.response.headers["X-Lanelock-Reason"] == "local_backend_busy"
+        with pytest.raises(openai.APIStatusError) as busy_chat:
+            gpt.chat.completions.create(model="local", max_tokens=8,
+                                        messages=[{"role": "user", "content": "hi"}])
+        assert busy_chat.value.status_code == 503
+        holder.join(600)
+        assert result["stream"][0]["X-Lanelock-State"] == "held"
+    finally:
+        most = watch.close()
+    assert most <= 1, f"{most} slots processing at once"
+
+
+def test_real_clients_deflect_to_a_fallback_of_their_own_dialect(servers, procs):
+    """The same, with fallbacks declared per dialect: the second engine as an Anthropic-speaking
+    base (anthropic=URL) and an OpenAI one (URL/v1). Busy requests are answered there."""
+    anthropic = pytest.importorskip("anthropic")
+    openai = pytest.importorskip("openai")
+    local, cloud = servers["local"], servers["cloud"]
+    port = start_proxy(procs, local, "--fallback", f"anthropic={cloud}", "--fallback",
+                       f"{cloud}/v1")
+    base = f"http://127.0.0.1:{port}"
+    claude = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
+    gpt = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    watch = SlotWatch(local)
+    try:
+        holder, result = start_holding_stream(port)
+        wait_generating(watch, holder)
+        raw = claude.messages.with_raw_response.create(
+            model="local", max_tokens=8, messages=[{"role": "user", "content": "Say hi."}],
+            metadata={"user_id": "agent-7"})
+        assert raw.headers["X-Lanelock-State"] == "deflected" and raw.parse().content
+        raw = gpt.responses.with_raw_response.create(model="local", input="Say hi.",
+                                                     max_output_tokens=16)
+        assert raw.headers["X-Lanelock-State"] == "deflected" and raw.parse().output
+        holder.join(600)
+        assert result["stream"][0]["X-Lanelock-State"] == "held"
+    finally:
+        most = watch.close()
+    assert most <= 1, f"{most} slots processing at once"
