@@ -280,7 +280,8 @@ def test_a_good_turn_gives_the_childs_status_on_both_paths(run_cmd):
 
 
 # -- 5. what a turn imports ------------------------------------------------------------------------
-SLOW_IMPORTS = {"click", "rich", "psutil", "typing", "dataclasses", "ipaddress", "urllib"}
+SLOW_IMPORTS = {"click", "rich", "psutil", "typing", "dataclasses", "ipaddress", "urllib", "tomlkit",
+                "aiohttp", "asyncio", "secrets"}
 
 
 def importtime_turn(run_cmd, args):
