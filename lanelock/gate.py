@@ -75,6 +75,7 @@ class Gate:
         self.journal_max_bytes = settings.get("journal_max_bytes")
         self.root: Root = resolve_root(settings)
         self.store = for_settings(settings, self.root)
+        self.store.warn = warn   # what a store says but never decides on (a count not added)
         self.lane = self.store.qualify(self.lane)
         self.paths = self.store.locate(self.lane)
 

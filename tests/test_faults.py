@@ -175,7 +175,8 @@ def test_unsafe_root_of_another_user_is_not_trusted(lanelock, tmp_path, monkeypa
 # instead of "free" (probe and status said "free; no turn has used this lane yet", exit 0).
 GATE_UNAVAILABLE = 69   # exitcodes.GATE_UNAVAILABLE: status of a lane whose turns run ungated
 BROKEN_REASONS = {"read-only": "Read-only file system", "regular-file": "not a directory",
-                  "no-space": "No space left on device"}
+                  "no-space": "No space left on device",
+                  "no-space-in-root": "No space left on device"}
 
 
 def fill_inodes(mount: Path) -> None:
@@ -191,7 +192,8 @@ def fill_inodes(mount: Path) -> None:
 
 @pytest.fixture(params=sorted(BROKEN_REASONS))
 def broken_root(request, tmp_path, tmpfs, monkeypatch) -> tuple[str, Path]:
-    """(kind, root): LANELOCK_DIR points at a root that does not exist and cannot be created."""
+    """(kind, root): LANELOCK_DIR points at a root that does not exist and cannot be created, or
+    (no-space-in-root) one that exists but where no lock file can be created."""
     kind = request.param
     if kind == "read-only":
         root = tmpfs("ro,size=1m") / "lanes"
@@ -201,7 +203,7 @@ def broken_root(request, tmp_path, tmpfs, monkeypatch) -> tuple[str, Path]:
     else:
         mount = tmpfs("size=64k,nr_inodes=8")
         fill_inodes(mount)
-        root = mount / "lanes"
+        root = mount / "lanes" if kind == "no-space" else mount
     monkeypatch.setenv("LANELOCK_DIR", str(root))
     return kind, root
 

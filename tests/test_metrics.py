@@ -8,6 +8,8 @@
    not while concurrent turns count into the same file, not when a turn dies halfway through
    writing its count, and every scrape is one consistent snapshot (holds == local + waited,
    deflections == busy + deflected).
+   Counts that cannot be read are said once (metrics and the turn both warn, naming the file),
+   left out rather than shown as 0 (lanelock_counts_readable 0), and never written over.
 4. --textfile DIR replaces DIR/lanelock.prom atomically; anything but a writable directory is 2.
 5. A real Prometheus scrapes a real node_exporter's textfile collector and a running proxy, and
    its query API returns the counts the turns made (and the Grafana dashboard's queries run).
@@ -566,6 +568,123 @@ def test_a_turn_killed_while_counting_never_resets_the_counts(lanelock, run_cmd,
     assert_monotonic([before, after])
     assert lanelock("run", "-q", "--", "true").returncode == 0
     assert scrape(lanelock).turns(LANE) == outcomes(local=4)
+
+
+# Counts that cannot be read (issue 23 item 9): a damaged STEM.counts read as no counts at all --
+# every counter back to 0, which Prometheus takes for a reset -- with exit 0, and the next turn
+# wrote its one turn over it, silently. Now: `metrics` says so once and leaves those series out
+# (lanelock_counts_readable 0), a turn says once that it was not counted and leaves the file alone.
+def _moved_behind_a_symlink(path: Path) -> None:
+    real = path.with_name("elsewhere.counts")
+    path.rename(real)
+    path.symlink_to(real)
+
+
+DAMAGES = {
+    "garbage": lambda path: path.write_bytes(b"\x00\xff not the counts"),
+    "not-an-object": lambda path: path.write_text("[1, 2, 3]\n"),
+    "too-large": lambda path: path.write_text(json.dumps({"turns": {"local": 2},
+                                                          "padding": "x" * 70000})),
+    "a-directory": lambda path: (path.unlink(), path.mkdir()),
+    "a-symlink": _moved_behind_a_symlink,
+}
+
+
+def file_state(path: Path):
+    """What a turn must not change: the bytes, or what stands at the path."""
+    if path.is_symlink():
+        return ("symlink", os.readlink(path), path.resolve().read_bytes())
+    if path.is_dir():
+        return ("directory", sorted(os.listdir(path)))
+    return ("file", path.read_bytes())
+
+
+def lane_series(scrape: Scrape, lane: str, prefix: str) -> dict:
+    return {(name, labels): value for (name, labels), value in scrape.series.items()
+            if name.startswith(prefix) and dict(labels).get("lane") == lane}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_unreadable_counts_are_said_once_and_never_reset(damage, lanelock, holder, lock_dir,
+                                                         promtool, run_cmd):
+    for _ in range(2):
+        assert lanelock("run", "-q", "--", "true").returncode == 0
+    path = lock_dir / f"{STEM}.counts"
+    DAMAGES[damage](path)
+    before = file_state(path)
+
+    done = lanelock("metrics")
+    assert done.returncode == 0, done
+    (warning,) = done.stderr.splitlines()
+    assert warning.startswith("lanelock: warning: ") and str(path) in warning, warning
+    seen = promtool_check(run_cmd, promtool, done.stdout)
+    assert seen.value("lanelock_counts_readable", lane=LANE) == 0
+    # Nothing that could not be read shows as 0: its series are left out, not reset.
+    for prefix in ("lanelock_turns", "lanelock_deflections", "lanelock_lane_hold_seconds",
+                   "lanelock_lane_wait_seconds"):
+        assert lane_series(seen, LANE, prefix) == {}, prefix
+    assert seen.gauges(LANE)["lanelock_lane_held"] == 0   # the rest of the lane is there
+
+    # A turn runs as ever, says once that it was not counted, and leaves the file as it was.
+    ran = lanelock("run", "--", "echo", "ran")
+    assert (ran.returncode, ran.stdout) == (0, "ran\n"), ran
+    (line,) = ran.stderr.splitlines()
+    assert line.startswith("lanelock: warning: ") and "not counted" in line, line
+    assert str(path) in line
+    assert lanelock("run", "-q", "--", "true").stderr == ""   # -q: no warnings
+    held = holder()
+    deflected = lanelock("run", "-f", "true", "--", "true")
+    assert deflected.returncode == 0
+    assert sum("not counted" in line for line in deflected.stderr.splitlines()) == 1, deflected
+    assert held.release() == 0
+    assert file_state(path) == before
+
+
+@pytest.mark.parametrize("damage", ["a-bad-field", "trailing-bytes"])
+def test_partly_damaged_counts_keep_what_parses(damage, lanelock, holder, lock_dir, promtool,
+                                                run_cmd):
+    for _ in range(3):
+        assert lanelock("run", "-q", "--", "true").returncode == 0
+    held = holder()
+    assert lanelock("run", "-q", "--", "true").returncode == BUSY
+    assert held.release() == 0
+    path = lock_dir / f"{STEM}.counts"
+    data = json.loads(path.read_bytes())
+    if damage == "a-bad-field":
+        data["turns"]["local"] = "four"
+        path.write_text(json.dumps(data))
+    else:
+        path.write_bytes(json.dumps(data).encode() + b"\x00garbage")
+    before = path.read_bytes()
+
+    done = lanelock("metrics")
+    assert done.returncode == 0, done
+    (warning,) = done.stderr.splitlines()
+    assert str(path) in warning, warning
+    seen = promtool_check(run_cmd, promtool, done.stdout)
+    assert seen.value("lanelock_counts_readable", lane=LANE) == 0
+    assert seen.value("lanelock_turns_total", lane=LANE, outcome="busy") == 1   # kept
+    assert seen.value("lanelock_deflections_total", lane=LANE, reason=REASON) == 1
+    assert seen.histogram("lanelock_lane_hold_seconds", LANE)[1] == 4
+    local = ("lanelock_turns_total", frozenset({("lane", LANE), ("outcome", "local")}))
+    if damage == "a-bad-field":
+        assert "turns.local" in warning
+        assert local not in seen.series   # the one counter that cannot be read: left out
+    else:
+        assert seen.series[local] == 4
+
+    ran = lanelock("run", "--", "true")
+    assert ran.returncode == 0 and "not counted" in ran.stderr, ran
+    assert path.read_bytes() == before   # never rewritten from what could not all be read
+
+    # Once someone removes it, the counts start again -- and say they are readable.
+    path.unlink()
+    assert lanelock("run", "--", "true").stderr == ""
+    done = lanelock("metrics")
+    assert done.stderr == ""
+    seen = promtool_check(run_cmd, promtool, done.stdout)
+    assert seen.value("lanelock_counts_readable", lane=LANE) == 1
+    assert seen.turns(LANE) == outcomes(local=1)
 
 
 # -- 4. --textfile -------------------------------------------------------------------------------

@@ -74,9 +74,14 @@ class LaneCollector:
                                   "1 when a turn on a lane with no lock yet can create one; 0: "
                                   "such turns run ungated (`lanelock where` says why)",
                                   value=0.0 if problems else 1.0)
+        readable = GaugeMetricFamily("lanelock_counts_readable",
+                                     "1 when the lane's counts could all be read; 0: the counters "
+                                     "that could not are left out, not reset (`lanelock metrics` "
+                                     "says why)", labels=["lane"])
         for status, counts in lanes:
             lane = status["lane"]
             gate.add_metric([lane], 0.0 if status.get("gate") == "unavailable" else 1.0)
+            readable.add_metric([lane], 0.0 if counts.get("problem") else 1.0)
             is_held = status["state"] == "held"
             held.add_metric([lane], 1.0 if is_held else 0.0)
             waiters.add_metric([lane], float(len(status["waiters"])))
@@ -84,21 +89,35 @@ class LaneCollector:
             since.add_metric([lane], float(holder.get("held_for") or 0.0) if is_held else 0.0)
             stopped.add_metric([lane], 1.0 if holder.get("stopped") else 0.0)
             extra = (self.extra or {}).get(lane, {}) if isinstance(self.extra, dict) else {}
+            # A count that could not be read (None) is left out: a 0 would be a reset.
             for outcome in OUTCOMES:
-                turns.add_metric([lane, outcome],
-                                 float(counts["turns"].get(outcome, 0) + extra.get(outcome, 0)))
-            for reason, value in sorted(counts["deflections"].items()):
-                deflections.add_metric([lane, reason], float(value))
-            if "local_backend_busy" not in counts["deflections"]:
+                value = counts["turns"].get(outcome, 0)
+                if value is not None:
+                    turns.add_metric([lane, outcome], float(value + extra.get(outcome, 0)))
+            found = counts["deflections"]
+            for reason, value in sorted((found or {}).items()):
+                if value is not None:
+                    deflections.add_metric([lane, reason], float(value))
+            if found is not None and "local_backend_busy" not in found:
                 deflections.add_metric([lane, "local_backend_busy"], 0.0)
             for family, histogram in ((hold, counts["hold"]), (wait, counts["wait"])):
+                if histogram is None:
+                    continue
                 cumulative, total = [], 0
                 for bound, value in zip(BUCKETS, histogram["buckets"]):
                     total += value
                     cumulative.append((_bound(bound), float(total)))
                 cumulative.append(("+Inf", float(histogram["count"])))
                 family.add_metric([lane], cumulative, histogram["sum"])
-        yield from (gate, store, held, waiters, since, stopped, turns, deflections, hold, wait)
+        yield from (gate, store, held, waiters, since, stopped, turns, deflections, hold, wait,
+                    readable)
+
+
+def counts_problems(lanes) -> list[str]:
+    """One warning per lane whose counts could not all be read (snapshot()'s list)."""
+    return [f"counts of {status['lane']} not all read ({counts['problem']}): those counters are "
+            "left out, not reset; fix or remove the file to count again"
+            for status, counts in lanes if counts.get("problem")]
 
 
 def _bound(value: float) -> str:
@@ -139,4 +158,4 @@ def lanes_fetch(store, lane):
 
 
 __all__ = ["LaneCollector", "exposition", "write_textfile", "snapshot", "lanes_fetch",
-           "statuses", "TEXTFILE"]
+           "counts_problems", "statuses", "TEXTFILE"]

@@ -6,6 +6,12 @@ Prometheus would read that as a reset. So every turn adds its outcome here, once
 of the lane (never on the hand-off path), under a flock of this file's own: concurrent turns
 (holders, deflected turns, proxies) each add theirs, none is lost. Readers take the shared lock,
 so they never see half an update. Mode 0666, like the journal: every user's turns count.
+
+Never reset silently (issue 23): a file that cannot be read whole -- not JSON, not the counts'
+shape, a count that is no count, a directory or symlink in its place -- is never written over (that
+would start every counter again at the next turn). A turn that cannot add its count says so once
+and goes on; a reader keeps what parses, marks what does not as unknown (None: left out of the
+metrics, never shown as 0) and says why ("problem").
 """
 
 from __future__ import annotations
@@ -41,11 +47,26 @@ def observe(histogram: dict, value: float) -> None:
             break
 
 
+class NotCounted(Exception):
+    """A turn's count was not added: the file cannot be written, or cannot be read whole (then it
+    is left as it is). The message says why; the turn warns once and goes on."""
+
+
 def merge(data, outcome: str | None, *, reason: str | None = None, held: float | None = None,
           waited: float | None = None) -> dict:
-    """data (stored counts, any shape) checked, plus one turn when outcome is given."""
-    counts = _parse(json.dumps(data).encode() if not isinstance(data, bytes) else data) \
+    """data (stored counts, any shape) checked, plus one turn when outcome is given. What does
+    not parse counts from 0 (the PostgreSQL store's rows, which are JSON the server checked)."""
+    counts = parse(json.dumps(data).encode() if not isinstance(data, bytes) else data)[0] \
         if data is not None else empty()
+    for family in ("turns", "deflections"):
+        counts[family] = {name: value or 0 for name, value in (counts[family] or {}).items()}
+    for key in ("hold", "wait"):
+        counts[key] = counts[key] or _histogram()
+    return _plus(counts, outcome, reason=reason, held=held, waited=waited)
+
+
+def _plus(counts: dict, outcome: str | None, *, reason=None, held=None, waited=None) -> dict:
+    """Whole counts (nothing None) plus one turn when outcome is given."""
     if outcome is not None:
         counts["turns"][outcome] = counts["turns"].get(outcome, 0) + 1
         if reason:
@@ -59,8 +80,14 @@ def merge(data, outcome: str | None, *, reason: str | None = None, held: float |
 
 def add(dir_fd: int, name: str, outcome: str, *, reason: str | None = None,
         held: float | None = None, waited: float | None = None) -> None:
-    """Count one turn. OSError when the file cannot be written (the caller stays silent: a
-    count is never worth a warning line on a turn)."""
+    """Count one turn. NotCounted when it could not be (the caller warns once; the turn goes on)."""
+    try:
+        _add(dir_fd, name, outcome, reason=reason, held=held, waited=waited)
+    except OSError as error:
+        raise NotCounted(_why(error)) from None
+
+
+def _add(dir_fd: int, name: str, outcome: str, **facts) -> None:
     try:
         fd = os.open(name, os.O_RDWR | _FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -71,10 +98,13 @@ def add(dir_fd: int, name: str, outcome: str, *, reason: str | None = None,
             fd = os.open(name, os.O_RDWR | _FLAGS, dir_fd=dir_fd)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, f"{name} is not a regular file")
+            raise NotCounted("not a regular file")
         fcntl.flock(fd, fcntl.LOCK_EX)
         old = os.pread(fd, MAX_BYTES + 1, 0)
-        counts = merge(old, outcome, reason=reason, held=held, waited=waited)
+        counts, problem = parse(old)
+        if problem:   # writing what we could read would reset what we could not
+            raise NotCounted(f"{problem}; left as it is (fix or remove it to count again)")
+        counts = _plus(counts, outcome, **facts)
         data = json.dumps(counts).encode()
         # A pwrite over the old bytes then a truncate, under the exclusive lock. The text can
         # shrink (a rounded sum: 0.123456 + 0.076544 is 0.2), so it is padded with spaces to the
@@ -87,40 +117,58 @@ def add(dir_fd: int, name: str, outcome: str, *, reason: str | None = None,
 
 
 def read(path: str) -> dict:
-    """The counts (empty ones when there are none yet, or they are unreadable). Never raises."""
+    """The counts (empty ones when there are none yet), with "problem": None, or why they could
+    not all be read ("PATH: why"; what could not is None). Never raises."""
     try:
         fd = os.open(path, os.O_RDONLY | _FLAGS)
-    except OSError:
-        return empty()
+    except (FileNotFoundError, NotADirectoryError):   # no counts yet (no root: the gate says so)
+        return dict(empty(), problem=None)
+    except OSError as error:
+        return dict(unknown(), problem=f"{path}: {_why(error)}")
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return empty()
+            return dict(unknown(), problem=f"{path}: not a regular file")
         fcntl.flock(fd, fcntl.LOCK_SH)
-        return _parse(os.pread(fd, MAX_BYTES + 1, 0))
-    except OSError:
-        return empty()
+        counts, problem = parse(os.pread(fd, MAX_BYTES + 1, 0))
+        return dict(counts, problem=f"{path}: {problem}" if problem else None)
+    except OSError as error:
+        return dict(unknown(), problem=f"{path}: {_why(error)}")
     finally:
         os.close(fd)
 
 
-def _parse(raw: bytes) -> dict:
-    counts = empty()
-    if not raw or len(raw) > MAX_BYTES:
-        return counts
+def unknown() -> dict:
+    """Counts none of which could be read: every counter unknown (None), none 0."""
+    return {"schema": 1, "turns": {outcome: None for outcome in OUTCOMES}, "deflections": None,
+            "hold": None, "wait": None}
+
+
+def parse(raw: bytes) -> tuple[dict, str | None]:
+    """(the counts, None), or (what parses -- the rest None --, why the rest does not)."""
+    if not raw:
+        return empty(), None   # created by a turn that died before its first count
+    if len(raw) > MAX_BYTES:
+        return unknown(), f"larger than {MAX_BYTES} bytes"
     try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):
-        return counts
+        text = raw.decode("utf-8").lstrip()
+        data, end = json.JSONDecoder().raw_decode(text)   # what follows the object is said below
+    except (ValueError, RecursionError):   # UnicodeDecodeError is a ValueError
+        return unknown(), "not JSON"
     if not isinstance(data, dict):
-        return counts
-    for outcome, value in (data.get("turns") or {}).items():
-        if isinstance(outcome, str) and _count(value):
-            counts["turns"][outcome] = value
-    for reason, value in (data.get("deflections") or {}).items():
-        if isinstance(reason, str) and _count(value):
-            counts["deflections"][reason] = value
+        return unknown(), "not a JSON object"
+    turns, deflections = data.get("turns") or {}, data.get("deflections") or {}
+    if not isinstance(turns, dict) or not isinstance(deflections, dict):
+        return unknown(), "turns or deflections not a JSON object"
+    counts, bad = empty(), []
+    for family, found in (("turns", turns), ("deflections", deflections)):
+        for name, value in found.items():
+            counts[family][name] = value if _count(value) else None
+            if not _count(value):
+                bad.append(f"{family}.{name}")
     for key in ("hold", "wait"):
         histogram = data.get(key)
+        if histogram is None:
+            continue
         if isinstance(histogram, dict) and isinstance(histogram.get("buckets"), list) \
                 and len(histogram["buckets"]) == len(BUCKETS) \
                 and all(_count(value) for value in histogram["buckets"]) \
@@ -128,8 +176,21 @@ def _parse(raw: bytes) -> dict:
                 and isinstance(histogram.get("sum"), (int, float)):
             counts[key] = {"buckets": list(histogram["buckets"]), "count": histogram["count"],
                            "sum": float(histogram["sum"])}
-    return counts
+        else:
+            counts[key] = None
+            bad.append(key)
+    problems = [f"{', '.join(bad)} not readable as counts"] if bad else []
+    trailing = text[end:].strip()   # a count padded with spaces (see add) is whole
+    if trailing:
+        problems.append(f"{len(trailing)} stray characters after the counts")
+    return counts, "; ".join(problems) or None
 
 
 def _count(value) -> bool:
     return type(value) is int and 0 <= value < 1 << 62
+
+
+def _why(error: OSError) -> str:
+    if error.errno == errno.ELOOP:
+        return "a symlink (not followed)"
+    return error.strerror or str(error)

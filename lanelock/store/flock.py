@@ -20,7 +20,7 @@ import fcntl
 import os
 import stat
 
-from .. import holders
+from .. import holders, say
 from ..errors import GateUnavailable, RecordNotWritten
 from ..paths import UNGATED, Root, creation_problem, open_root
 from . import journal, sidecar, waiting
@@ -58,6 +58,7 @@ class Handle:
 class FlockStore(LaneStore):
     kind = "flock"
     blocking_io = False
+    warn = staticmethod(say.warn)   # a count not added (the Gate gives its own: -q, the proxy's)
 
     def __init__(self, root: Root):
         self.root = root
@@ -179,16 +180,17 @@ class FlockStore(LaneStore):
         finally:
             os.close(dir_fd)
 
-    @staticmethod
-    def _add_count(dir_fd, stem: str, count: dict) -> None:
+    def _add_count(self, dir_fd, stem: str, count: dict) -> None:
         if dir_fd is None or dir_fd < 0:
             return
         from . import counts
 
+        outcome = count.pop("outcome")
         try:
-            counts.add(dir_fd, f"{stem}.counts", count.pop("outcome"), **count)
-        except OSError:
-            pass   # metrics only: a turn never warns about a count
+            counts.add(dir_fd, f"{stem}.counts", outcome, **count)
+        except counts.NotCounted as error:   # the turn goes on; silence would hide a reset
+            if outcome != "fail_open":   # a failing gate has said its one line already
+                self.warn(f"turn not counted in {self.path(stem + '.counts')}: {error}")
 
     def counts(self, facts) -> dict:
         from . import counts
