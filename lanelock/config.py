@@ -50,6 +50,8 @@ def user_file() -> str | None:
 
 def load() -> Config:
     """The effective configuration. Raises ConfigError for an invalid file."""
+    from .settings import RETIRED
+
     config = Config()
     for path, is_system in ((system_file(), True), (user_file(), False)):
         if not path:
@@ -59,6 +61,9 @@ def load() -> Config:
             continue
         config.files.append(path)
         for key, value in data.items():
+            if key in RETIRED:
+                config.ignored.append(f"{path} sets {key}: IGNORED, it is retired: {RETIRED[key]}")
+                continue
             if key == "lock_dir" and not is_system:
                 config.ignored.append(
                     f"user config {path} sets lock_dir = {value!r}: IGNORED, only the system "

@@ -218,8 +218,18 @@ RUN_FLAGS = ("backend", "lock_dir", "model", "session", "key_by", "store", "gate
              "busy_exit_code", "grace", "kill_after")
 
 
+# Settings that no longer exist, and what replaced them. A file that still sets one is read with
+# a note ("IGNORED"), never refused: a refused file makes every turn fail open, ungated.
+RETIRED = {
+    "proxy_paths": "every proxy request but GET, HEAD and OPTIONS holds the lane now; list the "
+                   "cheap endpoints in proxy_cheap_paths instead",
+}
+
+
 def validate(name: str, value) -> str | None:
     """None when the value is valid for the setting, else the reason."""
+    if name in RETIRED:
+        return None
     setting = SETTINGS.get(name)
     if setting is None:
         return f"unknown setting {name!r} (known: {', '.join(SETTINGS)})"

@@ -271,3 +271,16 @@ def test_config_set_refuses_a_relative_lock_root(value, lanelock, config_files, 
     assert system.read_text() == "# the admin's own\n"
     done = lanelock("config", "set", "--system", "lock_dir", str(tmp_path / "lanes"))
     assert done.returncode == 0, done   # an absolute one is taken as before
+
+
+def test_a_retired_setting_is_ignored_with_a_note_never_an_ungated_turn(config_files, lanelock):
+    """proxy_paths (the proxy's gated list) is retired: the proxy gates by default. A file that
+    still sets it must not make every turn fail open as an unknown key would."""
+    system, user = config_files
+    user.write_text('proxy_paths = ["/v1/chat/completions"]\nwait = 0\n')
+    done = lanelock("run", "-b", "127.0.0.1:8080", "--", "printenv", "LANELOCK_STATE")
+    assert (done.returncode, done.stdout.strip()) == (0, "held"), done.stderr
+    shown = lanelock("config", "show")
+    assert shown.returncode == 0
+    assert "proxy_paths: IGNORED, it is retired" in shown.stderr
+    assert "proxy_cheap_paths" in shown.stderr
