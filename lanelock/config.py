@@ -56,7 +56,8 @@ def load() -> Config:
     for path, is_system in ((system_file(), True), (user_file(), False)):
         if not path:
             continue
-        data = read_file(path)
+        # A user file's lock_dir is never applied (below), so its value cannot spoil the file.
+        data = read_file(path, unchecked=() if is_system else ("lock_dir",))
         if data is None:
             continue
         config.files.append(path)
@@ -74,10 +75,11 @@ def load() -> Config:
     return config
 
 
-def read_file(path: str) -> dict | None:
-    """Parsed and validated settings of one file, None when it does not exist."""
+def read_file(path: str, unchecked=()) -> dict | None:
+    """Parsed and validated settings of one file (but the keys `unchecked`), None when it does
+    not exist."""
     raw = _read_bytes(path)
-    return None if raw is None else _parse(path, raw)
+    return None if raw is None else _parse(path, raw, unchecked)
 
 
 def _read_bytes(path: str) -> bytes | None:
@@ -94,7 +96,7 @@ def _read_bytes(path: str) -> bytes | None:
     return raw
 
 
-def _parse(path: str, raw: bytes) -> dict:
+def _parse(path: str, raw: bytes, unchecked=()) -> dict:
     import tomllib
 
     try:
@@ -106,7 +108,7 @@ def _parse(path: str, raw: bytes) -> dict:
     except RecursionError:
         raise ConfigError(f"{path}: nested too deeply") from None
     for key, value in data.items():
-        check = validate(key, value)
+        check = None if key in unchecked else validate(key, value)
         if check:
             raise ConfigError(f"{path}: line {_line_of(raw, key)}: {check}")
     return data

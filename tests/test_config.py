@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import LANELOCK
+
 
 def show(lanelock) -> dict:
     done = lanelock("config", "show", "--json")
@@ -223,7 +225,7 @@ def test_version(lanelock):
 # line naming the setting and where it came from, `run` fails open with one warning (the command's
 # exit status kept), and nothing is created in either directory. `~` is not expanded (a root that
 # followed HOME would be one gate per user): it is refused like any relative path.
-RELATIVE_ROOTS = ["env", "env-tilde", "flag", "flag-tilde", "system-file", "user-file"]
+RELATIVE_ROOTS = ["env", "env-tilde", "flag", "flag-tilde", "system-file"]
 
 
 def relative_root(spelling: str, config_files) -> tuple[dict, list, list]:
@@ -234,9 +236,8 @@ def relative_root(spelling: str, config_files) -> tuple[dict, list, list]:
         return {"LANELOCK_DIR": value}, [], [f"LANELOCK_DIR={value} is relative"]
     if spelling.startswith("flag"):
         return {"LANELOCK_DIR": None}, ["--lock-dir", value], [f"--lock-dir {value} is relative"]
-    config = system if spelling == "system-file" else user
-    config.write_text(f'# the lanes\nlock_dir = "{value}"\n')
-    return {"LANELOCK_DIR": None}, [], [f"{config}: line 2:", "'lock_dir'", "is relative"]
+    system.write_text(f'# the lanes\nlock_dir = "{value}"\n')
+    return {"LANELOCK_DIR": None}, [], [f"{system}: line 2:", "'lock_dir'", "is relative"]
 
 
 @pytest.mark.parametrize("spelling", RELATIVE_ROOTS)
@@ -258,6 +259,21 @@ def test_a_relative_lock_root_is_refused(spelling, lanelock, config_files, tmp_p
             assert line.startswith("lanelock: ") and "absolute path" in line, (command, line)
             assert all(words in line for words in names), (command, line)
         assert list(cwd.iterdir()) == [], "a gate was made in the working directory"
+
+
+def test_a_relative_lock_root_in_a_user_file_is_ignored_like_any_user_lock_root(
+        lanelock, config_files, lock_dir):
+    """A user file may never move the gate, so its lock_dir -- relative or not -- is ignored
+    with a note; it must not spoil the rest of the file (a refused file ungates every turn)."""
+    _, user = config_files
+    user.write_text('lock_dir = "locks"\nbusy_exit_code = 99\n')
+    ran = lanelock("run", "--", "printenv", "LANELOCK_STATE")
+    assert (ran.returncode, ran.stdout) == (0, "held\n"), ran
+    assert "gate unavailable" not in ran.stderr
+    assert "IGNORED" in lanelock("where").stderr      # where says so, loudly
+    with_holder = lanelock("run", "--", "sh", "-c",
+                           f"env -u LANELOCK_TURNS {' '.join(LANELOCK)} run -- true; echo $?")
+    assert with_holder.stdout.strip() == "99", with_holder      # the file's other setting holds
 
 
 @pytest.mark.parametrize("value", ["locks", "./locks", "../locks", "~/locks", "lanes/../locks"])
