@@ -42,7 +42,7 @@ async def acquire(turn):
     if not turn.gate.store.blocking_io:
         # A free lane is a few local system calls: take it here, without a thread's start and
         # wake-up (the proxy's time to first byte). Busy: wait in a thread, as below.
-        from .gate import WouldBlock
+        from .errors import WouldBlock
 
         try:
             return turn.take(try_only=True).commit()

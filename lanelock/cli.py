@@ -8,25 +8,9 @@ import sys
 import click
 
 from . import __version__, exitcodes
+from .completion import complete_backend
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-
-
-def complete_backend(ctx, param, incomplete):
-    """Offer the lanes that already exist under the lock root."""
-    import os
-
-    from .key import name_from_stem
-    from .paths import resolve_root
-    from .settings import Settings
-
-    try:
-        root = resolve_root(Settings({"lock_dir": ctx.params.get("lock_dir")}))
-        names = os.listdir(root.path)
-    except OSError:
-        return []
-    lanes = {name_from_stem(name[:-5].split("~", 1)[0]) for name in names if name.endswith(".lock")}
-    return sorted(lane for lane in lanes if lane and lane.startswith(incomplete))
 
 
 def _setting_help(setting) -> str:
@@ -436,11 +420,11 @@ def config_show(json_):
 @click.option("--system", is_flag=True, help="Write the system file (/etc/lanelock/config.toml).")
 def config_set(key, value, system):
     """Validate KEY = VALUE (TOML syntax; bare words are strings) and write it."""
-    from . import config as settings
+    from . import config, settings
 
     try:
         path = settings.set_value(key, value, system=system)
-    except settings.ConfigError as error:
+    except config.ConfigError as error:
         raise click.UsageError(str(error)) from None
     click.echo(f"{key} set in {path}")
     return exitcodes.OK

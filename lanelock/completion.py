@@ -11,7 +11,7 @@ What is being completed is decided by click's own resolution of the command tree
 stock completion runs), so subcommands and options cannot drift from the CLI.
 What click cannot know is added here, by an option's metavar:
 
-- BACKEND: the lanes that exist under the lock root (cli.complete_backend);
+- BACKEND: the lanes that exist under the lock root (complete_backend);
 - DIR: directories;
 - CMD, and the COMMAND that `run` and `duel` wrap: command names from PATH (a word with a slash is
   a path); once the command is named, the words after it are its own business and complete as
@@ -36,20 +36,38 @@ _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 _END = "\0"
 
 
+def complete_backend(ctx, param, incomplete):
+    """Offer the lanes that already exist under the lock root."""
+    import os
+
+    from .key import name_from_stem
+    from .paths import resolve_root
+    from .settings import Settings
+
+    try:
+        root = resolve_root(Settings({"lock_dir": ctx.params.get("lock_dir")}))
+        names = os.listdir(root.path)
+    except OSError:
+        return []
+    lanes = {name_from_stem(name[:-5].split("~", 1)[0]) for name in names if name.endswith(".lock")}
+    return sorted(lane for lane in lanes if lane and lane.startswith(incomplete))
+
+
 def script(shell: str) -> str:
     """The completion script for SHELL (what completions/ holds and packages install)."""
     return _SCRIPTS[shell]
 
 
-def answer(shell: str, line: str, word: str | None = None) -> str:
+def answer(shell: str, line: str, word: str | None = None, group=None) -> str:
     """The lines the SHELL script reads for the command line LINE (up to the cursor).
 
     word (bash): the part of the current word that bash will replace. bash splits words at
     COMP_WORDBREAKS (`:` and `=` among them), so for `localhost:80` it replaces only `80`: the
     offered words must then lose `localhost:` too (what bash-completion's
-    __ltrim_colon_completions does)."""
+    __ltrim_colon_completions does). group: the click group to complete for (the `lanelock`
+    command running this one, when not given)."""
     args, typed = split_line(line)
-    items, incomplete = completions(args, typed)
+    items, incomplete = completions(args, typed, group)
     lines = []
     for item in items:
         value, extra = item.value, item.help or ""
@@ -79,7 +97,7 @@ def split_line(line: str) -> tuple[list[str], str]:
     return words[1:], incomplete
 
 
-def completions(args: list[str], incomplete: str):
+def completions(args: list[str], incomplete: str, group=None):
     """(CompletionItems, the incomplete value they complete) for the words ARGS before the
     cursor and the partial word INCOMPLETE."""
     import click
@@ -87,9 +105,9 @@ def completions(args: list[str], incomplete: str):
     # command the words reach, and which parameter the incomplete word belongs to.
     from click.shell_completion import CompletionItem, _resolve_context, _resolve_incomplete
 
-    from .cli import cli
-
-    ctx = _resolve_context(cli, {}, "lanelock", list(args))
+    if group is None:   # the group whose `completion` command runs now (this module is below it)
+        group = click.get_current_context().find_root().command
+    ctx = _resolve_context(group, {}, "lanelock", list(args))
     wrapped = _wrapped_command(ctx.command)
     if wrapped is not None and ctx.params.get(wrapped.name):
         # `run … -- CMD ARGS`, `run … CMD ARGS`: the command is named, its words are files.
@@ -101,8 +119,6 @@ def completions(args: list[str], incomplete: str):
         if target.metavar == "DIR":
             return [CompletionItem(incomplete, type="dir")], incomplete
         if target.metavar == "BACKEND":
-            from .cli import complete_backend
-
             return [CompletionItem(lane) for lane in complete_backend(ctx, target, incomplete)], \
                 incomplete
         if ctx.command.name == "set" and target.name == "key":

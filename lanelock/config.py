@@ -48,22 +48,22 @@ def user_file() -> str | None:
     return os.path.join(base, "lanelock", "config.toml") if base else None
 
 
-def load() -> Config:
-    """The effective configuration. Raises ConfigError for an invalid file."""
-    from .settings import RETIRED
-
+def load(check, retired: dict) -> Config:
+    """The effective configuration. Raises ConfigError for an invalid file. check(key, value):
+    None or why the value is refused; retired: {key: what replaced it} (both from settings.py,
+    which holds the table: this module only reads and writes files)."""
     config = Config()
     for path, is_system in ((system_file(), True), (user_file(), False)):
         if not path:
             continue
         # A user file's lock_dir is never applied (below), so its value cannot spoil the file.
-        data = read_file(path, unchecked=() if is_system else ("lock_dir",))
+        data = read_file(path, check, unchecked=() if is_system else ("lock_dir",))
         if data is None:
             continue
         config.files.append(path)
         for key, value in data.items():
-            if key in RETIRED:
-                config.ignored.append(f"{path} sets {key}: IGNORED, it is retired: {RETIRED[key]}")
+            if key in retired:
+                config.ignored.append(f"{path} sets {key}: IGNORED, it is retired: {retired[key]}")
                 continue
             if key == "lock_dir" and not is_system:
                 config.ignored.append(
@@ -75,11 +75,11 @@ def load() -> Config:
     return config
 
 
-def read_file(path: str, unchecked=()) -> dict | None:
+def read_file(path: str, check, unchecked=()) -> dict | None:
     """Parsed and validated settings of one file (but the keys `unchecked`), None when it does
     not exist."""
     raw = _read_bytes(path)
-    return None if raw is None else _parse(path, raw, unchecked)
+    return None if raw is None else _parse(path, raw, check, unchecked)
 
 
 def _read_bytes(path: str) -> bytes | None:
@@ -96,7 +96,7 @@ def _read_bytes(path: str) -> bytes | None:
     return raw
 
 
-def _parse(path: str, raw: bytes, unchecked=()) -> dict:
+def _parse(path: str, raw: bytes, check, unchecked=()) -> dict:
     import tomllib
 
     try:
@@ -108,17 +108,10 @@ def _parse(path: str, raw: bytes, unchecked=()) -> dict:
     except RecursionError:
         raise ConfigError(f"{path}: nested too deeply") from None
     for key, value in data.items():
-        check = None if key in unchecked else validate(key, value)
-        if check:
-            raise ConfigError(f"{path}: line {_line_of(raw, key)}: {check}")
+        problem = None if key in unchecked else check(key, value)
+        if problem:
+            raise ConfigError(f"{path}: line {_line_of(raw, key)}: {problem}")
     return data
-
-
-def validate(key: str, value: object) -> str | None:
-    """None when the setting is valid, else the reason (the settings table judges)."""
-    from .settings import validate as check
-
-    return check(key, value)
 
 
 def _line_of(raw: bytes, key: str) -> int:
@@ -139,7 +132,7 @@ def parse_value(text: str):
         return text
 
 
-def set_value(key: str, text: str, *, system: bool) -> str:
+def set_value(key: str, text: str, *, system: bool, check) -> str:
     """Validate and write one setting; the file is left untouched on any error. Returns the path.
 
     The file is edited, not rewritten: its comments, spacing, quoting and order stay, and only the
@@ -149,14 +142,14 @@ def set_value(key: str, text: str, *, system: bool) -> str:
         raise ConfigError("lock_dir can only be set in the system file (--system): a per-user "
                           "lock root would split the gate")
     value = parse_value(text)
-    problem = validate(key, value)
+    problem = check(key, value)
     if problem:
         raise ConfigError(problem)
     path = system_file() if system else user_file()
     if not path:
         raise ConfigError("no user config path: HOME and XDG_CONFIG_HOME are unset")
     raw = _read_bytes(path)
-    data = {} if raw is None else _parse(path, raw)   # a file that does not parse stays as it is
+    data = {} if raw is None else _parse(path, raw, check)   # one that does not parse stays as it is
     data[key] = value
     text_out = _edited(raw.decode("utf-8") if raw else "", key, value)
     import tomllib

@@ -20,3 +20,8 @@ class RecordNotWritten(LanelockError):
 class UsageProblem(LanelockError):
     """Bad input found once the arguments are parsed (a malformed backend, store URL or
     fallback): exit 2, nothing runs."""
+
+
+class WouldBlock(LanelockError):
+    """A try-only take (an asyncio turn's first try, on the event loop) found the lane busy:
+    nothing was recorded; the caller waits elsewhere and tries again."""

@@ -43,7 +43,7 @@ def own_start_ticks() -> int | None:
     """This process's start time (clock ticks since boot): with the pid, it names us uniquely."""
     pid = os.getpid()
     if _CACHE.get("pid") != pid:   # a fork is another process
-        from .holders import start_ticks
+        from .proc import start_ticks
 
         _CACHE.update(pid=pid, start_ticks=start_ticks(pid))
     return _CACHE["start_ticks"]

@@ -18,7 +18,7 @@ import time
 
 from . import holder as holder_facts
 from . import handover, key, say
-from .errors import GateUnavailable, RecordNotWritten, UsageProblem
+from .errors import GateUnavailable, RecordNotWritten, UsageProblem, WouldBlock
 from .facts import boot_id, default_session, hostname, own_start_ticks, user_name, utc_now
 from .paths import Root, resolve_root
 from .settings import Settings, store_problem
@@ -33,11 +33,6 @@ CANCELLED = "cancelled"   # an asyncio turn whose task was cancelled while it wa
 REASON_BUSY = "local_backend_busy"
 ARGV_BUDGET = 4096   # characters of argv a holder record keeps (the readers' limit is 64 KiB)
 BUSY_WORDS = "local model in use by another session"
-
-class WouldBlock(Exception):
-    """A try-only acquire (an asyncio turn's first attempt, on the event loop) found the lane
-    busy: nothing was recorded, the caller waits elsewhere and tries again."""
-
 
 # In-process reentrancy: store ident -> (the thread or task holding it, its turn). flock conflicts
 # between two open file descriptions even inside one process, so the same thread nesting turns must

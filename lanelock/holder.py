@@ -7,7 +7,6 @@ import time
 
 from .facts import argv_text, boot_id, hostname
 from .say import sanitize
-from .store.sidecar import field
 
 # Keys of the holder facts; documented under JSON output in the README.
 RECORD_KEYS = ("pid", "session", "model", "user", "acquired_at", "released_at", "exit_status",
@@ -92,3 +91,15 @@ def seconds(value) -> str:
     minutes, rest = divmod(int(value), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{rest:02d}s"
+
+
+def field(record: dict | None, key: str, kind: type, default=None):
+    """record[key] if it has the expected type, else default (a lying sidecar cannot crash readers)."""
+    if not record:
+        return default
+    value = record.get(key, default)
+    if kind is int and isinstance(value, bool):
+        return default
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value if isinstance(value, kind) else default

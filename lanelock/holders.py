@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+from .proc import proc_stat, start_ticks, state   # noqa: F401 - holders.proc_stat, ... for readers
+
 PROC_LOCKS = "/proc/locks"
 
 
@@ -78,29 +80,6 @@ def holds_other_inode(pid: int, st: os.stat_result, inode: int | None = None) ->
                 and (inode is None or ino == inode):
             return ino
     return None
-
-
-def proc_stat(pid: int) -> tuple[int, int] | None:
-    """(ppid, start time in clock ticks since boot) of a live process; None when it is gone or a
-    zombie (a zombie's files, and so its locks, are already closed: it holds nothing)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            data = handle.read()
-    except (OSError, ValueError):
-        return None
-    # comm may hold spaces and parentheses: the fields start after the last ')'.
-    fields = data[data.rfind(b")") + 2:].split()
-    if not fields or fields[0] in (b"Z", b"X"):
-        return None
-    try:
-        return int(fields[1]), int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def start_ticks(pid: int) -> int | None:
-    found = proc_stat(pid)
-    return found[1] if found else None
 
 
 def still_running(record: dict) -> bool | None:
@@ -176,16 +155,6 @@ def stopped_process(pid: int) -> int | None:
     except (OSError, ValueError):
         children = []
     for candidate in (pid, *children):
-        if _state(candidate) in (b"T", b"t"):
+        if state(candidate) in (b"T", b"t"):
             return candidate
     return None
-
-
-def _state(pid: int) -> bytes | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            data = handle.read()
-    except OSError:
-        return None
-    fields = data[data.rfind(b")") + 2:].split()
-    return fields[0] if fields else None

@@ -325,3 +325,35 @@ def name_from_stem(stem: str) -> str | None:
     if host.startswith("[") and host.endswith("]"):
         host = host.replace("_", ":")
     return f"{host}:{port}" + (f"#{unquote(model)}" if model else "")
+
+
+def listen_address(text: str) -> tuple[str, int, bool]:
+    """(host, port, loopback) of a --listen value: HOST:PORT, [V6]:PORT, http://HOST:PORT (the URL
+    a client is given), or a bare PORT (127.0.0.1). IPv4 is read as everywhere in lanelock
+    (inet_aton: 127.1 is 127.0.0.1), so a spelling of loopback never asks for a token. Port 0
+    picks a free one (the startup line says which)."""
+    text = text.strip()
+    if text.lower().startswith("http://"):
+        text = text[len("http://"):].rstrip("/")
+    if text.isascii() and text.isdigit():
+        text = f"127.0.0.1:{text}"
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, _, port = text.rpartition(":")
+    if not host or "/" in text or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        from .errors import UsageProblem
+
+        raise UsageProblem(f"--listen {text!r}: expected HOST:PORT or a port (e.g. "
+                           "127.0.0.1:8089, 8089)")
+    if host.lower() == "localhost":
+        return "127.0.0.1", int(port), True
+    import ipaddress
+
+    number = inet_aton(host)
+    try:
+        address = ipaddress.ip_address(number if number is not None else host)
+    except ValueError:
+        return host, int(port), False
+    return str(address), int(port), address.is_loopback

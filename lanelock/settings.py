@@ -132,7 +132,7 @@ def _listen(value) -> str | None:
     if _text(value):
         return "HOST:PORT"
     from .errors import UsageProblem
-    from .proxy.serve import listen_address
+    from .key import listen_address
 
     try:
         listen_address(value)
@@ -253,7 +253,7 @@ class Settings:
         self.flags = {name: value for name, value in (flags or {}).items() if value is not None}
         if config is None:
             try:
-                config = config_files.load()
+                config = config_files.load(validate, RETIRED)
             except config_files.ConfigError as error:
                 config, config_error = config_files.Config(), str(error)
         self.config = config
@@ -296,7 +296,7 @@ class Settings:
 
 def effective() -> dict:
     """Every setting's value and source, for `config show` (ConfigError for a broken file)."""
-    settings = Settings(config=config_files.load())
+    settings = Settings(config=config_files.load(validate, RETIRED))
     rows = {}
     for setting in TABLE:
         value, source = settings.lookup(setting.name)
@@ -309,3 +309,8 @@ def effective() -> dict:
             source = f"default: {setting.shown}"
         rows[setting.name] = {"value": value, "source": source}
     return {"settings": rows, "files": settings.config.files, "ignored": settings.config.ignored}
+
+
+def set_value(key: str, text: str, *, system: bool) -> str:
+    """`config set`: validate KEY = TEXT against the table and write it (config.set_value)."""
+    return config_files.set_value(key, text, system=system, check=validate)

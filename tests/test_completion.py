@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from lanelock import completion
+from lanelock.cli import cli
 
 TOP = Path(__file__).resolve().parent.parent
 README = TOP / "README.md"
@@ -38,7 +39,7 @@ ANSI = re.compile(r"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07]*\x07|[()][0-9A-B]|[=>])")
 # -- the protocol, without a terminal -----------------------------------------------------------
 def candidates(line: str, shell: str = "zsh", word: str | None = None) -> list[tuple[str, ...]]:
     """(TYPE, VALUE, EXTRA) lines that `lanelock completion SHELL --complete LINE` prints."""
-    text = completion.answer(shell, line, word)
+    text = completion.answer(shell, line, word, group=cli)
     return [tuple(row.split("\t")) for row in text.splitlines()]
 
 

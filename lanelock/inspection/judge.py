@@ -20,7 +20,7 @@ import time
 
 from .. import holder as holder_facts
 from ..facts import boot_id, hostname
-from ..store.sidecar import field
+from ..holder import field
 
 FUTURE_SLACK = 300.0   # seconds a record's clock may run ahead before it counts as "from the future"
 

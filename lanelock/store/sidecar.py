@@ -18,6 +18,8 @@ import json
 import os
 import stat
 
+from ..holder import field   # noqa: F401 - sidecar.field, as the stores read it
+
 SCHEMA = 1
 MAX_BYTES = 64 * 1024
 # Every user of a lane writes its turns here (one root is shared by all users, and in a sticky
@@ -248,15 +250,3 @@ def _plain(value: object, depth: int = 0) -> bool:
     if kind is list and depth < 1:
         return len(value) <= 1024 and all(_plain(item, depth + 1) for item in value)
     return False
-
-
-def field(record: dict | None, key: str, kind: type, default=None):
-    """record[key] if it has the expected type, else default (a lying sidecar cannot crash readers)."""
-    if not record:
-        return default
-    value = record.get(key, default)
-    if kind is int and isinstance(value, bool):
-        return default
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    return value if isinstance(value, kind) else default
