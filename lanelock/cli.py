@@ -146,15 +146,9 @@ def run(**params):
 @click.option("--json", "json_", is_flag=True, help="Print the result as JSON.")
 def probe(backend, lock_dir, model, key_by, store, json_):
     """Is the lane free? Exit 0 free, 1 busy, 2 error. Takes and drops the lock at once."""
-    from .errors import GateUnavailable
     from .inspection import render
 
-    gate = strict_gate(backend, lock_dir, model, key_by, store=store)
-    try:
-        result = gate.probe()
-    except GateUnavailable as error:
-        render.fail(str(error))
-        return exitcodes.USAGE
+    result = strict_gate(backend, lock_dir, model, key_by, store=store).probe()
     render.probe(result, json_)
     return exitcodes.PROBE_BUSY if result["state"] == "busy" else exitcodes.OK
 
@@ -210,14 +204,7 @@ def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
             return exitcodes.OK   # its reader went away: not an error
         except KeyboardInterrupt:
             return exitcodes.OK
-        except GateUnavailable as error:
-            render.fail(str(error))
-            return exitcodes.USAGE
-    try:
-        results = fetch()
-    except GateUnavailable as error:
-        render.fail(str(error))
-        return exitcodes.USAGE
+    results = fetch()
     render.status(results, json_, notes=notes)
     ungated = broken or (gate.gated or all_lanes) and any(
         result["gate"] == "unavailable" for result in results)
@@ -253,7 +240,6 @@ def _other_keyings(gate, statuses) -> list[str]:
 @click.option("--json", "json_", is_flag=True, help="Print the events and summary as JSON.")
 def history(backend, lock_dir, model, key_by, store, since, json_):
     """The lane's journal: local turns, deflections, waits, the way back."""
-    from .errors import GateUnavailable
     from .inspection import history as lane_history
     from .inspection import render
 
@@ -264,11 +250,7 @@ def history(backend, lock_dir, model, key_by, store, since, json_):
         raise click.UsageError(str(error)) from None
     for note in lane_notes(gate):
         render.warn(note)
-    try:
-        data = lane_history.from_events(*gate.store.events(gate.lane, cutoff))
-    except GateUnavailable as error:
-        render.fail(str(error))
-        return exitcodes.USAGE
+    data = lane_history.from_events(*gate.store.events(gate.lane, cutoff))
     rows = lane_history.timeline(data["events"]) if not json_ else []
     render.history(data, gate.lane.name, json_, rows)
     return exitcodes.OK
@@ -283,7 +265,6 @@ def history(backend, lock_dir, model, key_by, store, since, json_):
 def metrics(backend, lock_dir, model, key_by, store, all_lanes, textfile):
     """The lanes in the Prometheus text format: holders and waiters now, turns and hold times
     so far (counters that never go backwards)."""
-    from .errors import GateUnavailable
     from .inspection import render
 
     if all_lanes and backend:
@@ -300,11 +281,7 @@ def metrics(backend, lock_dir, model, key_by, store, all_lanes, textfile):
     gate = strict_gate(backend, lock_dir, model, key_by, store=store)
     for note in lane_notes(gate, all_lanes):
         render.warn(note)
-    try:
-        scraped = lanes_fetch(gate.store, None if all_lanes else gate.lane)()
-    except GateUnavailable as error:
-        render.fail(str(error))
-        return exitcodes.USAGE
+    scraped = lanes_fetch(gate.store, None if all_lanes else gate.lane)()
     for note in counts_problems(scraped[0]):
         render.warn(note)
     data = exposition(LaneCollector(lambda: scraped))
@@ -549,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _click_main(argv: list[str] | None):
     from . import guard
+    from .errors import GateUnavailable
 
     try:
         return cli.main(args=argv, prog_name="lanelock", standalone_mode=False)
@@ -564,6 +542,11 @@ def _click_main(argv: list[str] | None):
         return guard.usage(error.format_message(), error.ctx.command_path if error.ctx else "")
     except click.UsageError as error:
         return guard.usage(error.format_message(), error.ctx.command_path if error.ctx else "")
+    except GateUnavailable as error:   # a read command could not read the lane: one line, 2
+        from . import say
+
+        say.error(str(error))
+        return exitcodes.USAGE
     except click.ClickException as error:
         from . import say
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 
 from . import config as config_files
+from . import exitcodes
+from .key import DEFAULT_BACKEND
 
 
 class Setting:
@@ -157,9 +159,7 @@ def _cheap_paths(value) -> str | None:
 
 
 DEFAULT_LISTEN = "127.0.0.1:8089"
-DEFAULT_BACKEND = "127.0.0.1:8080"
 DEFAULT_GRACE = 0.05   # seconds: long enough to ride out a probe, short enough to be invisible
-BUSY_EXIT = 75         # exitcodes.BUSY (EX_TEMPFAIL)
 JOURNAL_MAX_BYTES = 1 << 20
 
 TABLE = (
@@ -187,7 +187,7 @@ TABLE = (
     Setting("wait", flags=("--wait", "-w"), kind="optional-seconds", default=0, check=_seconds,
             metavar="[SECONDS]",
             help="Block in the kernel until the lane is free (up to SECONDS), then fall back."),
-    Setting("busy_exit_code", flags=("--busy-exit-code", "-E"), kind="exit", default=BUSY_EXIT,
+    Setting("busy_exit_code", flags=("--busy-exit-code", "-E"), kind="exit", default=exitcodes.BUSY,
             check=_exit_code, metavar="N", help="Exit status when busy and no fallback ran."),
     Setting("grace", flags=("--grace",), kind="seconds", default=DEFAULT_GRACE, check=_seconds,
             metavar="SECONDS", help="Wait this long in the kernel before deflecting."),
