@@ -128,6 +128,13 @@ async def release(turn, exit_status) -> None:
     await _finished(asyncio.ensure_future(asyncio.to_thread(turn.release, exit_status)))
 
 
+async def settle(turn, outcome: str | None = None) -> None:
+    """turn.settle() off the loop: counting is store work (a lock on the counts file, a
+    PostgreSQL round trip) that must not stall the other tasks."""
+    if turn.unsettled:
+        await _finished(asyncio.ensure_future(asyncio.to_thread(turn.settle, outcome)))
+
+
 def _settle(future, result, error) -> None:
     if future.done():
         return

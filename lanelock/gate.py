@@ -25,7 +25,7 @@ from .settings import Settings, store_problem
 from .store import for_settings, sidecar
 
 __all__ = ["Gate", "Turn", "describe_holder", "HELD", "DEFLECTED", "UNGATED", "FAIL_OPEN",
-           "RELEASED", "REASON_BUSY", "BUSY_WORDS"]
+           "RELEASED", "REASON_BUSY", "BUSY_WORDS", "busy_sentence"]
 
 # A turn's states (LANELOCK_STATE, turn.state, the proxy's X-Lanelock-State).
 HELD, DEFLECTED, UNGATED, FAIL_OPEN, RELEASED = "held", "deflected", "ungated", "fail-open", "released"
@@ -33,6 +33,12 @@ CANCELLED = "cancelled"   # an asyncio turn whose task was cancelled while it wa
 REASON_BUSY = "local_backend_busy"
 ARGV_BUDGET = 4096   # characters of argv a holder record keeps (the readers' limit is 64 KiB)
 BUSY_WORDS = "local model in use by another session"
+
+
+def busy_sentence(who: str, then: str | None = None) -> str:
+    """The one line every deflection prints (run and proxy alike), and its reason's words:
+    'local_backend_busy: local model in use by another session (WHO); THEN'."""
+    return f"{REASON_BUSY}: {BUSY_WORDS} ({who})" + (f"; {then}" if then else "")
 
 # In-process reentrancy: store ident -> (the thread or task holding it, its turn). flock conflicts
 # between two open file descriptions even inside one process, so the same thread nesting turns must
@@ -73,6 +79,15 @@ class Gate:
         self.store.warn = warn   # what a store says but never decides on (a count not added)
         self.lane = self.store.qualify(self.lane)
         self.paths = self.store.locate(self.lane)
+
+    def sibling(self, backend: str, model: str | None = None) -> "Gate":
+        """The gate of another backend's lane (a fallback engine), read with this gate's settings:
+        the same files, lock root and store, so both lanes live side by side. BackendError or
+        UsageProblem for a malformed backend."""
+        flags = self.settings.flags
+        return Gate(settings=self.settings.derive(
+            backend=backend, model=model, lock_dir=flags.get("lock_dir"), store=flags.get("store")),
+            warn=self.warn)
 
     @property
     def lock_path(self) -> str:
@@ -237,10 +252,10 @@ class Turn:
         return await acquire(self)
 
     async def __aexit__(self, kind, value, traceback) -> None:
-        from .asyncturn import release
+        from .asyncturn import release, settle
 
         await release(self, None if kind else 0)
-        self.settle()
+        await settle(self)
 
     # -- acquiring -------------------------------------------------------------------------------
     # A turn is taken in two steps: take() gets the lock (or learns the lane is busy) and records
@@ -487,6 +502,11 @@ class Turn:
             return
         self._stopped_at = utc_now() if stopped else None
         self._write_sidecar(self._record())
+
+    @property
+    def unsettled(self) -> bool:
+        """A deflected turn whose outcome is not counted yet (settle() has store work to do)."""
+        return not self._settled and self.state == DEFLECTED
 
     def settle(self, outcome: str | None = None) -> None:
         """Count a deflected turn's outcome once, for the metrics: 'deflected' when a fallback

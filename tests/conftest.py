@@ -19,6 +19,7 @@ import fcntl
 import io
 import os
 import select
+import re
 import shutil
 import signal
 import stat
@@ -658,6 +659,48 @@ def holder(procs, tmp_path):
                 held.release()
             except (subprocess.TimeoutExpired, OSError):
                 pass   # procs kills it
+
+
+# -- a server that says when it listens ---------------------------------------------------------------
+class Server:
+    """A process that says on stderr when it listens (a regex with the port as group 1); the rest
+    of its stderr is drained by a thread so it can never block on a full pipe."""
+
+    def __init__(self, procs, argv, listening: str, env=None):
+        self.proc = procs.start(argv, env=environ(env), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+        self.lines: list[str] = []
+        pattern = re.compile(listening)
+        while True:
+            line = read_line(self.proc.stderr)
+            if not line:
+                self.proc.wait(timeout=TIMEOUT)
+                raise AssertionError(f"{argv[0]} exited {self.proc.returncode}: {self.lines}")
+            self.lines.append(line)
+            found = pattern.search(line)
+            if found:
+                break
+        self.found = found
+        self.port = int(found.group(1))
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        for raw in iter(self.proc.stderr.readline, b""):
+            self.lines.append(raw.decode(errors="replace"))
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self, signo=signal.SIGTERM) -> int:
+        """Signal the server, wait for it and for the end of its stderr; its exit status."""
+        self.proc.send_signal(signo)
+        return self.wait()
+
+    def wait(self) -> int:
+        status = self.proc.wait(timeout=TIMEOUT)
+        self._reader.join(TIMEOUT)
+        return status
 
 
 # -- a PostgreSQL server (the lane-store tests) --------------------------------------------------------

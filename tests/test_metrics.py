@@ -28,7 +28,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import select
 import shutil
 import signal
@@ -44,7 +43,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import (LANE, LANELOCK, STEM, TIMEOUT, cli_in_process, environ, is_waiting,
+from conftest import (LANE, LANELOCK, STEM, TIMEOUT, Server, cli_in_process, is_waiting,
                       json_of, read_line, wait_for)
 from lanelock import __version__ as lanelock_version
 
@@ -209,36 +208,6 @@ def outcomes(**counts) -> dict[str, int]:
 
 
 # -- servers ----------------------------------------------------------------------------------
-class Server:
-    """A process that says on stderr when it listens (a regex with the port as group 1); the rest
-    of its stderr is drained by a thread so it can never block on a full pipe."""
-
-    def __init__(self, procs, argv, listening: str, env=None):
-        self.proc = procs.start(argv, env=environ(env), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
-        self.lines: list[str] = []
-        pattern = re.compile(listening)
-        while True:
-            line = read_line(self.proc.stderr)
-            if not line:
-                self.proc.wait(timeout=TIMEOUT)
-                raise AssertionError(f"{argv[0]} exited {self.proc.returncode}: {self.lines}")
-            self.lines.append(line)
-            found = pattern.search(line)
-            if found:
-                break
-        self.port = int(found.group(1))
-        self._reader = threading.Thread(target=self._drain, daemon=True)
-        self._reader.start()
-
-    def _drain(self) -> None:
-        for raw in iter(self.proc.stderr.readline, b""):
-            self.lines.append(raw.decode(errors="replace"))
-
-    def log(self) -> str:
-        return "".join(self.lines)
-
-
 def engine(procs, name="stand-in", delay=0.05) -> int:
     """The stand-in engine in its own process; its port."""
     proc = procs.start([PYTHON, "-c", ENGINE_SCRIPT, str(delay), name], stdout=subprocess.PIPE)

@@ -20,13 +20,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, environ, is_waiting, read_line, wait_for
+from conftest import LANELOCK, TIMEOUT, Server, is_waiting, read_line, wait_for
 from lanelock import Gate, holders
 
 pytest.importorskip("aiohttp")
@@ -130,45 +129,18 @@ class Recorder:
         return seen
 
 
-class Proxy:
+class Proxy(Server):
     """`lanelock proxy --listen 127.0.0.1:0 -b BACKEND ARGS`, started when its startup line has
-    been read from its stderr pipe; the rest of its stderr is collected by a thread."""
+    been read from its stderr pipe (conftest's Server); the rest of its stderr is collected."""
 
     def __init__(self, procs, backend: str, *args, env=None):
-        argv = [*LANELOCK, "proxy", "--listen", "127.0.0.1:0", "-b", backend, *map(str, args)]
-        self.proc = procs.start(argv, env=environ(env), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
-        self.lines: list[str] = []
-        while True:
-            line = read_line(self.proc.stderr)
-            if not line:
-                self.proc.wait(timeout=TIMEOUT)
-                raise AssertionError(f"proxy exited {self.proc.returncode}: {self.lines}")
-            self.lines.append(line)
-            found = LISTENING.search(line)
-            if found:
-                break
-        self.port, self.lane = int(found.group(1)), found.group(3)
+        super().__init__(procs, [*LANELOCK, "proxy", "--listen", "127.0.0.1:0", "-b", backend,
+                                 *map(str, args)], LISTENING.pattern, env=env)
+        self.lane = self.found.group(3)
         self.url = f"http://127.0.0.1:{self.port}"
-        self._reader = threading.Thread(target=self._collect, daemon=True)
-        self._reader.start()
-
-    def _collect(self) -> None:
-        for raw in iter(self.proc.stderr.readline, b""):
-            self.lines.append(raw.decode())
-
-    def stop(self, signo=signal.SIGTERM) -> int:
-        """Signal the proxy, wait for it and for the end of its stderr; its exit status."""
-        self.proc.send_signal(signo)
-        return self.wait()
-
-    def wait(self) -> int:
-        status = self.proc.wait(timeout=TIMEOUT)
-        self._reader.join(TIMEOUT)
-        return status
 
     def stderr(self) -> str:
-        return "".join(self.lines)
+        return self.log()
 
 
 # -- clients -----------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ import time
 from aiohttp import web
 
 from .. import asyncturn
-from ..gate import BUSY_WORDS, DEFLECTED, FAIL_OPEN, HELD, REASON_BUSY, UNGATED, Gate
+from ..gate import (BUSY_WORDS, DEFLECTED, FAIL_OPEN, HELD, REASON_BUSY, UNGATED, Gate,
+                    busy_sentence)
 from ..holder import words as holder_words
 from . import dialects
 from .relay import Unreachable, error_response, relay, request_headers
@@ -274,20 +275,20 @@ class Proxy:
                 response = await self._url_fallback(request, path_qs, body, fields, fallback,
                                                     index, who, failures)
             if response is not None:
-                turn.settle("deflected")
+                await asyncturn.settle(turn, "deflected")
                 return response
-        turn.settle("busy")
+        await asyncturn.settle(turn, "busy")
         failed = "; ".join(failures)
-        self.say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}); "
-                      + (f"every fallback failed ({failed})" if failed else
-                         f"no fallback for {request.method} {path_qs.partition('?')[0][:200]}")
-                      + f": {dialect.busy_status}")
+        self.say.note(busy_sentence(who, (f"every fallback failed ({failed})" if failed else
+                                          f"no fallback for {request.method} "
+                                          f"{path_qs.partition('?')[0][:200]}")
+                                    + f": {dialect.busy_status}"))
         message = f"{BUSY_WORDS} ({who})" + (f"; {failed}" if failed else "")
         status, payload = dialects.busy_answer(dialect, REASON_BUSY, message)
         response = web.Response(status=status, body=payload, content_type="application/json")
         response.headers[STATE] = BUSY
         response.headers[REASON] = REASON_BUSY
-        response.headers["Retry-After"] = str(self._retry_after(turn.holder))
+        response.headers["Retry-After"] = str(await self._retry_after(turn.holder))
         return response
 
     async def _url_fallback(self, request, path_qs, body, fields, fallback, index, who,
@@ -305,8 +306,7 @@ class Proxy:
             for credential in ("Authorization", "x-api-key"):
                 if credential in request.headers:
                     headers[credential] = request.headers[credential]
-        self.say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}); deflecting to fallback {index}: "
-                      f"{fallback.url}")
+        self.say.note(busy_sentence(who, f"deflecting to fallback {index}: {fallback.url}"))
         try:
             return await relay(self.client, request, url, body, headers,
                                {STATE: DEFLECTED, REASON: REASON_BUSY},
@@ -319,10 +319,7 @@ class Proxy:
     async def _local_fallback(self, request, path_qs, body, fallback, index, who, failures):
         gate = self.fallback_gates.get(fallback.backend)
         if gate is None:
-            gate = self.fallback_gates[fallback.backend] = Gate(
-                settings=self.gate.settings.derive(
-                    backend=fallback.backend, lock_dir=self.gate.settings.flags.get("lock_dir"),
-                    store=self.gate.settings.flags.get("store")), warn=self.gate.warn)
+            gate = self.fallback_gates[fallback.backend] = self.gate.sibling(fallback.backend)
         if gate.gated and gate.lock_path == self.gate.lock_path:
             return None
         path = path_qs.partition("?")[0][:200]
@@ -336,8 +333,8 @@ class Proxy:
                               f"lane ({holder_words(turn.holder)})")
                 failures.append(f"fallback {index} @{fallback.backend} is busy")
                 return None
-            self.say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}); deflecting to fallback "
-                          f"{index}: @{fallback.backend}")
+            self.say.note(busy_sentence(who, f"deflecting to fallback {index}: "
+                                             f"@{fallback.backend}"))
             from ..key import origin
 
             try:
@@ -358,10 +355,12 @@ class Proxy:
     def _drop(self) -> tuple:
         return ("authorization",) if self.options.token else ()
 
-    def _retry_after(self, holder: dict | None) -> int:
+    async def _retry_after(self, holder: dict | None) -> int:
         """Seconds until the lane is likely free: a typical turn's length (this proxy's recent
-        ones, else the lane's journal) less how long the holder has held it; at least 1."""
-        typical = _median(self.recent) if self.recent else self._journal_typical()
+        ones, else the lane's journal, read off the loop) less how long the holder has held it;
+        at least 1."""
+        typical = _median(self.recent) if self.recent else \
+            await asyncio.to_thread(self._journal_typical)
         held_for = (holder or {}).get("held_for") or 0.0
         if typical is None:
             return 1

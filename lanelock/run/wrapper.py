@@ -11,7 +11,7 @@ import os
 
 from .. import exitcodes, key
 from ..errors import UsageProblem
-from ..gate import BUSY_WORDS, DEFLECTED, HELD, REASON_BUSY, UNGATED, Gate, Turn
+from ..gate import DEFLECTED, HELD, UNGATED, Gate, Turn, busy_sentence
 from ..holder import words as holder_words
 from ..say import Say
 from ..settings import Settings
@@ -164,8 +164,7 @@ def _deflect(gate: Gate, turn: Turn, options: Options, say: Say) -> int:
     who = holder_words(turn.holder)
     waited = f", waited {turn.waited:.2f}s" if options.verbose or options.wait else ""
     if not options.fallbacks:
-        say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}{waited}); no fallback, "
-                 f"exit {options.busy_exit_code}")
+        say.note(busy_sentence(who + waited, f"no fallback, exit {options.busy_exit_code}"))
         turn.settle("busy")
         return options.busy_exit_code
     for index, entry in enumerate(options.fallbacks, 1):
@@ -173,8 +172,7 @@ def _deflect(gate: Gate, turn: Turn, options: Options, say: Say) -> int:
         if skip:
             say.note(f"fallback {index} skipped: {skip}")
             continue
-        say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}{waited}); deflecting to fallback "
-                 f"{index}: {entry.text}")
+        say.note(busy_sentence(who + waited, f"deflecting to fallback {index}: {entry.text}"))
         changes = env_changes(turn, fallback_turn, index)
         outcome = _run(list(entry.argv), changes, options, say, fallback_turn)
         if outcome is None or outcome.error:
@@ -185,8 +183,7 @@ def _deflect(gate: Gate, turn: Turn, options: Options, say: Say) -> int:
         runner.reraise_terminal_signal(outcome)
         return outcome.exit_code
     turn.settle("busy")
-    say.note(f"{REASON_BUSY}: {BUSY_WORDS} ({who}); no fallback could run, "
-             f"exit {options.busy_exit_code}")
+    say.note(busy_sentence(who, f"no fallback could run, exit {options.busy_exit_code}"))
     return options.busy_exit_code
 
 
@@ -197,10 +194,7 @@ def _fallback_gate(primary: Gate, entry: Entry, options: Options) -> tuple[Turn 
     from ..key import BackendError
 
     try:
-        gate = Gate(settings=options.settings.derive(
-            backend=entry.backend, model=options.model,
-            lock_dir=options.settings.flags.get("lock_dir"),
-            store=options.settings.flags.get("store")), warn=primary.warn)
+        gate = primary.sibling(entry.backend, model=options.model)
     except (BackendError, UsageProblem) as error:   # parse() checks entries; a config chain could still slip by
         return None, str(error)
     if not gate.gated:
