@@ -99,15 +99,16 @@ async def _take_without_a_thread(turn) -> None:
         turn.take()
         return
     try:
-        for _ in range(3):
-            waiting = await _off_loop(turn.prepare)
+        replaced = 0   # prepare() gives up once the lock file was replaced 3 times
+        while True:
+            waiting = await _off_loop(turn.prepare, False, replaced)
             if waiting is None:
                 return
             handle, ident, timeout = waiting
             got = await gate.store.wait_lock_async(handle, timeout)
             if await _off_loop(turn.conclude, handle, ident, got):
                 return
-        raise GateUnavailable(f"lock file {gate.lock_path} keeps being replaced")
+            replaced += 1
     except GateUnavailable as error:
         turn.fail_open(str(error))
 

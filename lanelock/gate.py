@@ -317,15 +317,16 @@ class Turn:
             self.gate.store.cancel_wait(handle)
 
     def _take_gated(self, try_only: bool) -> None:
-        for _ in range(3):
-            waiting = self.prepare(try_only)
+        replaced = 0   # prepare() gives up once the lock file was replaced 3 times
+        while True:
+            waiting = self.prepare(try_only, replaced)
             if waiting is None:
                 return
             handle, ident, timeout = waiting
             got = self.gate.store.wait_lock(handle, timeout, self._cancel)
             if self.conclude(handle, ident, got):
                 return
-        raise GateUnavailable(f"lock file {self.gate.lock_path} keeps being replaced")
+            replaced += 1
 
     # prepare() and conclude() are take()'s steps before and after the wait, for a caller that
     # waits its own way (asyncturn.py: an asyncio task waits without a thread).

@@ -26,7 +26,7 @@ import os
 import signal
 import time
 
-from .. import exitcodes
+from .. import exitcodes, proc
 from . import launch
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
@@ -326,7 +326,7 @@ def _supervise(pid: int, watched: set, kill_after: float | None, on_stop=None) -
             tty_signal = info.si_signo   # the child is in our foreground group and got it too
         else:
             _kill(pid, info.si_signo)
-        if info.si_signo in ENDING and _stopped(pid):
+        if info.si_signo in ENDING and proc.state(pid) == b"T":   # not t: a tracer's stop
             # A stopped command cannot act on the signal: it would keep the lane until someone
             # resumes it. Continue it so it ends (as kill(1) users and systemd do: TERM, then CONT).
             _kill(pid, signal.SIGCONT)
@@ -347,16 +347,6 @@ def _group_got_it(child: int, signo: int) -> bool:
         return os.getpgid(child) == os.getpgrp()
     except OSError:
         return False
-
-
-def _stopped(pid: int) -> bool:
-    """Is the child stopped by a signal (state T; a ptrace stop, t, is the tracer's business)?"""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            data = handle.read()
-    except OSError:
-        return False
-    return data[data.rfind(b")") + 2:][:1] == b"T"
 
 
 def _kill(pid: int, signo: int) -> None:

@@ -85,17 +85,24 @@ def _wait_in_thread(handle, timeout: float | None, wake=None) -> bool:
     slot = _Slot(wake if wake is not None else threading.Event())
     waiter = _Waiter.join(handle, slot)
     slot.event.wait(timeout)
+    return _claim(waiter, slot, handle)
+
+
+def _claim(waiter, slot, handle) -> bool:
+    """After the wait: take the lock the waiter handed this slot (into handle.fd), or leave the
+    queue for good. Under the waiter's guard, so a hand-off and a give-up never cross."""
     with waiter.guard:
-        if slot.fd is not None:
+        got = slot.fd is not None
+        if got:
             os.close(handle.fd)
             handle.fd = slot.fd
-            return True
-        slot.abandoned = True
-        if slot in waiter.queue:
-            waiter.queue.remove(slot)
-    if slot.error is not None:
+        else:
+            slot.abandoned = True
+            if slot in waiter.queue:
+                waiter.queue.remove(slot)
+    if not got and slot.error is not None:
         raise slot.error
-    return False
+    return got
 
 
 async def wait_async(handle, timeout: float | None) -> bool:
@@ -112,19 +119,13 @@ async def wait_async(handle, timeout: float | None) -> bool:
         await asyncio.wait_for(asyncio.shield(woken), timeout)
     except asyncio.TimeoutError:
         pass
-    finally:
-        with waiter.guard:
-            got = slot.fd is not None
-            if got:
-                os.close(handle.fd)
-                handle.fd = slot.fd
-            else:
-                slot.abandoned = True
-                if slot in waiter.queue:
-                    waiter.queue.remove(slot)
-    if slot.error is not None:
-        raise slot.error
-    return got
+    except asyncio.CancelledError:
+        try:   # a lock handed over just now goes to handle.fd, for the caller to let go
+            _claim(waiter, slot, handle)
+        except OSError:
+            pass   # the waiter failed too: the cancellation is what the caller hears
+        raise
+    return _claim(waiter, slot, handle)
 
 
 class _LoopEvent:
