@@ -14,6 +14,8 @@ import asyncio
 import json
 import os
 import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -260,9 +262,11 @@ def test_a_wait_cancelled_as_the_lane_frees_is_never_journaled_as_a_turn(procs, 
     assert acquired == sorted(ran)
 
 
-def loop_lag_while_turns_run(gate, tasks: int = 50) -> list[float]:
+def loop_lag_while_turns_run(gate, tasks: int = 50, samples: int = 1000) -> list[float]:
     """Lags (seconds) of a 1 ms ticker while `tasks` tasks take the lane one after another and as
-    many more find it busy and deflect (and settle their counts)."""
+    many more find it busy and deflect (and settle their counts), round after round until the
+    ticker has `samples` lags: a p99 of a hundred ticks is their maximum, one scheduler hiccup of
+    a loaded machine (CI saw one of 81 ms), while a store call on the loop would lag every turn."""
     lags: list[float] = []
 
     async def ticker(stop):
@@ -285,14 +289,104 @@ def loop_lag_while_turns_run(gate, tasks: int = 50) -> list[float]:
         stop = asyncio.Event()
         tick = asyncio.ensure_future(ticker(stop))
         await asyncio.sleep(0.01)
-        results = await asyncio.gather(*[taking(i) for i in range(tasks)],
-                                       *[deflecting(i) for i in range(tasks)])
+        for _ in range(100):   # rounds; a bound so a stalled ticker cannot loop forever
+            results = await asyncio.gather(*[taking(i) for i in range(tasks)],
+                                           *[deflecting(i) for i in range(tasks)])
+            if len(lags) >= samples:
+                break
         stop.set()
         await tick
         return results
 
     asyncio.run(main())
     return lags
+
+
+STALL = 1.0   # seconds another process keeps the lane's counts locked
+
+
+def counts_held_by_another_process(gate, procs, store: str, request):
+    """Lock the lane's counts where the store keeps them, from another process, until the
+    returned function is called: every count (a release, a deflected turn's settle) waits."""
+    if store == "flock":
+        path = gate.lock_path[:-len(".lock")] + ".counts"
+        holder = procs.start(["flock", path, "sh", "-c", "echo ready; read go"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    else:
+        dsn = request.getfixturevalue("postgres").dsn
+        script = ("import sys, psycopg\n"
+                  "conn = psycopg.connect(sys.argv[1])\n"
+                  "conn.execute('SELECT counts FROM lanelock_counts WHERE lane = %s FOR UPDATE',"
+                  " (sys.argv[2],)).fetchone()\n"
+                  "print('ready', flush=True)\n"
+                  "sys.stdin.readline()\n"
+                  "conn.rollback()\n")
+        holder = procs.start([sys.executable, "-c", script, dsn, gate.lane.name],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert holder.stdout.readline() == b"ready\n"
+
+    def let_go():
+        holder.stdin.write(b"go\n")
+        holder.stdin.close()
+        holder.wait(TIMEOUT)
+
+    return let_go
+
+
+@pytest.mark.parametrize("store", ["flock", "postgresql"])
+def test_a_stalled_store_stalls_threads_never_the_loop(store, request, monkeypatch, procs):
+    """Issue 25, the decisive form of the lag test: another process keeps the lane's counts
+    locked for a second while tasks take turns, release (which counts) and deflect (and settle
+    their counts). A store call on the loop would freeze the ticker for the whole second; here
+    the ticker never lags by even a quarter of it, and every turn finishes once the lock goes."""
+    if store == "postgresql":
+        monkeypatch.setenv("LANELOCK_STORE", request.getfixturevalue("postgres").dsn)
+        backend = f"127.0.0.1:{20000 + (os.getpid() + 1) % 20000}"
+    else:
+        backend = BACKEND
+    gate = Gate(backend, warn=lambda message: pytest.fail(f"the gate failed open: {message}"))
+    with gate.turn(session="first"):   # the counts exist before anyone locks them
+        pass
+    let_go = counts_held_by_another_process(gate, procs, store, request)
+    lags: list[float] = []
+    tasks = 10
+
+    async def ticker(stop):
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            before = loop.time()
+            await asyncio.sleep(0.001)
+            lags.append(loop.time() - before - 0.001)
+
+    async def taking(index):
+        async with gate.turn(session=f"stall-{index}", wait=None) as turn:
+            return turn.state
+
+    async def deflecting(index):
+        async with gate.turn(session=f"stalled-{index}", wait=0) as turn:
+            return turn.state
+
+    async def main():
+        stop = asyncio.Event()
+        tick = asyncio.ensure_future(ticker(stop))
+        timer = threading.Timer(STALL, let_go)
+        timer.start()
+        try:
+            started = time.monotonic()
+            results = await asyncio.gather(*[taking(i) for i in range(tasks)],
+                                           *[deflecting(i) for i in range(tasks)])
+            took = time.monotonic() - started
+        finally:
+            await asyncio.to_thread(timer.join)
+            stop.set()
+            await tick
+        return results, took
+
+    results, took = asyncio.run(main())
+    assert results[:tasks] == ["held"] * tasks
+    assert set(results[tasks:]) <= {"held", "deflected"}
+    assert took >= STALL * 0.9, "the turns never waited for the counts: the stall proved nothing"
+    assert max(lags) < STALL / 4, f"the loop froze for {max(lags) * 1000:.0f} ms"
 
 
 def p99(values: list[float]) -> float:
@@ -303,8 +397,11 @@ def p99(values: list[float]) -> float:
 @pytest.mark.parametrize("store", ["flock", "postgresql"])
 def test_the_event_loop_never_waits_for_the_store(store, request, monkeypatch):
     """Issue 25: settling a deflected turn's count and the proxy's Retry-After ran store work on
-    the loop. 50 tasks (20 on PostgreSQL) take turns and as many deflect while a 1 ms ticker measures the loop's lag: its
-    p99 stays under 20 ms (a bound, not a figure: bench/ has none of this)."""
+    the loop. 50 tasks (20 on PostgreSQL) take turns and as many deflect, round after round, while
+    a 1 ms ticker measures the loop's lag over 1,000 ticks: p99 under 30 ms. Measured on the 2-core
+    machine: 8-10 ms idle, 16 ms beside two busy loops; what remains is the GIL shared with the
+    thread pool (the same pool doing plain JSON work instead: p99 80 ms). The stall test below is
+    the decisive one; this one keeps the figure in sight (a bound, not a benchmark)."""
     if store == "postgresql":
         monkeypatch.setenv("LANELOCK_STORE", request.getfixturevalue("postgres").dsn)
         backend = f"127.0.0.1:{20000 + os.getpid() % 20000}"
@@ -313,5 +410,5 @@ def test_the_event_loop_never_waits_for_the_store(store, request, monkeypatch):
     gate = Gate(backend, warn=lambda message: pytest.fail(f"the gate failed open: {message}"))
     # Each PostgreSQL turn holds a server connection: 20 + 20 stay within the server's limit.
     lags = loop_lag_while_turns_run(gate, 50 if store == "flock" else 20)
-    assert len(lags) > 20
-    assert p99(lags) < 0.020, f"p99 loop lag {p99(lags) * 1000:.1f} ms, max {max(lags) * 1000:.1f} ms"
+    assert len(lags) >= 1000
+    assert p99(lags) < 0.030, f"p99 loop lag {p99(lags) * 1000:.1f} ms, max {max(lags) * 1000:.1f} ms"
