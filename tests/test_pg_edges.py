@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import select
-import shutil
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import uuid
 import pytest
 
 from conftest import LANELOCK, TIMEOUT, environ, read_line
+from netns import namespace, reachable_server  # noqa: F401
 
 pg_server = pytest.importorskip("pg_server")
 psycopg = pytest.importorskip("psycopg")
@@ -96,64 +96,6 @@ def test_where_states_the_bound_for_a_vanished_host(postgres, run_cmd):
 
 
 # -- a holder whose host vanishes -----------------------------------------------------------------
-class Namespace:
-    """A test host: a network namespace joined to this one by a veth pair (10.213.x.0/30)."""
-
-    def __init__(self):
-        tag = uuid.uuid4().hex[:6]
-        self.name, self.outer, self.inner = f"ll{tag}", f"llh{tag}", f"lln{tag}"
-        self.host_ip, self.ns_ip = "10.213.77.1", "10.213.77.2"
-
-    def up(self) -> "Namespace":
-        for argv in (["ip", "netns", "add", self.name],
-                     ["ip", "link", "add", self.outer, "type", "veth", "peer", "name", self.inner],
-                     ["ip", "link", "set", self.inner, "netns", self.name],
-                     ["ip", "addr", "add", f"{self.host_ip}/30", "dev", self.outer],
-                     ["ip", "link", "set", self.outer, "up"],
-                     ["ip", "netns", "exec", self.name, "ip", "addr", "add", f"{self.ns_ip}/30",
-                      "dev", self.inner],
-                     ["ip", "netns", "exec", self.name, "ip", "link", "set", self.inner, "up"],
-                     ["ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up"]):
-            subprocess.run(argv, check=True, capture_output=True, timeout=TIMEOUT)
-        return self
-
-    def cut(self) -> None:
-        subprocess.run(["ip", "link", "set", self.outer, "down"], check=True, timeout=TIMEOUT)
-
-    def down(self) -> None:
-        subprocess.run(["ip", "link", "del", self.outer], capture_output=True, timeout=TIMEOUT)
-        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=TIMEOUT)
-
-
-@pytest.fixture
-def namespace():
-    if shutil.which("ip") is None or os.geteuid() != 0:
-        pytest.skip("needs root and iproute2 for a network namespace")
-    ns = Namespace()
-    try:
-        ns.up()
-    except subprocess.CalledProcessError as error:
-        ns.down()
-        pytest.skip(f"cannot make a network namespace here: {error.stderr!r}")
-    yield ns
-    ns.down()
-
-
-@pytest.fixture
-def reachable_server(namespace, lock_roots):
-    """A server that also listens on the veth address, trusting the namespace's address; stopped
-    after the teardown check has seen its lanes free."""
-    if pg_server.binaries() is None:
-        pytest.skip("no PostgreSQL server")
-    running = pg_server.Server()
-    running.listen = f"127.0.0.1,{namespace.host_ip}"
-    running.trust = f"{namespace.ns_ip}/32"
-    lock_roots.after(running.stop)
-    running.start()
-    lock_roots.watch_store(running.dsn)
-    return running
-
-
 @pytest.mark.slow
 def test_a_holder_whose_host_vanishes_loses_the_lane_within_the_bound(namespace, reachable_server,
                                                                       holder, run_cmd):

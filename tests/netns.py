@@ -1,0 +1,106 @@
+"""Test hosts for the PostgreSQL store: a network namespace joined to this one by a veth pair, and
+a PostgreSQL server the namespaces can reach. test_pg_edges.py and test_pg_proxy.py import these
+(`from netns import namespace, reachable_server  # noqa: F401` for the fixtures).
+
+Root and iproute2 make a namespace; without them (or where the kernel refuses one) the fixtures
+skip, and without Debian's postgresql package so does reachable_server.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+
+import pytest
+
+import pg_server
+from conftest import TIMEOUT
+
+
+class Namespace:
+    """A test host: a network namespace joined to this one by a veth pair, the /30 numbered
+    `subnet` in 10.213.77.0/24 (0: 10.213.77.1 on this side, 10.213.77.2 inside; 1: .5 and .6)."""
+
+    def __init__(self, subnet: int = 0):
+        tag = uuid.uuid4().hex[:6]
+        self.name, self.outer, self.inner = f"ll{tag}", f"llh{tag}", f"lln{tag}"
+        self.host_ip, self.ns_ip = f"10.213.77.{4 * subnet + 1}", f"10.213.77.{4 * subnet + 2}"
+
+    def up(self) -> "Namespace":
+        for argv in (["ip", "netns", "add", self.name],
+                     ["ip", "link", "add", self.outer, "type", "veth", "peer", "name", self.inner],
+                     ["ip", "link", "set", self.inner, "netns", self.name],
+                     ["ip", "addr", "add", f"{self.host_ip}/30", "dev", self.outer],
+                     ["ip", "link", "set", self.outer, "up"],
+                     ["ip", "netns", "exec", self.name, "ip", "addr", "add", f"{self.ns_ip}/30",
+                      "dev", self.inner],
+                     ["ip", "netns", "exec", self.name, "ip", "link", "set", self.inner, "up"],
+                     ["ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up"]):
+            subprocess.run(argv, check=True, capture_output=True, timeout=TIMEOUT)
+        return self
+
+    def route_everything_here(self) -> None:
+        """A default route through this side of the link: the namespace reaches every address of
+        this host (another namespace's link address too), not only its own /30."""
+        subprocess.run(["ip", "netns", "exec", self.name, "ip", "route", "add", "default", "via",
+                        self.host_ip], check=True, capture_output=True, timeout=TIMEOUT)
+
+    def prefix(self, hostname: str | None = None) -> list[str]:
+        """Words before a command that runs it on this host: inside the namespace and, given a
+        hostname, in its own UTS namespace under that name (exec all the way down: the pid a
+        Popen gets is the command's own)."""
+        words = ["ip", "netns", "exec", self.name]
+        if hostname is not None:
+            words += ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname]
+        return words
+
+    def cut(self) -> None:
+        subprocess.run(["ip", "link", "set", self.outer, "down"], check=True, timeout=TIMEOUT)
+
+    def down(self) -> None:
+        subprocess.run(["ip", "link", "del", self.outer], capture_output=True, timeout=TIMEOUT)
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=TIMEOUT)
+
+
+def make_namespace(subnet: int = 0) -> Namespace:
+    """A namespace that is up, or a skip saying why there can be none here."""
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        pytest.skip("needs root and iproute2 for a network namespace")
+    ns = Namespace(subnet)
+    try:
+        ns.up()
+    except subprocess.CalledProcessError as error:
+        ns.down()
+        pytest.skip(f"cannot make a network namespace here: {error.stderr!r}")
+    return ns
+
+
+@pytest.fixture
+def namespace():
+    ns = make_namespace()
+    yield ns
+    ns.down()
+
+
+def reachable_postgres(lock_roots, listen: str, trust: str) -> pg_server.Server:
+    """A server that also listens on `listen` (addresses of this side of the links), trusting the
+    client network `trust`; its lanes are watched by the teardown check, and it is stopped after
+    the check has seen them free."""
+    if pg_server.binaries() is None:
+        pytest.skip("no PostgreSQL server")
+    running = pg_server.Server()
+    running.listen = f"127.0.0.1,{listen}"
+    running.trust = trust
+    lock_roots.after(running.stop)
+    running.start()
+    lock_roots.watch_store(running.dsn)
+    return running
+
+
+@pytest.fixture
+def reachable_server(namespace, lock_roots):
+    """A server that also listens on the veth address, trusting the namespace's address; stopped
+    after the teardown check has seen its lanes free."""
+    return reachable_postgres(lock_roots, namespace.host_ip, f"{namespace.ns_ip}/32")
