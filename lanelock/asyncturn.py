@@ -99,16 +99,12 @@ async def _take_without_a_thread(turn) -> None:
         turn.take()
         return
     try:
-        replaced = 0   # prepare() gives up once the lock file was replaced 3 times
-        while True:
-            waiting = await _off_loop(turn.prepare, False, replaced)
-            if waiting is None:
-                return
-            handle, ident, timeout = waiting
-            got = await gate.store.wait_lock_async(handle, timeout)
-            if await _off_loop(turn.conclude, handle, ident, got):
-                return
-            replaced += 1
+        waiting = await _off_loop(turn.prepare, False)
+        if waiting is None:
+            return
+        handle, timeout = waiting
+        got = await gate.store.wait_lock_async(handle, timeout)
+        await _off_loop(turn.conclude, handle, got)
     except GateUnavailable as error:
         turn.fail_open(str(error))
 

@@ -95,25 +95,35 @@ def run_options(function):
 
 
 def make_gate(backend, lock_dir, model, key_by, gate=None, grace=None, warn=None, store=None,
-              settings=None):
+              settings=None, reading=False):
+    """The Gate of the lane the flags name; reading: only its Place (place.py), for a command
+    that reads the lane and takes no turn."""
     from .errors import UsageProblem
-    from .gate import Gate
     from .key import BackendError
 
+    if reading:
+        from .place import Place as Kind
+    else:
+        from .gate import Gate as Kind
     try:
         kwargs = {"warn": warn} if warn else {}
-        return Gate(backend, model=model, key_by=key_by, lock_dir=lock_dir, gate=gate,
+        return Kind(backend, model=model, key_by=key_by, lock_dir=lock_dir, gate=gate,
                     grace=grace, store=store, settings=settings, **kwargs)
     except (BackendError, UsageProblem) as error:
         raise click.UsageError(str(error)) from None
 
 
 def strict_gate(*args, **kwargs):
-    """A gate for read commands: a broken config is a usage error (exit 2), not fail-open."""
+    """A gate (or with reading=True a Place) for read commands: a broken config is a usage error
+    (exit 2), not fail-open."""
     gate = make_gate(*args, **kwargs)
     if gate.config_error:
         raise click.UsageError(gate.config_error)
     return gate
+
+
+def strict_place(*args, **kwargs):
+    return strict_gate(*args, reading=True, **kwargs)
 
 
 @click.group(context_settings=CONTEXT)
@@ -160,7 +170,7 @@ def where(backend, lock_dir, model, key_by, store, json_):
     """Print the lock file, the sidecar and how the lock root was chosen."""
     from .inspection import render
 
-    render.where(strict_gate(backend, lock_dir, model, key_by, store=store).where(), json_)
+    render.where(strict_place(backend, lock_dir, model, key_by, store=store).where(), json_)
     return exitcodes.OK
 
 
@@ -183,7 +193,7 @@ def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
 
     if all_lanes and backend:
         raise click.UsageError("--all and --backend exclude each other")
-    gate = strict_gate(backend, lock_dir, model, key_by, store=store)
+    gate = strict_place(backend, lock_dir, model, key_by, store=store)
     notes = lane_notes(gate, all_lanes)
     # --all lists the lanes that exist; whether a new one could be made is the store's to say.
     broken = gate.store.problems() if all_lanes else []
@@ -194,7 +204,7 @@ def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
 
     if not all_lanes and gate.gated:
         try:
-            notes += _other_keyings(gate, statuses)
+            notes += _other_keyings(gate)
         except GateUnavailable:
             pass
 
@@ -220,12 +230,17 @@ def lane_notes(gate, all_lanes: bool = False) -> list[str]:
     return notes
 
 
-def _other_keyings(gate, statuses) -> list[str]:
+def _other_keyings(place) -> list[str]:
     """Lanes of the same backend keyed another way (--key-by model): separate gates, which a user
-    looking at one of them should know about."""
-    base = gate.lane.name.partition("#")[0]
-    others = [lane for lane in statuses(gate.store, None)
-              if lane["lane"].partition("#")[0] == base and lane["lane"] != gate.lane.name]
+    looking at one of them should know about. The store lists its lanes' names; only those of
+    this backend are judged."""
+    from .inspection.status import statuses
+    from .key import lane_named
+
+    base = place.lane.name.partition("#")[0]
+    names = [name for name in place.store.lane_names()
+             if name.partition("#")[0] == base and name != place.lane.name]
+    others = [status for name in names for status in statuses(place.store, lane_named(name))]
     if not others:
         return []
     listed = ", ".join(f"{lane['lane']} ({lane['state']})" for lane in others)
@@ -243,7 +258,7 @@ def history(backend, lock_dir, model, key_by, store, since, json_):
     from .inspection import history as lane_history
     from .inspection import render
 
-    gate = strict_gate(backend, lock_dir, model, key_by, store=store)
+    gate = strict_place(backend, lock_dir, model, key_by, store=store)
     try:
         cutoff = lane_history.parse_since(since)
     except lane_history.SinceError as error:
@@ -278,7 +293,7 @@ def metrics(backend, lock_dir, model, key_by, store, all_lanes, textfile):
                                "'lanelock[metrics]'") from None
     if textfile is not None and not os.path.isdir(textfile):
         raise click.UsageError(f"--textfile {textfile}: not a directory")
-    gate = strict_gate(backend, lock_dir, model, key_by, store=store)
+    gate = strict_place(backend, lock_dir, model, key_by, store=store)
     for note in lane_notes(gate, all_lanes):
         render.warn(note)
     scraped = lanes_fetch(gate.store, None if all_lanes else gate.lane)()

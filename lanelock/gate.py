@@ -17,12 +17,12 @@ import os
 import time
 
 from . import holder as holder_facts
-from . import handover, key, say
-from .errors import GateUnavailable, RecordNotWritten, UsageProblem, WouldBlock
+from . import handover, say
+from .errors import GateUnavailable, RecordNotWritten, WouldBlock
 from .facts import boot_id, default_session, hostname, own_start_ticks, user_name, utc_now
-from .paths import Root, resolve_root
-from .settings import Settings, store_problem
-from .store import for_settings, sidecar
+from .place import Place
+from .settings import Settings
+from .store import sidecar
 
 __all__ = ["Gate", "Turn", "describe_holder", "HELD", "DEFLECTED", "UNGATED", "FAIL_OPEN",
            "RELEASED", "REASON_BUSY", "BUSY_WORDS", "busy_sentence"]
@@ -46,39 +46,21 @@ def busy_sentence(who: str, then: str | None = None) -> str:
 _HELD_HERE: dict[tuple, tuple] = {}
 
 
-class Gate:
-    """One lane's gate. Arguments left as None come from the settings table (environment, then
-    config files, then defaults); settings= gives a resolved table instead."""
+class Gate(Place):
+    """One lane's gate: its Place (place.py: the lane, its store, its root) and the turns taken
+    on it. Arguments left as None come from the settings table (environment, then config files,
+    then defaults); settings= gives a resolved table instead. lane_store: a store object (a
+    LaneStore of your own, store/base.py) instead of the one the settings name."""
 
     def __init__(self, backend: str | None = None, *, model: str | None = None,
                  key_by: str | None = None, lock_dir: str | None = None, gate: bool | None = None,
                  grace: float | None = None, store: str | None = None, warn=say.warn,
-                 settings: Settings | None = None):
-        self.warn = warn
-        if settings is None:
-            settings = Settings({
-                "backend": backend, "model": model or None, "key_by": key_by,
-                "lock_dir": lock_dir or None, "grace": grace, "store": store,
-                "gate": None if gate is None else ("always" if gate else "never")})
-        self.settings = settings
-        self.config, self.config_error = settings.config, settings.config_error
-        self.model = settings.get("model")
-        # A malformed backend or store URL is the caller's mistake (BackendError, UsageProblem:
-        # exit 2); only a well-formed gate that cannot be taken fails open.
-        self.lane = key.lane_for(settings.get("backend"), model=self.model,
-                                 key_by=settings.get("key_by"))
-        dsn, source = settings.lookup("store")
-        if dsn and store_problem(dsn):
-            raise UsageProblem(f"{'--store' if source == 'flag' else source}: {store_problem(dsn)}")
-        mode = settings.get("gate")
-        self.gated = self.lane.gated if mode == "auto" else mode == "always"
-        self.grace = float(settings.get("grace"))
-        self.journal_max_bytes = settings.get("journal_max_bytes")
-        self.root: Root = resolve_root(settings)
-        self.store = for_settings(settings, self.root)
-        self.store.warn = warn   # what a store says but never decides on (a count not added)
-        self.lane = self.store.qualify(self.lane)
-        self.paths = self.store.locate(self.lane)
+                 settings: Settings | None = None, lane_store=None):
+        super().__init__(backend, model=model, key_by=key_by, lock_dir=lock_dir, gate=gate,
+                         grace=grace, store=store, warn=warn, settings=settings,
+                         lane_store=lane_store)
+        self.grace = float(self.settings.get("grace"))
+        self.journal_max_bytes = self.settings.get("journal_max_bytes")
 
     def sibling(self, backend: str, model: str | None = None) -> "Gate":
         """The gate of another backend's lane (a fallback engine), read with this gate's settings:
@@ -87,30 +69,7 @@ class Gate:
         flags = self.settings.flags
         return Gate(settings=self.settings.derive(
             backend=backend, model=model, lock_dir=flags.get("lock_dir"), store=flags.get("store")),
-            warn=self.warn)
-
-    @property
-    def lock_path(self) -> str:
-        return self.paths["lock_path"]
-
-    @property
-    def sidecar_path(self) -> str | None:
-        return self.paths["sidecar_path"]
-
-    @property
-    def journal_path(self) -> str | None:
-        return self.paths["journal_path"]
-
-    def where(self) -> dict:
-        return {
-            "lane": self.lane.name, "backend": self.lane.given, "scope": self.lane.scope,
-            "gated": self.gated, "store": self.store.kind, "store_detail": self.store.describe(),
-            "root": self.root.path, "root_source": self.root.source,
-            "root_detail": self.root.detail, **self.paths,
-            "config_files": list(self.config.files),
-            "warnings": list(self.config.ignored) + ([self.config_error] if self.config_error
-                                                     else []) + self.store.problems(),
-        }
+            warn=self.warn, lane_store=self._own_store)
 
     def turn(self, *, session: str | None = None, model: str | None = None,
              argv: list[str] | None = None, wait: float | None = 0.0,
@@ -124,26 +83,6 @@ class Gate:
         return Turn(self, session=session, model=model or self.model, argv=argv, wait=wait,
                     labels=labels, askers=askers)
 
-    def busy(self) -> bool:
-        """Is the lane held right now? Asks the kernel (/proc/locks) and never takes the lock, so
-        asking can never make a turn deflect. Without /proc/locks it falls back to a probe."""
-        if not self.gated:
-            return False
-        try:
-            handle = self.store.open(self.lane, create=False)
-        except GateUnavailable:
-            return False
-        try:
-            if handle.fd is None:
-                return False
-            view = self.store.kernel(handle)
-            if view is not None:
-                return bool(view.holders)
-            got = self.store.try_lock(handle)
-            return not got
-        finally:
-            self.store.release(handle)
-
     def probe(self) -> dict:
         """Take the lock without blocking and let go at once: 'free' or 'busy' (with the holder)."""
         result = {"lane": self.lane.name, "lock_path": self.lock_path, "gated": self.gated}
@@ -156,7 +95,7 @@ class Gate:
             raise GateUnavailable(problem)   # the caller's error: never "free"
         handle = self.store.open(self.lane, create=False)  # GateUnavailable: caller's error
         try:
-            if handle.fd is None:
+            if not handle.exists:
                 return {**result, "state": "free", "note": "no lock file yet"}
             if self.store.try_lock(handle):
                 return {**result, "state": "free"}
@@ -317,25 +256,17 @@ class Turn:
             self.gate.store.cancel_wait(handle)
 
     def _take_gated(self, try_only: bool) -> None:
-        replaced = 0   # prepare() gives up once the lock file was replaced 3 times
-        while True:
-            waiting = self.prepare(try_only, replaced)
-            if waiting is None:
-                return
-            handle, ident, timeout = waiting
-            got = self.gate.store.wait_lock(handle, timeout, self._cancel)
-            if self.conclude(handle, ident, got):
-                return
-            replaced += 1
+        waiting = self.prepare(try_only)
+        if waiting is not None:
+            handle, timeout = waiting
+            self.conclude(handle, self.gate.store.wait_lock(handle, timeout, self._cancel))
 
     # prepare() and conclude() are take()'s steps before and after the wait, for a caller that
     # waits its own way (asyncturn.py: an asyncio task waits without a thread).
-    def prepare(self, try_only: bool = False, replaced: int = 0):
+    def prepare(self, try_only: bool = False):
         """Open the lane's lock and try it: None when the turn is decided (nested, or the lock
-        taken: commit() records it), else (handle, ident, timeout) to wait on."""
+        taken: commit() records it), else (handle, timeout) to wait on."""
         gate, store = self.gate, self.gate.store
-        if replaced >= 3:
-            raise GateUnavailable(f"lock file {gate.lock_path} keeps being replaced")
         # Facts the holder record needs, read (once per process) before the lock: after it, they
         # would delay the hand-off.
         own_start_ticks(), boot_id(), user_name(), hostname()
@@ -343,19 +274,17 @@ class Turn:
         handle = self._handle = store.open(gate.lane)
         if handle.caveat:
             gate.warn(handle.caveat)
-        ident = store.ident(handle)
         if self._owner is None:
             self._owner = _thread.get_ident()
-        outer = _HELD_HERE.get(ident)
+        outer = _HELD_HERE.get(handle.ident)
         if outer is not None and outer[0] == self._owner:
             self._nested(handle, outer[1])
             return None
         self._started_wait = time.monotonic()
         _debug_pause("before-acquire")
         if store.try_lock(handle):
-            if self.conclude(handle, ident, True):
-                return None
-            return self.prepare(try_only, replaced + 1)
+            self.conclude(handle, True)
+            return None
         if try_only:
             store.release(handle)
             self._handle = None
@@ -364,28 +293,18 @@ class Turn:
             self._nested(handle)
             return None
         self._blocked = True
-        return handle, ident, None if self.wait is None else max(self.wait, gate.grace)
+        return handle, None if self.wait is None else max(self.wait, gate.grace)
 
-    def conclude(self, handle, ident, got: bool) -> bool:
-        """After the lock was tried or waited for: decide (True), or False when the lock file
-        was replaced meanwhile and must be locked again."""
-        gate, store = self.gate, self.gate.store
+    def conclude(self, handle, got: bool) -> None:
+        """After the lock was tried or waited for: decide what commit() records."""
         self.waited = time.monotonic() - self._started_wait
         if not got and self._cancel is not None and self._cancel.is_set():
-            store.release(handle)   # abandoned, not deflected: nothing to record
+            self.gate.store.release(handle)   # abandoned, not deflected: nothing to record
             self._handle, self.state = None, CANCELLED
-            return True
-        if not got:
-            self._pending = (DEFLECTED, describe_holder(gate, handle))
-            return True
-        if store.still_current(handle):
-            orphan = store.orphan_holder(handle)
-            # a live turn holding a removed/replaced lock file deflects us
-            self._pending = (DEFLECTED, orphan) if orphan is not None else (HELD, ident)
-            return True
-        store.release(handle)   # the file was replaced while we waited: lock the new one
-        self._handle = None
-        return False
+        elif not got:
+            self._pending = (DEFLECTED, describe_holder(self.gate, handle))
+        else:
+            self._pending = (HELD, handle.ident)
 
     def _handed_over(self, handle) -> bool:
         """Is the process asking part of the holding turn (handover.py)? Only a busy lane asks,
@@ -393,11 +312,12 @@ class Turn:
         askers = self._askers() if self._askers is not None else [handover.this_process()]
         if not askers or None in askers:
             return False
-        store = self.gate.store
-        record, _ = store.read_holder(handle)
-        view = store.kernel(handle)
-        live = store.holder_pids_here(handle, view) if view is not None else None
-        return all(handover.part_of(record, asker, live) for asker in askers)
+        try:
+            facts = self.gate.store.survey(self.gate.lane, handle)[0]
+        except GateUnavailable:
+            return False
+        return all(handover.part_of(facts.record, asker, holder_facts.live_pids_here(facts))
+                   for asker in askers)
 
     def _nested(self, handle, outer: "Turn | None" = None) -> None:
         """Part of a turn this thread already holds, or one handed over to this process: run
@@ -418,7 +338,6 @@ class Turn:
         _debug_pause("after-acquire")
         # The record is written before the caller runs anything: whoever sees the command
         # running must also find who runs it.
-        self.gate.store.open_events(self._handle, self.gate.journal_max_bytes)
         self._write_sidecar(self._record())
         # Who holds, precisely enough for `history` to tell a live turn from a killed one.
         events = [self._event("acquired", at=(now, self._acquired_at),
@@ -530,8 +449,6 @@ class Turn:
             "acquired_at": self._acquired_at, "acquired_monotonic": self._started,
             "turn": self.token,
         }
-        if self._handle is not None:
-            record.update(self.gate.store.record_extra(self._handle))
         if self._stopped_at is not None:
             record["stopped_at"] = self._stopped_at
         if self.labels:
@@ -594,18 +511,12 @@ def _debug_pause(step: str) -> None:
 
 
 def describe_holder(gate: Gate, handle) -> dict:
-    """Who holds the lane: the lock's own holder, labelled from the holder record when the record
-    agrees with it."""
-    store = gate.store
-    view = store.kernel(handle)
-    record, problem = store.read_holder(handle)
-    if record is not None and "released_at" not in record and store.holder_agrees(record, view):
-        found = holder_facts.from_record(record)
-        if found["host"] is None and found["pid"] is not None:
-            found["stopped"] = holder_facts.stopped(found["pid"], record)
-        return found
-    pid, command = store.unlabelled(view)
-    if problem and store.is_collision(problem):   # another lane's turn holds the same key
-        return holder_facts.unlabelled(pid, command, problem, lanelock=True)
-    return holder_facts.unlabelled(pid, command,
-                                   problem or "the holder record does not match the holder")
+    """Who holds the lane (a deflection's line, probe): the one judge's holder of the store's
+    facts, read through the handle where the store can."""
+    from .inspection.judge import holder
+
+    try:
+        facts = gate.store.survey(gate.lane, handle)[0]
+    except GateUnavailable as error:
+        return holder_facts.unlabelled(None, None, f"the store could not say: {error}")
+    return holder(facts)

@@ -103,3 +103,15 @@ def field(record: dict | None, key: str, kind: type, default=None):
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     return value if isinstance(value, kind) else default
+
+
+def live_pids_here(facts) -> set[int]:
+    """The pid on this machine that holds the lane, as far as the lock's own truth confirms the
+    record naming it (a busy lane's hand-over check, handover.part_of): empty when the lane is
+    not held, the record does not agree with the lock's holder, or it was written elsewhere."""
+    record = facts.record
+    if not facts.held or not facts.matches or not isinstance(record, dict) \
+            or "released_at" in record or record.get("hostname") not in (None, hostname()):
+        return set()
+    pid = field(record, "pid", int)
+    return {pid} if pid is not None else set()

@@ -119,26 +119,28 @@ def ancestors(pid: int | None = None) -> list[int]:
     return chain
 
 
-def command_line(pid: int, limit: int = 200) -> str:
-    """The command of a process for display, '?' when it is gone or hidden."""
+def command_words(pid: int) -> list[str] | None:
+    """A process's argv from /proc (None when it is gone or hidden)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as handle:
             raw = handle.read(4096)
     except OSError:
-        return "?"
+        return None
+    return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
+
+
+def command_line(pid: int, limit: int = 200) -> str:
+    """The command of a process for display, '?' when it is gone or hidden."""
     from .facts import argv_text
 
-    words = [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
-    return argv_text(words, limit) or "?"
+    return argv_text(command_words(pid) or [], limit) or "?"
 
 
 def describe_process(pid: int) -> dict:
-    """{pid, command, lanelock}: whether it is a lanelock wrapper; '?' for what cannot be seen."""
-    import psutil
-
-    try:
-        cmdline = psutil.Process(pid).cmdline()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+    """{pid, command, lanelock}: whether it is a lanelock wrapper; '?' for what cannot be seen.
+    Plain /proc reads: a deflection on the run path describes its holder with this."""
+    cmdline = command_words(pid)
+    if not cmdline:
         return {"pid": pid, "command": "?", "lanelock": False}
     from .facts import argv_text
 

@@ -242,6 +242,17 @@ def lane_for(backend: str, *, model: str | None = None, key_by: str = "backend")
     return Lane(host=host, port=port, scope=scope, model=model, given=spelled)
 
 
+def lane_named(name: str) -> Lane:
+    """The lane a store lists by name ("HOST:PORT[@MACHINE][#MODEL]", Lane.name) -- a lane the
+    store already keys, so its scope is read from the host as lane_for reads it."""
+    base, _, model = name.partition("#")
+    base, _, machine = base.partition("@")
+    host, _, port = base.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    scope = "local" if host == LOCAL_HOST else classify(host)
+    return Lane(host, int(port), scope, model or None, base, machine or None)
+
+
 def qualified(lane: Lane, machine: str) -> Lane:
     """The same lane, named with the machine it is on (for a store shared by several hosts)."""
     return Lane(lane.host, lane.port, lane.scope, lane.model, lane.given, machine)

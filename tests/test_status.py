@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import random
 import re
 import select
@@ -562,3 +563,26 @@ def test_no_color_on_a_terminal_has_no_colour_codes(lanelock, procs, lock_dir):
     child.expect(pexpect.EOF)
     assert LANE.encode() in child.before and b"released cleanly" in child.before
     assert _colour_codes(child.before) == []
+
+
+@pytest.mark.skipif(not shutil.which("strace"), reason="needs strace")
+def test_status_of_one_backend_reads_only_its_own_lanes(lanelock, lock_dir, run_cmd, tmp_path):
+    """Issue 25: `status -b X` judged every lane under the root to find X's lanes keyed another
+    way (--key-by model). It now asks the store for the lanes' names and judges only X's: with 40
+    other lanes' holder records on the root, it opens none of them, and still names the lane of
+    X keyed by model."""
+    from lanelock import Gate
+
+    for port in range(9100, 9140):
+        with Gate(f"127.0.0.1:{port}", lock_dir=str(lock_dir)).turn(session=f"other-{port}"):
+            pass
+    with Gate("127.0.0.1:8080", lock_dir=str(lock_dir), key_by="model",
+              model="qwen").turn(session="keyed"):
+        pass
+    trace = tmp_path / "trace"
+    done = run_cmd(["strace", "-f", "-qq", "-e", "trace=openat,open", "-o", str(trace),
+                    *LANELOCK, "status", "-b", "127.0.0.1:8080"])
+    assert done.returncode == 0, done.stderr
+    assert "localhost:8080#qwen" in done.stdout + done.stderr
+    opened = [line for line in trace.read_text().splitlines() if "-91" in line and ".json" in line]
+    assert opened == [], opened[:3]

@@ -62,7 +62,7 @@ def judge(facts, gate_problem: str | None = None) -> dict:
         if facts.collision:
             return _verdict(result, FREE, "collision", f"free; {facts.record_problem}")
         problem = facts.record_problem or "no holder record"
-        verdict = "never-used" if problem in ("no sidecar yet", "no holder row yet") else "sidecar-bad"
+        verdict = "never-used" if facts.record_absent else "sidecar-bad"
         return _verdict(result, FREE, verdict, f"free; {problem}")
     if stale:
         return _verdict(result, FREE, "sidecar-stale", f"free; sidecar is stale: {stale}")
@@ -81,6 +81,22 @@ def judge(facts, gate_problem: str | None = None) -> dict:
     return _verdict(result, FREE, "died",
                     f"free; last holder {_pid(record)} ({_who(record)}) died without releasing; "
                     "the lock died with it")
+
+
+def holder(facts) -> dict:
+    """Who holds the lane, for a deflection line and `probe`: the holder of the judge's verdict
+    on the store's facts (the lock's own holder, labelled by the record only when the record
+    agrees with it), so a deflection and `status` never disagree."""
+    result = judge(facts)
+    found = result["holder"]
+    if found is not None:
+        if result["verdict"] == "lock-file-replaced":   # its lock is on an old inode
+            return {**found, "held_for": None, "note": f"holds the lane {facts.replaced}"}
+        return found
+    first = facts.holders[0] if facts.holders else {}
+    note = facts.record_problem or "the holder record does not match the holder"
+    return holder_facts.unlabelled(first.get("pid"), first.get("command"), note,
+                                   lanelock=facts.collision or bool(first.get("lanelock")))
 
 
 def _held(result: dict, facts, record, released: bool, stale: str | None) -> dict:

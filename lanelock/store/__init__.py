@@ -16,4 +16,4 @@ def for_settings(settings, root):
         return PgStore(dsn)
     from .flock import FlockStore
 
-    return FlockStore(root)
+    return FlockStore(root, settings.get("journal_max_bytes"))

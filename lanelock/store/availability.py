@@ -22,7 +22,7 @@ def gate_problem(store, lane) -> str | None:
     except GateUnavailable as error:
         return f"{error}: {UNGATED}"
     try:
-        if handle.fd is None:   # nothing to lock yet: the first turn would create it -- can it?
+        if not handle.exists:   # nothing to lock yet: the first turn would create it -- can it?
             problems = store.problems()
             return problems[0] if problems else None
         return None

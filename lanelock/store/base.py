@@ -1,14 +1,38 @@
-"""The lane-store contract: every operation the gate, the wrapper and the read commands use.
+"""The lane-store contract: what a store is, for whoever writes the next one (Redis, etcd, ...).
 
-A store keeps three things per lane: the lock (whoever holds it owns the lane; it must die with its
-holder, with no reaper and no heartbeat), the holder record (who holds it, for deflection lines and
-`status`), and the events (`history`). FlockStore keeps them in files under the lock root,
-PgStore in a PostgreSQL server. A new store subclasses LaneStore; abc refuses one that forgets a
-method (abc is loaded at interpreter start, so the contract costs the run path nothing).
+A store keeps three things per lane:
+- the lock: whoever holds it owns the lane; it dies with its holder (process, connection), with no
+  reaper and no heartbeat, and nothing the store does ever removes a lock another turn may hold;
+- the holder record: who holds it, written by the holder while it holds, read by anyone;
+- the events (`history`) and the cumulative counts (`metrics`).
 
-Errors crossing this interface are lanelock's own: GateUnavailable (the gate cannot be taken: the
-turn fails open) and RecordNotWritten (a record or event was not written: the turn keeps its lane
-and warns). Stores return facts; inspection/judge.py alone turns facts into verdicts.
+A store subclasses LaneStore and implements its abstract methods, twelve of them: abc refuses one
+that forgets any. Everything else here has a default a store may override. Policy -- when to
+wait, what a deflection says, who nests in a turn, what a verdict is -- is not the store's: the
+gate (gate.py) and the one judge (inspection/judge.py) decide for every store alike. What a store
+must get right about its own medium (a replaced lock file, a transaction-mode pooler) it does
+inside try_lock and wait_lock: they answer True only when the lane is really this turn's.
+
+Errors crossing this interface are lanelock's own (errors.py): GateUnavailable (the gate cannot be
+taken or read: the turn fails open) and RecordNotWritten (a record or an event was not written:
+the turn keeps its lane and warns once). Stores return facts (LaneFacts, documented fields, no
+sentinel strings); the judge turns facts into verdicts.
+
+The abstract methods:
+  where(lane)                      its paths, and one line on what the store is and bounds
+  qualify(lane)                    the lane as this store keys it
+  open(lane, create=)              a LockHandle, not yet locked
+  try_lock(handle)                 take it now, or False
+  wait_lock(handle, timeout, cancel)   block (never poll) until it is ours, or False
+  release(handle, count=)          let go (and count the turn), never raising
+  write_holder(handle, record)     the holder record, while holding
+  append_event(handle, *events)    the journal
+  count(lane, outcome, ...)        add a turn that held no lock to the counts
+  counts(facts)                    the lane's cumulative counts
+  survey(lane=None, handle=None)   LaneFacts, without taking the lock
+  events(lane, since)              the journal, oldest first
+The tests hold every store to it (tests/test_store_contract.py), tests/contract_store.py included:
+a store of about a hundred lines made of these twelve alone.
 """
 
 from __future__ import annotations
@@ -22,7 +46,8 @@ class LaneFacts:
     Plain attributes (no dataclass: the run path never builds these, but the module is imported)."""
 
     __slots__ = ("lane", "lock_path", "sidecar_path", "exists", "kernel_source", "problem_lock",
-                 "error", "held", "holders", "waiters", "record", "record_problem", "matches",
+                 "error", "held", "holders", "waiters", "record", "record_problem", "record_absent",
+                 "matches",
                  "replaced", "store_stale", "alive", "reused", "collision", "stopped", "bound")
 
     def __init__(self, lane: str, lock_path: str, sidecar_path: str | None = None):
@@ -37,7 +62,8 @@ class LaneFacts:
         self.holders: list[dict] = []          # [{pid, command, lanelock}] from the lock's owner
         self.waiters: list[dict] = []
         self.record: dict | None = None        # the holder record, parsed
-        self.record_problem: str | None = None  # why there is no usable record
+        self.record_problem: str | None = None  # why there is no usable record (words for people)
+        self.record_absent = False    # no record was ever written (not one that is unreadable)
         self.matches = False          # the record names the process that holds the lock
         self.replaced: str | None = None   # a live holder locks a removed/replaced lock (why)
         self.store_stale: str | None = None  # a store's own reason the record is out of date
@@ -48,45 +74,69 @@ class LaneFacts:
         self.bound: str | None = None       # how a holder whose host vanished loses the lane
 
 
+class LockHandle:
+    """What open() returns: one turn's hold on a lane's lock, locked or not. Every store's handle
+    carries these documented fields (subclass it or set them):
+
+      exists  -- there is a lock to take: False only for a lane that never existed, opened with
+                 create=False (nobody can hold what does not exist)
+      ident   -- a tuple equal for every spelling of the same lock (in-process reentrancy keys on
+                 it: a thread entering a turn it already holds must not lock twice)
+      caveat  -- a warning about this store the turn says once (a root on NFS), or None
+
+    and close(), which frees whatever the handle holds (release() calls it)."""
+
+    exists = True
+    ident: tuple = ()
+    caveat: str | None = None
+
+    def close(self) -> None:
+        pass
+
+
 class LaneStore(ABC):
     kind = "?"
     # True when taking a free lane may block on the network (an asyncio turn then takes it in a
-    # thread); False when it is a few local system calls (it is then tried on the event loop).
+    # thread); False when it is a few local system calls (it is then tried on the event loop, and
+    # the store must implement wait_lock_async).
     blocking_io = True
+    # What a store says but never decides on (a count not added); the Gate gives its own.
+    warn = staticmethod(lambda message: None)
 
     # -- where the lane lives ----------------------------------------------------------------------
+    @abstractmethod
+    def where(self, lane) -> dict:
+        """{lock_path, sidecar_path, journal_path, detail} for `where` and every message that
+        names the lane's lock: paths, or None where the store has no file (sidecar_path,
+        journal_path); detail: one line on the store and what bounds it (how fast a dead
+        holder's lane frees). Cheap: no connection, no lock."""
+
     @abstractmethod
     def qualify(self, lane):
         """The lane as this store keys it (a network store makes "localhost" per host)."""
 
-    @abstractmethod
-    def locate(self, lane) -> dict:
-        """{lock_path, sidecar_path, journal_path} for `where` (None where there is no file)."""
-
-    @abstractmethod
-    def describe(self) -> str:
-        """One line for `where`: the store and what bounds it (e.g. how fast a dead host's lane
-        frees)."""
-
-    @abstractmethod
     def problems(self) -> list:
-        """What would make a turn here fail open, found without taking anything (for `where`)."""
+        """What would make a turn here fail open, found without taking anything (for `where`,
+        `status --all`): sentences. Default: nothing known."""
+        return []
 
     # -- the lock -----------------------------------------------------------------------------------
     @abstractmethod
-    def open(self, lane, *, create: bool = True):
+    def open(self, lane, *, create: bool = True) -> LockHandle:
         """A handle on the lane's lock, not yet taken. GateUnavailable when it cannot be had; with
-        create=False a lane that never existed gives a handle whose fd is None."""
+        create=False a lane that never existed gives a handle whose `exists` is False."""
 
     @abstractmethod
     def try_lock(self, handle) -> bool:
-        """Take the lock if it is free, at once."""
+        """Take the lock if it is free, at once. True only when the lane is now this turn's: a
+        store whose lock can be taken on something no longer the lane's (a replaced lock file, a
+        pooled session) checks that here and retries or raises GateUnavailable."""
 
     @abstractmethod
     def wait_lock(self, handle, timeout: float | None, cancel=None) -> bool:
         """Block (in the kernel or the server, never by polling) up to timeout seconds (None:
-        forever) for the lock. cancel: a threading.Event; once it is set (and cancel_wait called)
-        the wait gives up and returns False."""
+        forever) until try_lock's answer would be True. cancel: a threading.Event; once it is set
+        (and cancel_wait called) the wait gives up and returns False."""
 
     async def wait_lock_async(self, handle, timeout: float | None) -> bool:
         """wait_lock for an asyncio task, costing no thread while it waits. Only a store whose
@@ -94,100 +144,68 @@ class LaneStore(ABC):
         own, with wait_lock and cancel_wait)."""
         raise NotImplementedError
 
-    @abstractmethod
     def cancel_wait(self, handle) -> None:
-        """Make a wait_lock blocked in another thread give up soon."""
-
-    @abstractmethod
-    def still_current(self, handle) -> bool:
-        """The lock just taken is the lane's lock (not a removed file's, not a pooler's session)."""
+        """Make a wait_lock blocked in another thread give up soon, for a store whose wait cannot
+        watch the cancel Event itself (a server-side wait). Default: the Event is enough."""
 
     @abstractmethod
     def release(self, handle, count: dict | None = None) -> None:
-        """Let go and close; never raises, never removes the lock itself. count: this turn's
-        outcome for the metrics (count()'s keywords), added where it costs the next turn least."""
+        """Let go and close the handle; never raises, never removes the lock itself. count: this
+        turn's outcome for the metrics (count()'s keywords with "outcome"), added where it costs
+        the next turn least."""
 
-    @abstractmethod
-    def ident(self, handle) -> tuple:
-        """What in-process reentrancy keys on: equal for every spelling of the same lock."""
-
-    @abstractmethod
-    def kernel(self, handle):
-        """holders.KernelView of who holds and waits (the lock's own truth), None if unknown."""
-
-    @abstractmethod
     def watch_fd(self, handle) -> int | None:
-        """A descriptor that becomes readable when the lock may have been taken away, or None
-        when it cannot be (a flock lives as long as its descriptor)."""
+        """A descriptor that becomes readable when the store may have taken the lock away from
+        its holder (a server ended the session), or None when it cannot (default: a lock that
+        lives as long as its holder)."""
+        return None
 
-    @abstractmethod
     def lost(self, handle) -> bool:
-        """After watch_fd fired: has the store really ended this turn's hold?"""
+        """After watch_fd fired: has the store really ended this turn's hold? Default: never."""
+        return False
 
     # -- the turn's records (RecordNotWritten on failure) --------------------------------------------
     @abstractmethod
-    def read_holder(self, handle) -> tuple:
-        """(record, None) or (None, why there is none). Never raises."""
-
-    @abstractmethod
     def write_holder(self, handle, record: dict) -> None:
-        """Record the holder; only the holder writes, while it holds the lane."""
+        """Record the holder; only the holder writes, while it holds the lane. The store adds
+        what it needs to check the record against the lock later (the lock file's inode, the
+        server's backend pid)."""
 
-    @abstractmethod
     def write_release(self, handle, full_record, fields: dict) -> None:
-        """Add the release's fields to this turn's record (full_record(): the whole record, for a
-        store that must write it again)."""
-
-    @abstractmethod
-    def record_extra(self, handle) -> dict:
-        """Store facts the holder record carries (the lock inode, the advisory key)."""
-
-    @abstractmethod
-    def open_events(self, handle, max_bytes: int) -> None:
-        """A held turn is about to write events: rotate if due, keep what the turn writes with."""
+        """Add the release's fields to this turn's record while still holding. full_record():
+        the whole record. Default: write it again, whole."""
+        self.write_holder(handle, {**full_record(), **fields})
 
     @abstractmethod
     def append_event(self, handle, *events: dict) -> None:
         """The events, as one append where the store can."""
 
-    @abstractmethod
     def event_handle(self, lane):
-        """Somewhere to record a fail-open turn when the lock could not be opened, or None."""
+        """Somewhere to record a fail-open turn when the lock could not be opened (a handle
+        append_event and release accept), or None: not recorded (default)."""
+        return None
 
     @abstractmethod
     def count(self, lane, outcome: str, *, reason: str | None = None, held: float | None = None,
               waited: float | None = None) -> None:
-        """Add one turn's outcome to the lane's cumulative counts (metrics); never raises."""
+        """Add one turn's outcome to the lane's cumulative counts (a turn that held no lock:
+        deflected, busy); never raises."""
 
     @abstractmethod
     def counts(self, facts) -> dict:
         """The lane's cumulative counts (store/counts.py's shape), for the LaneFacts' lane."""
 
-    # -- who holds it (for a deflection's one line) ----------------------------------------------------
-    @abstractmethod
-    def holder_agrees(self, record: dict, view) -> bool:
-        """Does the record name the process the lock's truth says holds it?"""
-
-    @abstractmethod
-    def holder_pids_here(self, handle, view) -> set:
-        """Pids on this machine holding the lane (a nested turn recognises its holder)."""
-
-    @abstractmethod
-    def unlabelled(self, view) -> tuple:
-        """(pid, command) of a holder no record describes."""
-
-    @abstractmethod
-    def is_collision(self, problem: str) -> bool:
-        """Is read_holder's problem that another lane's turn holds the same store key?"""
-
-    @abstractmethod
-    def orphan_holder(self, handle) -> dict | None:
-        """A live turn holding a removed or replaced lock of this lane, which must deflect us."""
-
     # -- inspection (never takes the lock) -------------------------------------------------------------
     @abstractmethod
-    def survey(self, lane=None) -> list:
-        """LaneFacts for the lane, or for every lane the store knows when lane is None."""
+    def survey(self, lane=None, handle=None) -> list:
+        """LaneFacts for the lane, or for every lane the store knows when lane is None. handle:
+        an open handle on that lane the store may read through (no second connection). Raises
+        GateUnavailable when the store cannot be read."""
+
+    def lane_names(self) -> list[str]:
+        """The names of every lane the store knows (a listing, cheaper than judging them all).
+        Default: from survey()."""
+        return [facts.lane for facts in self.survey()]
 
     @abstractmethod
     def events(self, lane, since: float | None) -> tuple:

@@ -19,19 +19,20 @@ import errno
 import fcntl
 import os
 import stat
+import time
 
 from .. import holders, say
 from ..errors import GateUnavailable, RecordNotWritten
 from ..paths import UNGATED, Root, creation_problem, open_root
 from . import journal, sidecar, waiting
-from .base import LaneStore
+from .base import LaneStore, LockHandle
 
 CONTENDED = frozenset({errno.EWOULDBLOCK, errno.EAGAIN})
 _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a planted FIFO must not hang us
 
 
-class Handle:
-    __slots__ = ("dir_fd", "fd", "name", "st", "caveat", "stem", "journal_fd", "record")
+class Handle(LockHandle):
+    __slots__ = ("dir_fd", "fd", "name", "st", "caveat", "stem", "journal_fd", "record", "locked")
 
     def __init__(self, dir_fd: int, fd: int | None, name: str, st: os.stat_result | None,
                  caveat: str | None = None, stem: str = ""):
@@ -40,6 +41,16 @@ class Handle:
         self.stem = stem
         self.journal_fd: int | None = None   # a holder's events share one descriptor
         self.record: sidecar.Written | None = None   # this turn's record, kept open to extend
+        self.locked = False   # this handle holds the lane (try_lock or wait_lock said True)
+
+    @property
+    def exists(self) -> bool:
+        return self.fd is not None
+
+    @property
+    def ident(self) -> tuple:
+        # The inode, which every spelling of the lane shares.
+        return ("flock", self.st.st_dev, self.st.st_ino) if self.st is not None else ()
 
     def close(self) -> None:
         # The lock's descriptor first: closing it lets the next turn in; the rest can follow.
@@ -50,9 +61,15 @@ class Handle:
                 except OSError:
                     pass
         self.fd = self.dir_fd = self.journal_fd = None
+        self.locked = False
         if self.record is not None:
             self.record.close()
             self.record = None
+
+
+# Times a turn locks the lane's file again after finding it replaced under its lock, before the
+# gate is called unavailable (something keeps replacing it: a misbehaving cleaner).
+REPLACED_TRIES = 3
 
 
 class FlockStore(LaneStore):
@@ -60,8 +77,9 @@ class FlockStore(LaneStore):
     blocking_io = False
     warn = staticmethod(say.warn)   # a count not added (the Gate gives its own: -q, the proxy's)
 
-    def __init__(self, root: Root):
+    def __init__(self, root: Root, journal_max_bytes: int | None = None):
         self.root = root
+        self.journal_max_bytes = journal_max_bytes or journal.DEFAULT_MAX_BYTES
         self._caveat_checked: str | None = None
 
     @staticmethod
@@ -78,18 +96,16 @@ class FlockStore(LaneStore):
     def qualify(self, lane):
         return lane   # one machine, one root: "localhost" is this machine
 
-    def locate(self, lane) -> dict:
+    def where(self, lane) -> dict:
         names = self.names(lane.stem)
         return {"lock_path": self.path(names["lock"]), "sidecar_path": self.path(names["sidecar"]),
-                "journal_path": self.path(names["journal"])}
-
-    def describe(self) -> str:
-        return (f"flock(2) under {self.root.path}: a holder's lane frees the moment its process "
-                "ends, even on kill -9")
+                "journal_path": self.path(names["journal"]),
+                "detail": (f"flock(2) under {self.root.path}: a holder's lane frees the moment "
+                           "its process ends, even on kill -9")}
 
     def open(self, lane, *, create: bool = True) -> Handle:
         """A handle on the lane's lock file. Raises GateUnavailable; with create=False a missing
-        root or lock file gives a handle whose fd is None (nobody can hold what does not exist)."""
+        root or lock file gives a handle that does not exist (nobody can hold it)."""
         stem = lane.stem
         try:
             dir_fd = open_root(self.root, create=create)
@@ -100,11 +116,7 @@ class FlockStore(LaneStore):
             if self._caveat_checked != self.root.path:   # once per store: mounts do not move
                 self._caveat_checked = self.root.path
                 handle.caveat = network_caveat(self.root.path, os.fstat(dir_fd))
-            handle.fd = _open_lock(dir_fd, handle.name, create)
-            if handle.fd is not None:
-                handle.st = os.fstat(handle.fd)
-                if not stat.S_ISREG(handle.st.st_mode):
-                    raise GateUnavailable(f"lock file {self.path(handle.name)} is not a regular file")
+            self._open_file(handle, create)
         except GateUnavailable:
             handle.close()
             raise
@@ -113,52 +125,116 @@ class FlockStore(LaneStore):
             raise GateUnavailable(f"cannot open {self.path(handle.name)}: {error.strerror}") from None
         return handle
 
+    def _open_file(self, handle: Handle, create: bool) -> None:
+        handle.fd = _open_lock(handle.dir_fd, handle.name, create)
+        if handle.fd is not None:
+            handle.st = os.fstat(handle.fd)
+            if not stat.S_ISREG(handle.st.st_mode):
+                raise GateUnavailable(f"lock file {self.path(handle.name)} is not a regular file")
+
+    # -- taking the lock: True only when the lane is this turn's --------------------------------
+    # A flock on a file that was removed or replaced meanwhile is on an orphan inode: the next turn
+    # would open the new file, two gates. So every lock taken is checked, and on a replaced file
+    # the new one is locked instead; a live turn still holding an old inode (its file replaced
+    # under it) keeps the lane: we let go and say busy.
     def try_lock(self, handle: Handle) -> bool:
-        try:
-            fcntl.flock(handle.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except OSError as error:
-            if error.errno in CONTENDED:
-                return False
-            raise GateUnavailable(f"flock failed on {self.path(handle.name)}: {error.strerror}") from None
+        for _ in range(REPLACED_TRIES):
+            ours = self._ours(handle, self._flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB))
+            if ours is not None:
+                return ours
+        raise self._keeps_being_replaced(handle)
 
     def wait_lock(self, handle: Handle, timeout: float | None, cancel=None) -> bool:
         """Block in the kernel until the lock is ours or timeout seconds pass (None: forever), or
         cancel (a threading.Event) is set."""
-        try:
-            if timeout is not None and timeout <= 0 and cancel is None:
-                return self.try_lock(handle)
-            return waiting.wait(handle, timeout, cancel)
-        except OSError as error:
-            if error.errno in CONTENDED:
-                return False
-            raise GateUnavailable(f"flock failed on {self.path(handle.name)}: {error.strerror}") from None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for _ in range(REPLACED_TRIES):
+            left = _left(deadline)
+            try:
+                if left is not None and left <= 0 and cancel is None:
+                    got = self._flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                else:
+                    got = waiting.wait(handle, left, cancel)
+            except OSError as error:
+                got = self._contended(handle, error)
+            ours = self._ours(handle, got)
+            if ours is not None:
+                return ours
+        raise self._keeps_being_replaced(handle)
 
     async def wait_lock_async(self, handle: Handle, timeout: float | None) -> bool:
         """wait_lock for an asyncio task: no thread per waiter (waiting.wait_async)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for _ in range(REPLACED_TRIES):
+            left = _left(deadline)
+            try:
+                if left is not None and left <= 0:
+                    got = self._flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                else:
+                    got = await waiting.wait_async(handle, left)
+            except OSError as error:
+                got = self._contended(handle, error)
+            ours = self._ours(handle, got)
+            if ours is not None:
+                return ours
+        raise self._keeps_being_replaced(handle)
+
+    def _flock(self, handle: Handle, operation: int) -> bool:
         try:
-            if timeout is not None and timeout <= 0:
-                return self.try_lock(handle)
-            return await waiting.wait_async(handle, timeout)
+            fcntl.flock(handle.fd, operation)
+            return True
         except OSError as error:
-            if error.errno in CONTENDED:
+            return self._contended(handle, error)
+
+    def _contended(self, handle: Handle, error: OSError) -> bool:
+        if error.errno in CONTENDED:
+            return False
+        raise GateUnavailable(f"flock failed on {self.path(handle.name)}: {error.strerror}") from None
+
+    def _ours(self, handle: Handle, got: bool) -> bool | None:
+        """After a lock was tried: True (the lane is ours), False (busy), None (the file was
+        replaced under it: the new one is open, lock again)."""
+        if not got:
+            return False
+        if self._current(handle):
+            if self._orphan_holds(handle):
+                fcntl.flock(handle.fd, fcntl.LOCK_UN)
                 return False
-            raise GateUnavailable(f"flock failed on {self.path(handle.name)}: {error.strerror}") from None
+            handle.locked = True
+            return True
+        os.close(handle.fd)   # our lock is on an orphan inode: let it go, open the lane's file
+        handle.fd, handle.st = None, None
+        try:
+            self._open_file(handle, create=True)
+        except OSError as error:
+            raise GateUnavailable(f"cannot open {self.path(handle.name)}: {error.strerror}") from None
+        return None
 
-    def cancel_wait(self, handle: Handle) -> None:
-        pass   # the cancel Event given to wait_lock wakes the waiting thread
+    def _keeps_being_replaced(self, handle: Handle) -> GateUnavailable:
+        return GateUnavailable(f"lock file {self.path(handle.name)} keeps being replaced")
 
-    def still_current(self, handle: Handle) -> bool:
-        """False when the lock file was removed or replaced under us: our lock is on an orphan inode
-        and the next turn would open a different file, so the lock must be retaken."""
+    def _current(self, handle: Handle) -> bool:
+        """Is the locked file still the lane's file (not removed, not replaced)?"""
         try:
             now = os.lstat(handle.name, dir_fd=handle.dir_fd)
         except OSError:
             return False
         return (now.st_dev, now.st_ino) == (handle.st.st_dev, handle.st.st_ino)
 
-    def kernel(self, handle: Handle) -> holders.KernelView | None:
-        return holders.kernel_view(handle.st) if handle.st is not None else None
+    def _orphan_holds(self, handle: Handle) -> bool:
+        """Does a live turn hold a removed or replaced lock file of this lane? Its lock is on the
+        old inode, ours on the new one: taking the lane now would make two gates. The sidecar
+        names it (pid, start time, lock_inode); the kernel confirms it."""
+        record, _ = sidecar.read(self.names(handle.stem)["sidecar"], dir_fd=handle.dir_fd,
+                                 live_only=True)
+        inode = sidecar.field(record, "lock_inode", int)
+        pid = sidecar.field(record, "pid", int)
+        if record is None or "released_at" in record or inode is None or pid is None \
+                or inode == handle.st.st_ino or pid == os.getpid():
+            return False
+        if holders.start_ticks(pid) != sidecar.field(record, "start_ticks", int):
+            return False
+        return holders.holds_other_inode(pid, handle.st, inode) is not None
 
     def release(self, handle: Handle, count: dict | None = None) -> None:
         # Closing the last fd on the description drops the flock; the file itself stays. The
@@ -197,20 +273,13 @@ class FlockStore(LaneStore):
 
         return counts.read(facts.lock_path[:-len(".lock")] + ".counts")
 
-    def ident(self, handle: Handle) -> tuple:
-        """What in-process reentrancy keys on: the inode, which every spelling of the lane shares."""
-        return ("flock", handle.st.st_dev, handle.st.st_ino)
-
     # -- the holder record (sidecar) and events (journal) ------------------------------------------
-    def read_holder(self, handle: Handle) -> tuple[dict | None, str | None]:
-        if handle.dir_fd is None or handle.dir_fd < 0:
-            return None, "no sidecar yet"
-        return sidecar.read(self.names(handle.stem)["sidecar"], dir_fd=handle.dir_fd)
-
     def write_holder(self, handle: Handle, record: dict) -> None:
         if handle.record is not None:
             handle.record.close()
             handle.record = None
+        # status compares the inode with the file at the path: a replaced lock file is two gates.
+        record = {**record, "lock_inode": handle.st.st_ino if handle.st else None}
         try:
             handle.record = sidecar.write(handle.dir_fd, self.names(handle.stem)["sidecar"], record)
         except OSError as error:
@@ -228,83 +297,19 @@ class FlockStore(LaneStore):
     def append_event(self, handle: Handle, *events: dict) -> None:
         if handle.dir_fd is None or handle.dir_fd < 0:
             return
+        name = self.names(handle.stem)["journal"]
+        if handle.locked and handle.journal_fd is None:
+            # A holder's first events: rotate if due (only a holder rotates, so two never race),
+            # and keep the descriptor for the turn's later events.
+            try:
+                handle.journal_fd = journal.open_for_append(handle.dir_fd, name,
+                                                            self.journal_max_bytes)
+            except OSError:
+                handle.journal_fd = None   # the append below reports the problem
         try:
-            journal.append(handle.dir_fd, self.names(handle.stem)["journal"], list(events),
-                           handle.journal_fd)
+            journal.append(handle.dir_fd, name, list(events), handle.journal_fd)
         except OSError as error:
             raise RecordNotWritten(error.strerror or str(error)) from None
-
-    def open_events(self, handle: Handle, max_bytes: int) -> None:
-        """Called once a lane is held: rotate if due, and keep the descriptor for the turn's events."""
-        try:
-            handle.journal_fd = journal.open_for_append(
-                handle.dir_fd, self.names(handle.stem)["journal"], max_bytes)
-        except OSError:
-            handle.journal_fd = None   # append_event reports the problem as a warning
-
-    def record_extra(self, handle: Handle) -> dict:
-        # status compares it with the file at the path: a replaced lock file is two gates.
-        return {"lock_inode": handle.st.st_ino if handle.st else None}
-
-    def holder_agrees(self, record: dict, view: holders.KernelView | None) -> bool:
-        """Does the sidecar name the process the kernel says holds the lock (pid AND start time)?"""
-        pid = sidecar.field(record, "pid", int)
-        if view is not None and pid not in view.holders:
-            return False
-        return sidecar.field(record, "start_ticks", int) in (None, holders.start_ticks(pid or -1))
-
-    def holder_pids_here(self, handle: Handle, view: holders.KernelView | None) -> set[int]:
-        """Pids on this machine that hold the lane (to recognise a nested turn)."""
-        return set(view.holders) if view else set()
-
-    def unlabelled(self, view: holders.KernelView | None) -> tuple[int | None, str | None]:
-        pid = view.holders[0] if view and view.holders else None
-        return pid, holders.command_line(pid) if pid else None
-
-    def orphan_holder(self, handle: Handle) -> dict | None:
-        """The holder of a lock file that was removed or replaced while it held it, if alive.
-
-        Its lock is on the old inode, ours on the new one: taking the lane now would make two
-        gates. The sidecar names it (pid, start time, lock_inode); the kernel confirms it."""
-        record, _ = sidecar.read(self.names(handle.stem)["sidecar"], dir_fd=handle.dir_fd,
-                                 live_only=True)
-        inode = sidecar.field(record, "lock_inode", int)
-        pid = sidecar.field(record, "pid", int)
-        if record is None or "released_at" in record or inode is None or pid is None \
-                or inode == handle.st.st_ino or pid == os.getpid():
-            return None
-        if holders.start_ticks(pid) != sidecar.field(record, "start_ticks", int):
-            return None
-        if holders.holds_other_inode(pid, handle.st, inode) is None:
-            return None
-        from ..holder import from_record
-
-        return {**from_record(record), "held_for": None,
-                "note": f"holds a removed or replaced lock file (inode {inode})"}
-
-    def is_collision(self, problem: str) -> bool:
-        return False   # one file per lane name: two lanes can never share a lock
-
-    def watch_fd(self, handle: Handle) -> int | None:
-        return None   # a flock cannot be taken away from its holder
-
-    def lost(self, handle: Handle) -> bool:
-        return False
-
-    # -- inspection ----------------------------------------------------------------------------------
-    def survey(self, lane=None) -> list:
-        from . import flock_survey
-
-        if lane is None:
-            return [flock_survey.facts(self.root.path, stem) for stem in
-                    flock_survey.lane_stems(self.root.path)]
-        return [flock_survey.facts(self.root.path, lane.stem, lane.name)]
-
-    def events(self, lane, since: float | None) -> tuple:
-        events, bad = journal.read(self.locate(lane)["journal_path"])
-        if since is not None:
-            events = [event for event in events if _number(event.get("ts")) >= since]
-        return events, bad
 
     def event_handle(self, lane) -> Handle | None:
         """Somewhere to record a fail-open turn when the lock file itself could not be opened."""
@@ -313,6 +318,30 @@ class FlockStore(LaneStore):
         except (OSError, GateUnavailable):
             return None
         return Handle(dir_fd, None, self.names(lane.stem)["lock"], None, stem=lane.stem)
+
+    # -- inspection ----------------------------------------------------------------------------------
+    def survey(self, lane=None, handle=None) -> list:
+        from . import flock_survey
+
+        if lane is None:
+            return [flock_survey.facts(self.root.path, stem) for stem in
+                    flock_survey.lane_stems(self.root.path)]
+        return [flock_survey.facts(self.root.path, lane.stem, lane.name)]
+
+    def lane_names(self) -> list[str]:
+        from . import flock_survey
+
+        return [flock_survey.lane_name(stem) for stem in flock_survey.lane_stems(self.root.path)]
+
+    def events(self, lane, since: float | None) -> tuple:
+        events, bad = journal.read(self.where(lane)["journal_path"])
+        if since is not None:
+            events = [event for event in events if _number(event.get("ts")) >= since]
+        return events, bad
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else deadline - time.monotonic()
 
 
 def _number(value) -> float:

@@ -27,7 +27,7 @@ def lane_stems(root: str) -> list[str]:
 
 
 def facts(root: str, stem: str, lane: str | None = None) -> LaneFacts:
-    found = LaneFacts(lane or _lane_from_stem(stem), os.path.join(root, f"{stem}.lock"),
+    found = LaneFacts(lane or lane_name(stem), os.path.join(root, f"{stem}.lock"),
                       os.path.join(root, f"{stem}.json"))
     try:
         st = os.lstat(found.lock_path)
@@ -43,6 +43,7 @@ def facts(root: str, stem: str, lane: str | None = None) -> LaneFacts:
         return found
     record, problem = sidecar.read(found.sidecar_path)
     found.record, found.record_problem = record, problem
+    found.record_absent = problem == sidecar.MISSING
     view = holders.kernel_view(st)
     if view is None:
         found.kernel_source = "probe"
@@ -93,7 +94,8 @@ def _probe_held(lock_path: str) -> bool | None:
         os.close(fd)
 
 
-def _lane_from_stem(stem: str) -> str:
+def lane_name(stem: str) -> str:
+    """The lane a lock file's stem names (a stem no lane makes: '?STEM')."""
     from ..key import name_from_stem
 
     return name_from_stem(stem) or f"?{stem}"

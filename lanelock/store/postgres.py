@@ -22,9 +22,12 @@ import time
 from dataclasses import dataclass
 
 from ..errors import GateUnavailable, RecordNotWritten
-from ..holders import KernelView
-from .base import LaneFacts, LaneStore
+from .base import LaneFacts, LaneStore, LockHandle
 from .pg_session import BOUND, NAMESPACE, SCHEMA_SQL, connect, driver, ensure_schema, first_line, redact
+
+NO_ROW = "no holder row yet"
+COLLISION = "advisory key collision"
+
 
 def lane_key(lane_name: str) -> tuple[int, int]:
     """The documented advisory key of a lane: (NAMESPACE, signed int32 of sha256(name)[:4])."""
@@ -33,14 +36,16 @@ def lane_key(lane_name: str) -> tuple[int, int]:
 
 
 @dataclass
-class PgHandle:
+class PgHandle(LockHandle):
     conn: object
     lane: str
     key: tuple[int, int]
     backend_pid: int
-    fd: int | None = None          # the connection's socket (never None for a live handle)
+    ident: tuple = ()              # ("pg", dsn, key): every spelling of the lane shares it
+    fd: int | None = None          # the connection's socket, watched for a lost session
     caveat: str | None = None
     cancelled: bool = False        # cancel_wait() gave up the wait
+    exists = True                  # a lock row exists as soon as anyone asks
 
     def close(self) -> None:
         try:
@@ -70,12 +75,10 @@ class PgStore(LaneStore):
         key = lane_key(lane_name)
         return f"{redact(self.dsn)}#advisory({key[0]},{key[1]})"
 
-    def locate(self, lane) -> dict:
+    def where(self, lane) -> dict:
         # No files: the holder record and the events live in tables.
-        return {"lock_path": self.locator(lane.name), "sidecar_path": None, "journal_path": None}
-
-    def describe(self) -> str:
-        return f"PostgreSQL advisory locks at {redact(self.dsn)}: {BOUND}"
+        return {"lock_path": self.locator(lane.name), "sidecar_path": None, "journal_path": None,
+                "detail": f"PostgreSQL advisory locks at {redact(self.dsn)}: {BOUND}"}
 
     def connect(self, application_name: str):
         return connect(self.dsn, application_name)
@@ -94,51 +97,15 @@ class PgStore(LaneStore):
         except psycopg.Error as error:
             conn.close()
             raise GateUnavailable(f"lane store {redact(self.dsn)}: {first_line(error)}") from None
-        return PgHandle(conn, lane, lane_key(lane), backend, fd=_socket(conn))
-
-    def ident(self, handle: PgHandle) -> tuple:
-        return ("pg", self.dsn, handle.key)
-
-    def open_events(self, handle: PgHandle, max_bytes: int) -> None:
-        pass   # a table needs no rotation at these volumes
-
-    def record_extra(self, handle: PgHandle) -> dict:
-        return {"store_key": list(handle.key)}
-
-    def holder_agrees(self, record: dict, view: KernelView | None) -> bool:
-        backend = record.get("backend_pid")
-        return view is None or backend in view.holders
-
-    def holder_pids_here(self, handle: PgHandle, view: KernelView | None) -> set[int]:
-        """Client pids on this host that hold the lane (the server knows only its backend pids)."""
-        from ..facts import hostname
-
-        record, _ = self.read_holder(handle)
-        if not record or record.get("hostname") != hostname() or "released_at" in record:
-            return set()
-        if view is not None and record.get("backend_pid") not in view.holders:
-            return set()
-        pid = record.get("pid")
-        return {pid} if isinstance(pid, int) else set()
-
-    def unlabelled(self, view: KernelView | None) -> tuple[int | None, str | None]:
-        pid = view.holders[0] if view and view.holders else None
-        return pid, (f"PostgreSQL backend {pid} (not a lanelock turn)" if pid else None)
-
-    def is_collision(self, problem: str) -> bool:
-        return problem.startswith("advisory key collision")
-
-    def orphan_holder(self, handle: PgHandle) -> None:
-        return None   # an advisory lock has no file to remove
+        key = lane_key(lane)
+        return PgHandle(conn, lane, key, backend, ident=("pg", self.dsn, key), fd=_socket(conn))
 
     def watch_fd(self, handle: PgHandle) -> int | None:
         return handle.fd
 
-    def event_handle(self, lane) -> None:
-        return None   # the store could not be reached: there is nowhere to record it
-
     def try_lock(self, handle: PgHandle) -> bool:
-        return self._call(handle, "SELECT pg_try_advisory_lock(%s, %s)", handle.key)
+        return self._call(handle, "SELECT pg_try_advisory_lock(%s, %s)", handle.key) \
+            and self._same_session(handle)
 
     def cancel_wait(self, handle: PgHandle) -> None:
         """Give up a wait from another thread: the server cancels the blocked statement."""
@@ -157,7 +124,6 @@ class PgStore(LaneStore):
                 cursor.execute(f"SET lock_timeout = {millis}")
                 try:
                     cursor.execute("SELECT pg_advisory_lock(%s, %s)", handle.key)
-                    return True
                 except psycopg.errors.LockNotAvailable:
                     return self.try_lock(handle)
                 finally:
@@ -166,8 +132,9 @@ class PgStore(LaneStore):
             if handle.cancelled:
                 return False
             raise GateUnavailable(f"lane store: {first_line(error)}") from None
+        return self._same_session(handle)
 
-    def still_current(self, handle: PgHandle) -> bool:
+    def _same_session(self, handle: PgHandle) -> bool:
         """The session (and so the lock) is ours: a transaction-mode pooler would hand later
         statements to another backend, where the session lock does not live."""
         backend = self._call(handle, "SELECT pg_backend_pid()", ())
@@ -175,23 +142,6 @@ class PgStore(LaneStore):
             raise GateUnavailable("the lane store connection goes through a transaction-mode "
                                   "pooler (backend pid changed); connect to PostgreSQL directly")
         return True
-
-    def kernel(self, handle: PgHandle) -> KernelView | None:
-        return self.lock_view(handle.conn, handle.key)
-
-    def lock_view(self, conn, key: tuple[int, int]) -> KernelView | None:
-        """Holders and waiters from pg_locks: the server's truth, like /proc/locks."""
-        try:
-            with conn.cursor() as cursor:
-                cursor.execute(
-                    "SELECT pid, granted FROM pg_locks WHERE locktype = 'advisory' "
-                    "AND classid = %s AND objid = %s AND objsubid = 2",
-                    (key[0] & 0xFFFFFFFF, key[1] & 0xFFFFFFFF))
-                rows = cursor.fetchall()
-        except Exception:
-            return None
-        return KernelView(tuple(pid for pid, granted in rows if granted),
-                          tuple(pid for pid, granted in rows if not granted))
 
     def release(self, handle: PgHandle, count: dict | None = None) -> None:
         if count is not None:   # on the turn's own connection, before the round trip that unlocks
@@ -247,11 +197,8 @@ class PgStore(LaneStore):
         return counts.merge(row[0] if row else None, outcome=None)
 
     # -- holder record and events ------------------------------------------------------------
-    def write_release(self, handle: PgHandle, full_record, fields: dict) -> None:
-        self.write_holder(handle, {**full_record(), **fields})
-
     def write_holder(self, handle: PgHandle, record: dict) -> None:
-        record = dict(record, backend_pid=handle.backend_pid)
+        record = dict(record, store_key=list(handle.key), backend_pid=handle.backend_pid)
         try:
             self._call(handle,
                        "INSERT INTO lanelock_holders (key2, lane, record, backend_pid, updated_at) "
@@ -263,9 +210,6 @@ class PgStore(LaneStore):
         except GateUnavailable as error:
             raise RecordNotWritten(str(error)) from None
 
-    def read_holder(self, handle: PgHandle) -> tuple[dict | None, str | None]:
-        return self.holder_row(handle.conn, handle.key, handle.lane)
-
     def holder_row(self, conn, key, lane) -> tuple[dict | None, str | None]:
         try:
             with conn.cursor() as cursor:
@@ -275,10 +219,10 @@ class PgStore(LaneStore):
         except Exception as error:
             return None, f"holder row unreadable: {first_line(error)}"
         if row is None:
-            return None, "no holder row yet"
+            return None, NO_ROW
         row_lane, record, backend = row
         if row_lane != lane:
-            return None, (f"advisory key collision: lane {lane!r} and lane {row_lane!r} hash to "
+            return None, (f"{COLLISION}: lane {lane!r} and lane {row_lane!r} hash to "
                           f"the same key {key}; one of them must change its name")
         if not isinstance(record, dict):
             return None, "holder row is not a JSON object"
@@ -308,23 +252,38 @@ class PgStore(LaneStore):
         events = [row[0] for row in rows if isinstance(row[0], dict)]
         return events, len(rows) - len(events)
 
-    def survey(self, lane=None) -> list:
+    def survey(self, lane=None, handle=None) -> list:
         """Facts for one lane (or every lane the store knows): pg_locks joined with
-        pg_stat_activity is the truth; the holder row only labels it."""
-        conn = self.connect("lanelock status")
-        ensure_schema(conn)
+        pg_stat_activity is the truth; the holder row only labels it. handle: read through the
+        turn's own connection (a deflection asks on the busy path: no second connection)."""
+        own = handle is None or lane is None
+        conn = self.connect("lanelock status") if own else handle.conn
         try:
-            with conn.cursor() as cursor:
-                if lane is None:
-                    cursor.execute("SELECT lane FROM lanelock_holders ORDER BY lane")
-                    lanes = [row[0] for row in cursor.fetchall()]
-                else:
-                    lanes = [lane.name]
+            if own:
+                ensure_schema(conn)
+            lanes = self._lanes(conn) if lane is None else [lane.name]
             return [self._facts(conn, name) for name in lanes]
         except driver().Error as error:
             raise GateUnavailable(f"lane store {redact(self.dsn)}: {first_line(error)}") from None
         finally:
+            if own:
+                conn.close()
+
+    def lane_names(self) -> list[str]:
+        conn = self.connect("lanelock status")
+        try:
+            ensure_schema(conn)
+            return self._lanes(conn)
+        except driver().Error as error:
+            raise GateUnavailable(f"lane store {redact(self.dsn)}: {first_line(error)}") from None
+        finally:
             conn.close()
+
+    @staticmethod
+    def _lanes(conn) -> list[str]:
+        with conn.cursor() as cursor:
+            cursor.execute("SELECT lane FROM lanelock_holders ORDER BY lane")
+            return [row[0] for row in cursor.fetchall()]
 
     def _facts(self, conn, lane: str) -> LaneFacts:
         from ..facts import hostname
@@ -348,7 +307,8 @@ class PgStore(LaneStore):
         facts.held = bool(facts.holders)
         record, problem = self.holder_row(conn, key, lane)
         facts.record, facts.record_problem = record, problem
-        facts.collision = bool(problem and self.is_collision(problem))
+        facts.record_absent = problem == NO_ROW
+        facts.collision = bool(problem and problem.startswith(COLLISION))
         facts.exists = record is not None or facts.held or facts.collision
         if record is None:
             return facts

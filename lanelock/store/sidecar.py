@@ -186,6 +186,7 @@ def read(path: str, dir_fd: int | None = None, *,
 
 
 NOT_JSON = "sidecar is not valid JSON"
+MISSING = "no sidecar yet"   # status's "never used", not "sidecar-bad"
 RELEASED = "the sidecar's turn has ended"
 # json.dumps escapes every quote inside a string, so these bytes can only be a key.
 _RELEASED_KEY = b'"released_at": '
@@ -195,7 +196,7 @@ def _read_once(path: str, dir_fd: int | None, live_only: bool) -> tuple[dict | N
     try:
         fd = os.open(path, os.O_RDONLY | _FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
-        return None, "no sidecar yet"
+        return None, MISSING
     except OSError as error:
         if error.errno == errno.ELOOP:
             return None, "sidecar is a symlink; not following it"
