@@ -99,7 +99,7 @@ def make_gate(backend, lock_dir, model, key_by, gate=None, grace=None, warn=None
     """The Gate of the lane the flags name; reading: only its Place (place.py), for a command
     that reads the lane and takes no turn."""
     from .errors import UsageProblem
-    from .key import BackendError
+    from .lanes import BackendError
 
     if reading:
         from .place import Place as Kind
@@ -235,7 +235,7 @@ def _other_keyings(place) -> list[str]:
     looking at one of them should know about. The store lists its lanes' names; only those of
     this backend are judged."""
     from .inspection.status import statuses
-    from .key import lane_named
+    from .lanes import lane_named
 
     base = place.lane.name.partition("#")[0]
     names = [name for name in place.store.lane_names()

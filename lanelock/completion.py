@@ -40,7 +40,7 @@ def complete_backend(ctx, param, incomplete):
     """Offer the lanes that already exist under the lock root."""
     import os
 
-    from .key import name_from_stem
+    from .lanes import name_from_stem
     from .paths import resolve_root
     from .settings import Settings
 

@@ -1,4 +1,4 @@
-"""Small facts about this process and the time, and how labels are shown to a person.
+"""Small facts about this process, this machine and the time (say.py shows them to people).
 
 Cached where they cannot change within a process: a turn records them twice (acquire, release).
 """
@@ -67,11 +67,3 @@ def default_session() -> str:
         return f"{user_name()}@tty"
     except OSError:
         return f"{user_name()}@cron"
-
-
-def argv_text(argv: list, limit: int = 500) -> str:
-    """A command as a person can paste it back (quoted as a shell would need), cut at limit."""
-    import shlex
-
-    text = shlex.join(str(word) for word in argv)
-    return text if len(text) <= limit else text[:limit] + "…"

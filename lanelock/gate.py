@@ -22,7 +22,6 @@ from .errors import GateUnavailable, RecordNotWritten, WouldBlock
 from .facts import boot_id, default_session, hostname, own_start_ticks, user_name, utc_now
 from .place import Place
 from .settings import Settings
-from .store import sidecar
 
 __all__ = ["Gate", "Turn", "describe_holder", "HELD", "DEFLECTED", "UNGATED", "FAIL_OPEN",
            "RELEASED", "REASON_BUSY", "BUSY_WORDS", "busy_sentence"]
@@ -31,7 +30,6 @@ __all__ = ["Gate", "Turn", "describe_holder", "HELD", "DEFLECTED", "UNGATED", "F
 HELD, DEFLECTED, UNGATED, FAIL_OPEN, RELEASED = "held", "deflected", "ungated", "fail-open", "released"
 CANCELLED = "cancelled"   # an asyncio turn whose task was cancelled while it waited
 REASON_BUSY = "local_backend_busy"
-ARGV_BUDGET = 4096   # characters of argv a holder record keeps (the readers' limit is 64 KiB)
 BUSY_WORDS = "local model in use by another session"
 
 
@@ -441,40 +439,12 @@ class Turn:
 
     # -- records ---------------------------------------------------------------------------------
     def _record(self) -> dict:
-        record = {
-            "schema": sidecar.SCHEMA, "lane": self.gate.lane.name, "backend": self.gate.lane.given,
-            "pid": os.getpid(), "start_ticks": own_start_ticks(), "boot_id": boot_id(),
-            "session": self.session, "model": self.model, **self._argv_fields(),
-            "user": user_name(), "uid": os.getuid(), "hostname": hostname(),
-            "acquired_at": self._acquired_at, "acquired_monotonic": self._started,
-            "turn": self.token,
-        }
-        if self._stopped_at is not None:
-            record["stopped_at"] = self._stopped_at
-        if self.labels:
-            record.update(self.labels)
-        return record
-
-    def _argv_fields(self) -> dict:
-        """argv for the record, bounded: a prompt passed as an argument can be megabytes, and a
-        record over the readers' limit would lose the turn's labels. Words past the budget are
-        dropped and long words cut; argv_bytes keeps the full length."""
         if self._argv_cache is None:
-            total = sum(len(word) for word in self.argv)
-            if total <= ARGV_BUDGET and len(self.argv) <= 64:
-                self._argv_cache = {"argv": self.argv}
-            else:
-                kept, used = [], 0
-                for word in self.argv[:64]:
-                    word = word if len(word) <= 512 else word[:512] + "…"
-                    if used + len(word) > ARGV_BUDGET:
-                        break
-                    kept.append(word)
-                    used += len(word)
-                self._argv_cache = {"argv": kept, "argv_truncated": True,
-                                    "argv_bytes": total + len(self.argv),
-                                    "argv_words": len(self.argv)}
-        return self._argv_cache
+            self._argv_cache = holder_facts.argv_fields(self.argv)
+        return holder_facts.record(
+            lane=self.gate.lane, session=self.session, model=self.model, argv=self._argv_cache,
+            acquired_at=self._acquired_at, acquired_monotonic=self._started, turn=self.token,
+            stopped_at=self._stopped_at, labels=self.labels)
 
     def _event(self, event: str, at: tuple[float, str] | None = None, **extra) -> dict:
         # "monotonic" is one system-wide clock: durations between turns survive wall-clock jumps.

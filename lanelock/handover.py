@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from . import holders
+from . import proc
 from .facts import boot_id
 
 VARIABLE = "LANELOCK_TURNS"
@@ -57,8 +57,8 @@ class Asker:
     @property
     def ancestors(self) -> list[int]:
         if self._ancestors is None:
-            found = holders.proc_stat(self.pid)
-            self._ancestors = holders.ancestors(found[0]) if found and found[0] > 0 else []
+            found = proc.proc_stat(self.pid)
+            self._ancestors = proc.ancestors(found[0]) if found and found[0] > 0 else []
         return self._ancestors
 
 
@@ -67,7 +67,7 @@ def this_process() -> Asker | None:
     turns = tokens(os.environ.get(VARIABLE))
     if not turns:
         return None
-    return Asker(os.getpid(), turns, holders.ancestors())
+    return Asker(os.getpid(), turns, proc.ancestors())
 
 
 def process(pid: int) -> Asker | None:

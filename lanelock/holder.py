@@ -1,12 +1,54 @@
-"""Who holds a lane, described once: the facts taken from a holder record, and the words a person
-reads in a deflection line, `probe` and `status`."""
+"""The holder record and who holds a lane, described once: the record a turn writes (every store
+keeps it as it is given), the facts taken from a record, and the words a person reads in a
+deflection line, `probe` and `status`."""
 
 from __future__ import annotations
 
+import os
 import time
 
-from .facts import argv_text, boot_id, hostname
-from .say import sanitize
+from .facts import boot_id, hostname, own_start_ticks, user_name
+from .say import argv_text, sanitize
+
+SCHEMA = 1   # the holder record's version: a reader refuses a newer one
+ARGV_BUDGET = 4096   # characters of argv a holder record keeps (the readers' limit is 64 KiB)
+
+
+def record(*, lane, session: str, model: str | None, argv: dict, acquired_at: str,
+           acquired_monotonic: float, turn: str | None, stopped_at: str | None = None,
+           labels: dict | None = None) -> dict:
+    """The holder record of this process's turn on lane (a Lane). argv: argv_fields()."""
+    found = {
+        "schema": SCHEMA, "lane": lane.name, "backend": lane.given,
+        "pid": os.getpid(), "start_ticks": own_start_ticks(), "boot_id": boot_id(),
+        "session": session, "model": model, **argv,
+        "user": user_name(), "uid": os.getuid(), "hostname": hostname(),
+        "acquired_at": acquired_at, "acquired_monotonic": acquired_monotonic, "turn": turn,
+    }
+    if stopped_at is not None:
+        found["stopped_at"] = stopped_at
+    if labels:
+        found.update(labels)
+    return found
+
+
+def argv_fields(argv: list[str]) -> dict:
+    """argv for the record, bounded: a prompt passed as an argument can be megabytes, and a
+    record over the readers' limit would lose the turn's labels. Words past the budget are
+    dropped and long words cut; argv_bytes keeps the full length."""
+    total = sum(len(word) for word in argv)
+    if total <= ARGV_BUDGET and len(argv) <= 64:
+        return {"argv": argv}
+    kept, used = [], 0
+    for word in argv[:64]:
+        word = word if len(word) <= 512 else word[:512] + "…"
+        if used + len(word) > ARGV_BUDGET:
+            break
+        kept.append(word)
+        used += len(word)
+    return {"argv": kept, "argv_truncated": True, "argv_bytes": total + len(argv),
+            "argv_words": len(argv)}
+
 
 # Keys of the holder facts; documented under JSON output in the README.
 RECORD_KEYS = ("pid", "session", "model", "user", "acquired_at", "released_at", "exit_status",
@@ -66,7 +108,7 @@ def words(holder: dict | None) -> str:
 def stopped(wrapper: int, record: dict | None = None) -> dict | None:
     """{pid, since, words} when the holder (the wrapper or its command) is stopped -- it keeps the
     lane until resumed -- else None. since: when the wrapper saw it stop (the record's stopped_at)."""
-    from .holders import stopped_process
+    from .proc import stopped_process
 
     pid = stopped_process(wrapper)
     if pid is None:
@@ -115,3 +157,27 @@ def live_pids_here(facts) -> set[int]:
         return set()
     pid = field(record, "pid", int)
     return {pid} if pid is not None else set()
+
+
+def still_running(record: dict) -> bool | None:
+    """Does the process a turn's record names (its pid, start_ticks, boot_id and hostname, as the
+    holder record and the journal's `acquired` event carry them) still run? False when the pid is
+    gone or a zombie, runs another process (another start time: the pid was reused), or belongs
+    to another boot of this machine; None when this machine cannot tell: another host's turn,
+    or an old line without a start time whose pid runs."""
+    from .proc import start_ticks
+
+    def given(key, kind):
+        value = record.get(key)
+        return value if isinstance(value, kind) and not isinstance(value, bool) else None
+
+    pid, host, boot = given("pid", int), given("hostname", str), given("boot_id", str)
+    if pid is None or pid <= 0 or (host is not None and host != hostname()):
+        return None
+    if boot is not None and boot_id() and boot != boot_id():
+        return False
+    ticks = start_ticks(pid)
+    if ticks is None:
+        return False
+    recorded = given("start_ticks", int)
+    return None if recorded is None else ticks == recorded

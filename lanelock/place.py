@@ -8,7 +8,7 @@ only a well-formed gate that cannot be taken fails open, and that is the Gate's 
 
 from __future__ import annotations
 
-from . import key, say
+from . import lanes, say
 from .errors import GateUnavailable, UsageProblem
 from .paths import Root, resolve_root
 from .settings import Settings, store_problem
@@ -29,7 +29,7 @@ class Place:
         self.settings = settings
         self.config, self.config_error = settings.config, settings.config_error
         self.model = settings.get("model")
-        self.lane = key.lane_for(settings.get("backend"), model=self.model,
+        self.lane = lanes.lane_for(settings.get("backend"), model=self.model,
                                  key_by=settings.get("key_by"))
         dsn, source = settings.lookup("store")
         if dsn and store_problem(dsn):

@@ -1,11 +1,14 @@
-"""What /proc/PID/stat says of one process: its parent, its start time, its state.
+"""What /proc says of a process: its parent and ancestors, its start time, its state, its
+command line (locks.py reads /proc/locks).
 
-The leaf every other /proc reader stands on (holders.py for locks and trees, facts.py for this
-process's own start time). Plain reads: the run path must not import psutil. Every look at another
-process is racy, so each answers None for a process that is gone or a zombie.
+The leaf every other /proc reader stands on. Plain reads: the run path must not import psutil.
+Every look at another process is racy, so each answers None (or '?') for a process that is gone
+or a zombie.
 """
 
 from __future__ import annotations
+
+import os
 
 
 def proc_stat(pid: int) -> tuple[int, int] | None:
@@ -40,3 +43,59 @@ def state(pid: int) -> bytes | None:
         return None
     fields = data[data.rfind(b")") + 2:].split()
     return fields[0] if fields else None
+
+
+def ancestors(pid: int | None = None) -> list[int]:
+    """Parent, grandparent, ... up to (not including) pid 0."""
+    chain: list[int] = []
+    current = os.getppid() if pid is None else pid
+    while current > 0 and current not in chain and len(chain) < 512:
+        chain.append(current)
+        found = proc_stat(current)
+        if not found:
+            break
+        current = found[0]
+    return chain
+
+
+def command_words(pid: int) -> list[str] | None:
+    """A process's argv from /proc (None when it is gone or hidden)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            raw = handle.read(4096)
+    except OSError:
+        return None
+    return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
+
+
+def command_line(pid: int, limit: int = 200) -> str:
+    """The command of a process for display, '?' when it is gone or hidden."""
+    from .say import argv_text
+
+    return argv_text(command_words(pid) or [], limit) or "?"
+
+
+def describe_process(pid: int) -> dict:
+    """{pid, command, lanelock}: whether it is a lanelock wrapper; '?' for what cannot be seen.
+    Plain /proc reads: a deflection on the run path describes its holder with this."""
+    cmdline = command_words(pid)
+    if not cmdline:
+        return {"pid": pid, "command": "?", "lanelock": False}
+    from .say import argv_text
+
+    is_lanelock = any(word.endswith("lanelock") for word in cmdline[:3]) or \
+        " -m lanelock " in f" {' '.join(cmdline[:4])} "
+    return {"pid": pid, "command": argv_text(cmdline, 300) or "?", "lanelock": is_lanelock}
+
+
+def stopped_process(pid: int) -> int | None:
+    """pid, or the first of its children, when it is stopped (job control or SIGSTOP)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", "rb") as handle:
+            children = [int(word) for word in handle.read().split()]
+    except (OSError, ValueError):
+        children = []
+    for candidate in (pid, *children):
+        if state(candidate) in (b"T", b"t"):
+            return candidate
+    return None

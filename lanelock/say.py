@@ -11,6 +11,14 @@ from __future__ import annotations
 import os
 
 
+def argv_text(argv: list, limit: int = 500) -> str:
+    """A command as a person can paste it back (quoted as a shell would need), cut at limit."""
+    import shlex
+
+    text = shlex.join(str(word) for word in argv)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 def sanitize(text: object, limit: int = 300) -> str:
     """One printable line of at most limit characters."""
     clean = "".join(ch if ch.isprintable() else "?" for ch in str(text))

@@ -15,7 +15,7 @@ import os
 
 from . import config as config_files
 from . import exitcodes
-from .key import DEFAULT_BACKEND
+from .lanes import DEFAULT_BACKEND
 
 
 class Setting:
@@ -87,7 +87,7 @@ def _backend(value) -> str | None:
     problem = _text(value)
     if problem:
         return "HOST:PORT, [V6]:PORT or a URL"
-    from .key import BackendError, lane_for
+    from .lanes import BackendError, lane_for
 
     try:
         lane_for(value)
@@ -134,7 +134,7 @@ def _listen(value) -> str | None:
     if _text(value):
         return "HOST:PORT"
     from .errors import UsageProblem
-    from .key import listen_address
+    from .lanes import listen_address
 
     try:
         listen_address(value)

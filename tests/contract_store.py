@@ -15,7 +15,7 @@ import struct
 import threading
 import time
 
-from lanelock.key import name_from_stem
+from lanelock.lanes import name_from_stem
 from lanelock.store import counts
 from lanelock.store.base import LaneFacts, LaneStore, LockHandle
 
@@ -157,7 +157,7 @@ class ContractStore(LaneStore):
             facts.record_problem = "holder record is not JSON"
         facts.exists = facts.held or not facts.record_absent
         if isinstance(facts.record, dict):
-            from lanelock.holders import start_ticks
+            from lanelock.proc import start_ticks
 
             ticks = start_ticks(facts.record.get("pid", -1))
             facts.alive = ticks is not None and ticks == facts.record.get("start_ticks")

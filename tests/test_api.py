@@ -21,7 +21,7 @@ import pytest
 from lanelock.store import flock as lock_store
 from conftest import TIMEOUT, is_waiting, needs_flock, wait_for
 from lanelock import BUSY_WORDS, REASON_BUSY, Gate
-from lanelock.key import BackendError
+from lanelock.lanes import BackendError
 
 ISO_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 

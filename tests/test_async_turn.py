@@ -21,7 +21,7 @@ import time
 import pytest
 
 from conftest import LANELOCK, TIMEOUT, is_waiting, probe_in_process, wait_for
-from lanelock import Gate, holders
+from lanelock import Gate, locks
 
 BACKEND = "127.0.0.1:8080"
 # The held command of a competing `lanelock run`: take the token directory (mkdir is atomic: it
@@ -33,8 +33,8 @@ def lock_path(lock_dir) -> str:
     return str(lock_dir / "localhost-8080.lock")
 
 
-def kernel(lock_dir) -> holders.KernelView:
-    view = holders.kernel_view(os.stat(lock_path(lock_dir)))
+def kernel(lock_dir) -> locks.KernelView:
+    view = locks.kernel_view(os.stat(lock_path(lock_dir)))
     assert view is not None, "/proc/locks is unreadable"
     return view
 

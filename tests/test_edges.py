@@ -293,7 +293,7 @@ from hypothesis import given, settings as hypothesis_settings, strategies as st 
 def test_ipv4_shorthands_are_read_exactly_as_inet_aton_reads_them(text):
     import socket
 
-    from lanelock.key import inet_aton
+    from lanelock.lanes import inet_aton
 
     try:
         expected = int.from_bytes(socket.inet_aton(text), "big")

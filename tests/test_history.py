@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import LANE, LANELOCK, STEM, TIMEOUT, ExitWatch, wait_for
-from lanelock import holders
+from lanelock import locks
 
 BUSY = 75
 
@@ -126,7 +126,7 @@ def test_a_waiting_turn_logs_how_long_it_waited(lanelock, holder, procs, lock_di
     waiter = procs.start([*LANELOCK, "run", "--wait", "--", "true"], stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE)
     lock = lock_dir / f"{STEM}.lock"
-    wait_for(lambda: waiter.pid in holders.kernel_view(os.stat(lock)).waiters,
+    wait_for(lambda: waiter.pid in locks.kernel_view(os.stat(lock)).waiters,
              "the --wait turn to block in flock()")
     assert held.release() == 0
     _, err = waiter.communicate(timeout=TIMEOUT)

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lanelock.gate import Gate
-from lanelock.key import BackendError, lane_for
+from lanelock.lanes import BackendError, lane_for
 
 # The autouse fixture only sets environment variables that every example may share.
 PROPERTY = settings(max_examples=300, deadline=None,

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import LANELOCK, TIMEOUT, Server, is_waiting, read_line, wait_for
-from lanelock import Gate, holders
+from lanelock import Gate, locks
 
 pytest.importorskip("aiohttp")
 
@@ -482,7 +482,7 @@ def test_busy_answers_leave_no_waits_behind(procs, lanelock, holder, lock_dir):
     busy = holder("-b", engine.backend, "-s", "long-job")
     for _ in range(20):
         assert request(proxy.port, "POST", CHAT, chat_body())[0] == 503
-    view = holders.kernel_view(os.stat(lock_path(lock_dir, engine)))
+    view = locks.kernel_view(os.stat(lock_path(lock_dir, engine)))
     threads = len(os.listdir(f"/proc/{proxy.proc.pid}/task"))
     descriptors = len(os.listdir(f"/proc/{proxy.proc.pid}/fd"))
     assert busy.release() == 0

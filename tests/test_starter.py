@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from conftest import LANELOCK, TIMEOUT, environ, is_waiting, pid_gone, wait_for
-from lanelock import holders
+from lanelock import locks
 
 PR_SET_CHILD_SUBREAPER = 36
 # read(2)'s number, to see a parked child blocked on its go pipe in /proc/PID/syscall.
@@ -61,8 +61,8 @@ def blocked(pid: int, lock) -> None:
     assert not pid_gone(pid), "the turn ended instead of waiting for the lane"
 
 
-def kernel(lock) -> holders.KernelView:
-    return holders.kernel_view(os.stat(lock))
+def kernel(lock) -> locks.KernelView:
+    return locks.kernel_view(os.stat(lock))
 
 
 def parked_on_a_pipe(pid: int) -> bool:
@@ -178,8 +178,8 @@ def test_the_parked_child_holds_nothing_and_becomes_the_command(procs, holder, f
                           stderr=subprocess.PIPE)
     blocked(wrapper.pid, lock)
     child = family.parked(wrapper.pid)   # asserts it is the wrapper's only child
-    assert kernel(lock) == holders.KernelView((held.pid,), (wrapper.pid,))
-    locking = {entry[0] for entry in holders.flock_entries()}
+    assert kernel(lock) == locks.KernelView((held.pid,), (wrapper.pid,))
+    locking = {entry[0] for entry in locks.flock_entries()}
     assert child not in locking, "the parked child holds or waits for a lock"
     targets = {os.readlink(f"/proc/{child}/fd/{fd}") for fd in os.listdir(f"/proc/{child}/fd")}
     assert not {target for target in targets if target.startswith(str(lock_dir))}, targets
@@ -224,7 +224,7 @@ def test_sigint_while_waiting_ends_the_wrapper_and_the_parked_child(how, flags, 
         assert "Traceback" not in err
     assert family.ended(child)
     assert family.orphans() == [], "the wrapper should have reaped its parked child"
-    assert kernel(lock) == holders.KernelView((held.pid,), ())
+    assert kernel(lock) == locks.KernelView((held.pid,), ())
     assert held.release() == 0
 
 
@@ -249,7 +249,7 @@ def test_kill_9_of_the_waiting_wrapper_takes_the_parked_child_along(frozen, proc
     status = family.reap(child)
     if frozen:
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
-    assert kernel(lock) == holders.KernelView((held.pid,), ())
+    assert kernel(lock) == locks.KernelView((held.pid,), ())
     assert held.release() == 0
 
 
@@ -269,7 +269,7 @@ def test_sigterm_to_the_waiting_wrapper_alone_ends_it_and_the_parked_child(procs
     assert set(left) <= {child}, left    # a wrapper killed outright leaves the child to us
     for pid in left:
         family.reap(pid)
-    assert kernel(lock) == holders.KernelView((held.pid,), ())
+    assert kernel(lock) == locks.KernelView((held.pid,), ())
     assert held.release() == 0
 
 

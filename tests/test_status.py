@@ -25,13 +25,13 @@ import pytest
 
 from conftest import (HOLD_SCRIPT, LANE, LANELOCK, STEM, TIMEOUT, ExitWatch, read_line, wait_exit,
                       wait_for)
-from lanelock import holders
+from lanelock import locks, proc
 
 ESCAPE = "\x1b"
 
 
-def kernel(lock_path) -> holders.KernelView:
-    view = holders.kernel_view(os.stat(lock_path))
+def kernel(lock_path) -> locks.KernelView:
+    view = locks.kernel_view(os.stat(lock_path))
     assert view is not None, "/proc/locks is unreadable here"
     return view
 
@@ -194,7 +194,7 @@ def test_a_live_pid_with_another_start_time_is_pid_reuse(lanelock, procs, lock_d
         pid = os.getpid()
     else:
         pid = procs.start(["sleep", "60"]).pid
-    ticks = holders.start_ticks(pid)
+    ticks = proc.start_ticks(pid)
     assert ticks is not None
 
     def reuse(record):
@@ -212,7 +212,7 @@ def test_the_same_pid_and_start_time_alive_is_not_pid_reuse(lanelock, procs, loc
     process does not hold the lock, so the turn is letting go, not stale)."""
     one_turn(lanelock, lock_dir)
     pid = procs.start(["sleep", "60"]).pid
-    _edit_sidecar(lock_dir, lambda record: record.update(pid=pid, start_ticks=holders.start_ticks(pid)))
+    _edit_sidecar(lock_dir, lambda record: record.update(pid=pid, start_ticks=proc.start_ticks(pid)))
     lane = one_lane(lanelock)
     assert lane["verdict"] == "releasing" and "reused" not in lane["message"]
 
@@ -233,7 +233,7 @@ def test_a_stale_sidecar_is_reported_in_plain_words(lanelock, lock_dir, change, 
 
 def test_a_stale_sidecar_while_held_trusts_the_kernel(lanelock, holder, lock_dir):
     held = holder()
-    ticks = holders.start_ticks(held.pid)
+    ticks = proc.start_ticks(held.pid)
     _edit_sidecar(lock_dir, lambda record: record.update(start_ticks=ticks + 1))
     lane = one_lane(lanelock)
     assert (lane["state"], lane["verdict"]) == ("held", "held-unlabelled")

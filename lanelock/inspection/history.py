@@ -73,7 +73,7 @@ def _mark_endings(events: list[dict], now: float) -> None:
     release, or until now while holding; None when the end is unknown) and, for a turn that did
     not say when it ended, the latest it can have ended ("ended_before": the next turn that took
     the lane, else None)."""
-    from ..holders import still_running
+    from ..holder import still_running
 
     open_turns: dict[int, dict] = {}
 

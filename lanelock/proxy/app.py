@@ -335,7 +335,7 @@ class Proxy:
                 return None
             self.say.note(busy_sentence(who, f"deflecting to fallback {index}: "
                                              f"@{fallback.backend}"))
-            from ..key import origin
+            from ..lanes import origin
 
             try:
                 response = await relay(self.client, request, origin(gate.lane.given) + path_qs,

@@ -71,7 +71,7 @@ def parse_fallback(text: str) -> Fallback:
     """A Fallback, or ValueError with the reason (a usage error)."""
     fallback = Fallback(text)
     if fallback.backend is not None:
-        from ..key import lane_for
+        from ..lanes import lane_for
 
         lane_for(fallback.backend)   # BackendError (a ValueError) for a malformed one
         return fallback

@@ -32,7 +32,7 @@ def build(gate, options, say, listen: str, token_env: str | None, fallback_key_e
     """(Proxy, host, port): everything checked before a socket is opened (UsageProblem: exit 2)."""
     from .app import Proxy
 
-    from ..key import listen_address
+    from ..lanes import listen_address
 
     host, port, loopback = listen_address(listen)
     if token_env:
@@ -58,7 +58,7 @@ def build(gate, options, say, listen: str, token_env: str | None, fallback_key_e
         keys[kind] = key
     if keys:
         options.fallback_key = keys
-    from ..key import origin
+    from ..lanes import origin
 
     # The engine's origin (request paths are appended to it), its host as the lane reads it.
     return Proxy(gate, options, say, origin(gate.lane.given)), host, port

@@ -82,7 +82,7 @@ def _split(text: str, where: str) -> list[str]:
 
 
 def _check_backend(backend: str, where: str) -> None:
-    from ..key import BackendError, split_backend
+    from ..lanes import BackendError, split_backend
 
     try:
         split_backend(backend)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from .. import exitcodes, key
+from .. import exitcodes, lanes
 from ..errors import UsageProblem
 from ..gate import DEFLECTED, HELD, UNGATED, Gate, Turn, busy_sentence
 from ..holder import words as holder_words
@@ -43,7 +43,7 @@ def start(request: Request) -> int:
     settings = Settings(request.settings_flags())
     try:
         gate = Gate(settings=settings, warn=say.warn)
-    except key.BackendError as error:
+    except lanes.BackendError as error:
         raise UsageProblem(str(error)) from None
     entries = []
     if request.fallbacks or request.chain:   # shlex and the chain module only when needed
@@ -191,7 +191,7 @@ def _fallback_gate(primary: Gate, entry: Entry, options: Options) -> tuple[Turn 
     """(turn held on the entry's own lane or None, reason to skip or None)."""
     if entry.backend is None:
         return None, None
-    from ..key import BackendError
+    from ..lanes import BackendError
 
     try:
         gate = primary.sibling(entry.backend, model=options.model)

@@ -21,7 +21,7 @@ import os
 import stat
 import time
 
-from .. import holders, say
+from .. import locks, proc, say
 from ..errors import GateUnavailable, RecordNotWritten
 from ..paths import UNGATED, Root, creation_problem, open_root
 from . import journal, sidecar, waiting
@@ -232,9 +232,9 @@ class FlockStore(LaneStore):
         if record is None or "released_at" in record or inode is None or pid is None \
                 or inode == handle.st.st_ino or pid == os.getpid():
             return False
-        if holders.start_ticks(pid) != sidecar.field(record, "start_ticks", int):
+        if proc.start_ticks(pid) != sidecar.field(record, "start_ticks", int):
             return False
-        return holders.holds_other_inode(pid, handle.st, inode) is not None
+        return locks.holds_other_inode(pid, handle.st, inode) is not None
 
     def release(self, handle: Handle, count: dict | None = None) -> None:
         # Closing the last fd on the description drops the flock; the file itself stays. The

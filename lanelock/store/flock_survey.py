@@ -12,7 +12,7 @@ import fcntl
 import os
 import stat
 
-from .. import holders
+from .. import locks, proc
 from . import sidecar
 from .base import LaneFacts
 
@@ -44,19 +44,19 @@ def facts(root: str, stem: str, lane: str | None = None) -> LaneFacts:
     record, problem = sidecar.read(found.sidecar_path)
     found.record, found.record_problem = record, problem
     found.record_absent = problem == sidecar.MISSING
-    view = holders.kernel_view(st)
+    view = locks.kernel_view(st)
     if view is None:
         found.kernel_source = "probe"
         found.held = _probe_held(found.lock_path)
     else:
         found.held = bool(view.holders)
-        found.holders = [holders.describe_process(pid) for pid in view.holders]
-        found.waiters = [holders.describe_process(pid) for pid in view.waiters]
+        found.holders = [proc.describe_process(pid) for pid in view.holders]
+        found.waiters = [proc.describe_process(pid) for pid in view.waiters]
     if record is None:
         return found
     pid = sidecar.field(record, "pid", int)
     ticks = sidecar.field(record, "start_ticks", int)
-    now_ticks = holders.start_ticks(pid) if pid is not None else None
+    now_ticks = proc.start_ticks(pid) if pid is not None else None
     found.alive = now_ticks is not None and now_ticks == ticks
     found.reused = now_ticks is not None and ticks is not None and now_ticks != ticks
     kernel_pids = [holder["pid"] for holder in found.holders]
@@ -64,7 +64,7 @@ def facts(root: str, stem: str, lane: str | None = None) -> LaneFacts:
     inode = sidecar.field(record, "lock_inode", int)
     if "released_at" not in record and inode is not None and inode != st.st_ino:
         # A live holder still locking the old inode is two gates; a dead one is a stale record.
-        old = holders.holds_other_inode(pid, st, inode) if found.alive else None
+        old = locks.holds_other_inode(pid, st, inode) if found.alive else None
         if old is not None:
             found.replaced = (f"on a removed or replaced lock file (inode {old}; the file here is "
                               f"inode {st.st_ino})")
@@ -96,6 +96,6 @@ def _probe_held(lock_path: str) -> bool | None:
 
 def lane_name(stem: str) -> str:
     """The lane a lock file's stem names (a stem no lane makes: '?STEM')."""
-    from ..key import name_from_stem
+    from ..lanes import name_from_stem
 
     return name_from_stem(stem) or f"?{stem}"

@@ -67,7 +67,7 @@ class PgStore(LaneStore):
         if lane.scope != "local":
             return lane
         from ..facts import hostname
-        from ..key import qualified
+        from ..lanes import qualified
 
         return qualified(lane, hostname())   # "localhost" is another machine on every host
 
@@ -287,7 +287,7 @@ class PgStore(LaneStore):
 
     def _facts(self, conn, lane: str) -> LaneFacts:
         from ..facts import hostname
-        from ..holders import start_ticks
+        from ..proc import start_ticks
 
         key = lane_key(lane)
         facts = LaneFacts(lane, self.locator(lane))

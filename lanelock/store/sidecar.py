@@ -18,9 +18,8 @@ import json
 import os
 import stat
 
-from ..holder import field   # noqa: F401 - sidecar.field, as the stores read it
+from ..holder import SCHEMA, field   # noqa: F401 - sidecar.field, as the stores read it
 
-SCHEMA = 1
 MAX_BYTES = 64 * 1024
 # Every user of a lane writes its turns here (one root is shared by all users, and in a sticky
 # directory nobody may replace another user's file): the record is writable by all, like the

@@ -1,4 +1,4 @@
-"""Backend string -> lane key.
+"""Backend string -> lane: the Lane (what one lock stands for) and how every spelling keys to it.
 
 One lane per backend: every spelling of this machine (localhost, 127.0.0.0/8, ::1, 0.0.0.0, our
 hostname, our interface addresses) collapses to ``localhost:PORT`` so that all of them share one lock
