@@ -103,7 +103,7 @@ async def _take_without_a_thread(turn) -> None:
         if waiting is None:
             return
         handle, timeout = waiting
-        got = await gate.store.wait_lock_async(handle, timeout)
+        got = await gate.store.wait_lock_async(handle, timeout, rank=turn.rank)
         await _off_loop(turn.conclude, handle, got)
     except GateUnavailable as error:
         turn.fail_open(str(error))

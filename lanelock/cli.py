@@ -55,6 +55,8 @@ def setting_option(name: str):
     kind = setting.kind
     if kind == "key-by":
         kwargs["type"] = click.Choice(["backend", "model"])
+    elif kind == "priority":
+        kwargs["type"] = click.Choice(["interactive", "normal", "batch"])
     elif kind == "seconds":
         kwargs["type"] = Seconds(setting.flags[0])
     elif kind == "optional-seconds":
@@ -89,7 +91,7 @@ def run_options(function):
         else:
             kwargs.update(default=None, metavar=metavar)
         function = click.option(*spellings, parameter, **kwargs)(function)
-    for name in ("gate", "kill_after", "grace", "busy_exit_code", "wait", "session"):
+    for name in ("gate", "kill_after", "grace", "busy_exit_code", "priority", "wait", "session"):
         function = setting_option(name)(function)
     return lane_options(function)
 
@@ -331,6 +333,10 @@ def metrics(backend, lock_dir, model, key_by, store, all_lanes, textfile):
               help="A fallback that has not answered (status and headers) within this long is "
                    "skipped and the next one tried.")
 @setting_option("wait")
+@setting_option("priority")
+@click.option("--max-priority", type=click.Choice(["interactive", "normal", "batch"]),
+              default="interactive", show_default=True,
+              help="The highest class a request's X-Lanelock-Priority header may claim.")
 @setting_option("proxy_linger")
 @setting_option("proxy_session_header")
 @click.option("--token-env", metavar="VAR", default=None,
@@ -341,7 +347,8 @@ def metrics(backend, lock_dir, model, key_by, store, all_lanes, textfile):
 @click.option("--quiet", "-q", is_flag=True, help="No notes or warnings from lanelock.")
 @click.option("--verbose", "-v", is_flag=True, help="One line per request.")
 def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fallback_timeout,
-          wait, proxy_linger, proxy_session_header, token_env, store, lock_dir, quiet, verbose):
+          wait, priority, max_priority, proxy_linger, proxy_session_header, token_env, store,
+          lock_dir, quiet, verbose):
     """Serve the lane to HTTP clients: a loopback proxy that holds the lane per generation request.
 
     Point a client's base URL at it (http://127.0.0.1:8089/v1). A busy lane sends the request to
@@ -363,7 +370,8 @@ def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fa
 
     say = Say(quiet)
     settings = Settings({"backend": backend, "store": store, "lock_dir": lock_dir or None,
-                         "wait": wait, "proxy_listen": proxy_listen, "proxy_linger": proxy_linger,
+                         "wait": wait, "priority": priority, "proxy_listen": proxy_listen,
+                         "proxy_linger": proxy_linger,
                          "proxy_session_header": proxy_session_header})
     gate = strict_gate(None, None, None, None, settings=settings, warn=say.warn)
     try:
@@ -376,7 +384,8 @@ def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fa
                       linger=float(settings.get("proxy_linger")),
                       session_header=settings.get("proxy_session_header"),
                       cheap_paths=settings.get("proxy_cheap_paths"), quiet=quiet,
-                      verbose=verbose, fallback_timeout=fallback_timeout)
+                      verbose=verbose, fallback_timeout=fallback_timeout,
+                      max_priority=max_priority)
     try:
         app, host, port = build(gate, options, say, settings.get("proxy_listen"), token_env,
                                 fallback_key_env)

@@ -21,6 +21,7 @@ from . import handover, say
 from .errors import GateUnavailable, RecordNotWritten, WouldBlock
 from .facts import boot_id, default_session, hostname, own_start_ticks, user_name, utc_now
 from .place import Place
+from .store.queue import CLASSES
 from .settings import Settings
 
 __all__ = ["Gate", "Turn", "describe_holder", "HELD", "DEFLECTED", "UNGATED", "FAIL_OPEN",
@@ -58,6 +59,7 @@ class Gate(Place):
                          grace=grace, store=store, warn=warn, settings=settings,
                          lane_store=lane_store)
         self.grace = float(self.settings.get("grace"))
+        self.priority = self.settings.get("priority")
         self.journal_max_bytes = self.settings.get("journal_max_bytes")
 
     def sibling(self, backend: str, model: str | None = None) -> "Gate":
@@ -71,15 +73,16 @@ class Gate(Place):
 
     def turn(self, *, session: str | None = None, model: str | None = None,
              argv: list[str] | None = None, wait: float | None = 0.0,
-             labels: dict | None = None, askers=None) -> "Turn":
+             labels: dict | None = None, askers=None, priority: str | None = None) -> "Turn":
         """A turn on this lane; the lock is taken on entering it (`with`, or `async with` in
         asyncio code, which never blocks the event loop), or by acquire(). wait: seconds to block
         for the lane (None: forever); 0 deflects after the short grace period. labels: more
         facts for the holder record and the journal (the proxy's client and path). askers: who
         asks for the turn when not this process (the proxy's client): a callable returning
-        handover.Asker values, called only when the lane is busy."""
+        handover.Asker values, called only when the lane is busy. priority: interactive, normal
+        or batch -- who goes first among the turns that wait (default: the priority setting)."""
         return Turn(self, session=session, model=model or self.model, argv=argv, wait=wait,
-                    labels=labels, askers=askers)
+                    labels=labels, askers=askers, priority=priority)
 
     def probe(self) -> dict:
         """Take the lock without blocking and let go at once: 'free' or 'busy' (with the holder)."""
@@ -103,9 +106,14 @@ class Gate(Place):
 
 
 class Turn:
-    def __init__(self, gate: Gate, *, session, model, argv, wait, labels=None, askers=None):
+    def __init__(self, gate: Gate, *, session, model, argv, wait, labels=None, askers=None,
+                 priority=None):
         self.gate = gate
         self.session = session or gate.settings.get("session") or default_session()
+        self.priority = priority or gate.priority
+        if self.priority not in CLASSES:
+            raise ValueError(f"priority must be one of {', '.join(CLASSES)}, not {priority!r}")
+        self.rank = CLASSES.index(self.priority)
         self.model = model
         self.argv = list(argv or [])
         self.labels = dict(labels or {})
@@ -257,7 +265,8 @@ class Turn:
         waiting = self.prepare(try_only)
         if waiting is not None:
             handle, timeout = waiting
-            self.conclude(handle, self.gate.store.wait_lock(handle, timeout, self._cancel))
+            self.conclude(handle, self.gate.store.wait_lock(handle, timeout, self._cancel,
+                                                            rank=self.rank))
 
     # prepare() and conclude() are take()'s steps before and after the wait, for a caller that
     # waits its own way (asyncturn.py: an asyncio task waits without a thread).
@@ -270,6 +279,7 @@ class Turn:
         own_start_ticks(), boot_id(), user_name(), hostname()
         self._handle = None
         handle = self._handle = store.open(gate.lane)
+        handle.asker = {"session": self.session, "hostname": hostname()}
         if handle.caveat:
             gate.warn(handle.caveat)
         if self._owner is None:
@@ -280,7 +290,7 @@ class Turn:
             return None
         self._started_wait = time.monotonic()
         _debug_pause("before-acquire")
-        if store.try_lock(handle):
+        if store.try_lock(handle, rank=self.rank):
             self.conclude(handle, True)
             return None
         if try_only:
@@ -340,10 +350,10 @@ class Turn:
         # Who holds, precisely enough for `history` to tell a live turn from a killed one.
         events = [self._event("acquired", at=(now, self._acquired_at),
                               start_ticks=own_start_ticks(), boot_id=boot_id(),
-                              hostname=hostname())]
+                              hostname=hostname(), priority=self.priority)]
         if self._had_to_wait:
             events.insert(0, self._event("waited", at=(now, self._acquired_at),
-                                         waited=round(self.waited, 6)))
+                                         waited=round(self.waited, 6), priority=self.priority))
         self._log(*events)
         return self
 
@@ -399,7 +409,8 @@ class Turn:
         _HELD_HERE.pop(self._key, None)
         waited = self.waited if self._had_to_wait else None
         count = None if self.lost else {"outcome": "waited" if waited is not None else "local",
-                                        "held": duration, "waited": waited}
+                                        "held": duration, "waited": waited,
+                                        "priority": self.priority}
         self._settled = True
         self.gate.store.release(handle, count)
         self._handle = None
@@ -435,7 +446,7 @@ class Turn:
         self._settled = True
         waited = self.waited if self.wait != 0 else None
         self.gate.store.count(self.gate.lane, outcome or "deflected", reason=self.reason,
-                              waited=waited)
+                              waited=waited, priority=self.priority)
 
     # -- records ---------------------------------------------------------------------------------
     def _record(self) -> dict:

@@ -69,6 +69,18 @@ def kernel_view(st: os.stat_result) -> KernelView | None:
                       tuple(pid for pid, blocked in mine if blocked))
 
 
+def held_files() -> set[tuple[str, int]] | None:
+    """(device, inode) of every file someone holds an FLOCK on; None when unreadable."""
+    entries = flock_entries()
+    if entries is None:
+        return None
+    return {(device, inode) for _, device, inode, blocked in entries if not blocked}
+
+
+def device_of(st: os.stat_result) -> str:
+    return _device(st)
+
+
 def holds_other_inode(pid: int, st: os.stat_result, inode: int | None = None) -> int | None:
     """An inode on st's device, other than st's (or exactly `inode`), that pid holds an FLOCK on:
     the sign of a lock file that was removed or replaced under a live holder."""

@@ -15,6 +15,18 @@ from .settings import Settings, store_problem
 from .store import for_settings
 
 
+def _priority_problem(name: str, value, source: str) -> str | None:
+    from .settings import validate
+
+    if name == "priority_aging" and isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    problem = validate(name, value)
+    return f"{'--priority' if source == 'flag' else source}: {problem}" if problem else None
+
+
 class Place:
     def __init__(self, backend: str | None = None, *, model: str | None = None,
                  key_by: str | None = None, lock_dir: str | None = None, gate: bool | None = None,
@@ -34,6 +46,10 @@ class Place:
         dsn, source = settings.lookup("store")
         if dsn and store_problem(dsn):
             raise UsageProblem(f"{'--store' if source == 'flag' else source}: {store_problem(dsn)}")
+        for name in ("priority", "priority_aging"):   # the environment's text is checked here
+            problem = _priority_problem(name, *settings.lookup(name))
+            if problem:
+                raise UsageProblem(problem)
         mode = settings.get("gate")
         self.gated = self.lane.gated if mode == "auto" else mode == "always"
         self.root: Root = resolve_root(settings)

@@ -158,6 +158,8 @@ def _cheap_paths(value) -> str | None:
     return "a list of paths, each starting with /"
 
 
+from .store.queue import CLASSES, DEFAULT_AGING, DEFAULT_CLASS  # noqa: E402 - a leaf module
+
 DEFAULT_LISTEN = "127.0.0.1:8089"
 DEFAULT_GRACE = 0.05   # seconds: long enough to ride out a probe, short enough to be invisible
 JOURNAL_MAX_BYTES = 1 << 20
@@ -189,6 +191,13 @@ TABLE = (
             help="Block in the kernel until the lane is free (up to SECONDS), then fall back."),
     Setting("busy_exit_code", flags=("--busy-exit-code", "-E"), kind="exit", default=exitcodes.BUSY,
             check=_exit_code, metavar="N", help="Exit status when busy and no fallback ran."),
+    Setting("priority", flags=("--priority",), env="LANELOCK_PRIORITY", kind="priority",
+            default=DEFAULT_CLASS, check=_choice(*CLASSES), metavar="CLASS",
+            help="Who goes first among waiting turns: interactive, normal (default) or batch."),
+    Setting("priority_aging", env="LANELOCK_PRIORITY_AGING", default=DEFAULT_AGING,
+            check=_seconds,
+            help="Seconds a waiting turn's class takes to rise one step (nobody starves; 0: "
+                 "never)."),
     Setting("grace", flags=("--grace",), kind="seconds", default=DEFAULT_GRACE, check=_seconds,
             metavar="SECONDS", help="Wait this long in the kernel before deflecting."),
     Setting("kill_after", flags=("--kill-after",), kind="seconds", check=_seconds,
@@ -215,7 +224,7 @@ TABLE = (
 SETTINGS = {setting.name: setting for setting in TABLE}
 # The settings `lanelock run` takes as flags (run/args.py and the click command read this).
 RUN_FLAGS = ("backend", "lock_dir", "model", "session", "key_by", "store", "gate", "wait",
-             "busy_exit_code", "grace", "kill_after")
+             "busy_exit_code", "priority", "grace", "kill_after")
 
 
 # Settings that no longer exist, and what replaced them. A file that still sets one is read with

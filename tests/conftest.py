@@ -150,6 +150,17 @@ def is_waiting(lock_path, pid: int) -> bool:
     return pid in flock_entries(lock_path)[1]
 
 
+def is_queued(lock_path, pid: int) -> bool:
+    """Does pid wait in the lane's queue (store/queue.py: a file ARRIVAL.RANK.PID.RANDOM in
+    STEM.queue/ beside the lock, there only while its turn waits)? The first in the queue blocks
+    in flock() on the lock itself (is_waiting); the others on the entry ahead of them."""
+    try:
+        names = os.listdir(Path(lock_path).with_suffix(".queue"))
+    except OSError:
+        return False
+    return any(name.split(".")[2:3] == [str(pid)] for name in names)
+
+
 def lane_held(lock: Path) -> bool:
     """Does anyone hold this lock file's flock? Asked with a lock of our own, taken without waiting
     on a descriptor of our own (so a lane this very process holds, a leaked API turn, is seen too)

@@ -68,10 +68,10 @@ class ContractStore(LaneStore):
     def open(self, lane, *, create: bool = True) -> Handle:
         return Handle(self, lane)
 
-    def try_lock(self, handle: Handle) -> bool:
+    def try_lock(self, handle: Handle, rank: int = 1) -> bool:
         return _lock(handle.fd, handle.offset, fcntl.F_OFD_SETLK)
 
-    def wait_lock(self, handle: Handle, timeout: float | None, cancel=None) -> bool:
+    def wait_lock(self, handle: Handle, timeout: float | None, cancel=None, rank: int = 1) -> bool:
         """A thread blocks in the kernel on a description of its own; the handle adopts it once
         it holds the byte. Given up (timeout, cancel), the thread lets go when it gets there."""
         if timeout is not None and timeout <= 0:

@@ -115,14 +115,12 @@ def test_many_tasks_and_processes_hold_one_at_a_time(holder, procs, lanelock, lo
             return turn.waited
 
     def everyone_queued():
-        # This process waits in the kernel once (one waiter per lane and process), with its
-        # tasks queued behind that waiter; each `run` process waits on its own.
-        from lanelock.store.waiting import waiting_turns
-
-        view = kernel(lock_dir)
-        queued = waiting_turns()
-        return view.waiters.count(os.getpid()) == 1 and queued == tasks_count and \
-            all(run.pid in view.waiters for run in runs)
+        # Every waiting turn -- each task, each `run` process -- is in the lane's queue (status
+        # shows it), in order of arrival: one class.
+        [facts] = gate.store.survey(gate.lane)
+        pids = [entry["pid"] for entry in facts.queue]
+        return pids.count(os.getpid()) == tasks_count and \
+            all(run.pid in pids for run in runs)
 
     async def main():
         waiting = [asyncio.create_task(task(index)) for index in range(tasks_count)]

@@ -43,7 +43,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import (LANE, LANELOCK, STEM, TIMEOUT, Server, cli_in_process, is_waiting,
+from conftest import (LANE, LANELOCK, STEM, TIMEOUT, Server, cli_in_process, is_queued, is_waiting,
                       json_of, read_line, wait_for)
 from lanelock import __version__ as lanelock_version
 
@@ -278,12 +278,12 @@ def counted(fetch, lane: str, expected: dict) -> Scrape:
 
 
 def blocked_turn(procs, lock: Path, *args) -> subprocess.Popen:
-    """`lanelock run --wait 30 ARGS -- true`, returned once the kernel shows it blocked in flock()
-    (nothing else can tell: /proc/locks, polled with a deadline)."""
+    """`lanelock run --wait 30 ARGS -- true`, returned once it waits in the lane's queue (nothing
+    else can tell: the queue directory, polled with a deadline)."""
     waiter = procs.start([*LANELOCK, "run", "-q", "--wait", "30", *args, "--", "true"],
                          stderr=subprocess.PIPE)
-    wait_for(lambda: is_waiting(lock, waiter.pid) or waiter.poll() is not None,
-             what="the waiting turn to block in flock()")
+    wait_for(lambda: is_queued(lock, waiter.pid) or waiter.poll() is not None,
+             what="the waiting turn to queue")
     assert waiter.returncode is None, waiter.stderr.read()
     return waiter
 

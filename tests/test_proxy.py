@@ -1093,3 +1093,44 @@ def test_the_anthropic_and_openai_sdks_understand_the_busy_answers(procs, holder
     assert unavailable.value.status_code == 503
     assert unavailable.value.body["code"] == "local_backend_busy"
     assert busy.release() == 0 and engine.stats()["total"] == 0
+
+
+# -- issue 26: the proxy's requests queue by class ---------------------------------------------------
+def test_requests_queue_by_their_class_capped_by_max_priority(procs, lanelock, holder):
+    """X-Lanelock-Priority sets a waiting request's class, capped by --max-priority; the lane
+    goes to the higher class first; a busy answer's Retry-After counts the waiters before it."""
+    import threading
+
+    from lanelock import Gate
+
+    engine = Engine(procs, delay=0.01)
+    proxy = Proxy(procs, engine.backend, "--wait", "60", "--max-priority", "normal",
+                  env={"LANELOCK_PRIORITY_AGING": "3600"})
+    first = holder("-b", engine.backend, "-s", "first")
+    gate = Gate(engine.backend)
+    answers = {}
+
+    def ask(session, klass):
+        answers[session] = request(proxy.port, "POST", CHAT, chat_body(), headers={
+            "X-Lanelock-Session": session, "X-Lanelock-Priority": klass})
+
+    threads = []
+    for session, klass in (("cron", "batch"), ("greedy", "interactive"), ("bogus", "urgent")):
+        before = len(gate.store.survey(gate.lane)[0].queue)
+        threads.append(threading.Thread(target=ask, args=(session, klass)))
+        threads[-1].start()
+        wait_for(lambda: len(gate.store.survey(gate.lane)[0].queue) > before,
+                 f"{session} to queue")
+    queued = [(entry["session"], entry["class"]) for entry in gate.store.survey(gate.lane)[0].queue]
+    # interactive capped to normal; an unknown class is the proxy's own (normal)
+    assert queued == [("greedy", "normal"), ("bogus", "normal"), ("cron", "batch")], queued
+    status, headers, _ = request(proxy.port, "POST", CHAT, chat_body(),
+                                 headers={"X-Lanelock-Wait": "0", "X-Lanelock-Priority": "batch"})
+    assert status == 503 and int(headers["Retry-After"]) >= 1
+    assert first.release() == 0
+    for thread in threads:
+        thread.join(TIMEOUT)
+    assert all(answer[0] == 200 for answer in answers.values()), answers
+    served = [event["session"] for event in history(lanelock, engine.backend)
+              if event["event"] == "acquired" and event["session"] in answers]
+    assert served == ["greedy", "bogus", "cron"]

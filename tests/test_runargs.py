@@ -60,7 +60,10 @@ def runargs_kind(option: click.Option) -> str:
         return "multiple"
     if isinstance(kind, click.Choice):
         # runargs._convert spells the choices out, so they must be exactly these
-        assert tuple(kind.choices) == ("backend", "model") and kind.case_sensitive, option.name
+        assert kind.case_sensitive, option.name
+        if tuple(kind.choices) == ("interactive", "normal", "batch"):
+            return "priority"
+        assert tuple(kind.choices) == ("backend", "model"), option.name
         return "key-by"
     if isinstance(kind, click.IntRange):
         assert (kind.min, kind.max, kind.min_open, kind.max_open, kind.clamp) == \

@@ -254,7 +254,7 @@ def test_a_waiting_turn_is_shown_as_a_waiter(lanelock, holder, procs, lock_dir):
     assert lane["verdict"] == "held" and lane["holders"][0]["pid"] == held.pid
     assert [w["pid"] for w in lane["waiters"]] == [waiter.pid]
     assert lane["waiters"][0]["lanelock"] is True
-    assert "[1 waiting]" in status_line(lanelock)
+    assert f"[1 waiting: 1. normal pid {waiter.pid} " in status_line(lanelock)
 
     assert held.release() == 0
     out, err = waiter.communicate(timeout=TIMEOUT)

@@ -32,7 +32,7 @@ def judge(facts, gate_problem: str | None = None) -> dict:
     not take the lane's gate (store/availability.py), None when it could."""
     result = {"lane": facts.lane, "lock_path": facts.lock_path, "sidecar_path": facts.sidecar_path,
               "exists": facts.exists, "state": FREE, "verdict": "never-used", "message": "",
-              "holders": facts.holders, "waiters": facts.waiters,
+              "holders": facts.holders, "waiters": facts.waiters, "queue": facts.queue,
               "kernel_source": facts.kernel_source, "holder": None, "last": None,
               "sidecar_problem": facts.record_problem,
               "gate": "unavailable" if gate_problem else "available", "gate_problem": gate_problem}

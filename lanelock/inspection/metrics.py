@@ -11,7 +11,7 @@ import os
 import tempfile
 
 from .. import __version__
-from ..store.counts import BUCKETS, OUTCOMES
+from ..store.counts import BUCKETS, CLASSES, OUTCOMES
 from .status import statuses
 
 TEXTFILE = "lanelock.prom"
@@ -63,6 +63,12 @@ class LaneCollector:
         wait = HistogramMetricFamily("lanelock_lane_wait_seconds",
                                      "how long turns that waited for the lane waited",
                                      labels=["lane"])
+        class_wait = HistogramMetricFamily("lanelock_lane_class_wait_seconds",
+                                           "how long turns that waited for the lane waited, by "
+                                           "their priority class", labels=["lane", "class"])
+        queued = GaugeMetricFamily("lanelock_lane_queued",
+                                   "turns waiting in the lane's queue, by the class they count "
+                                   "as now (aging included)", labels=["lane", "class"])
         # Whether the gate can be taken at all (issue 23): 0 means turns run ungated (fail open),
         # for the lane, or for any lane with no lock yet (a root that is not there cannot list
         # its lanes: only the store-wide gauge can say it is broken).
@@ -85,6 +91,9 @@ class LaneCollector:
             is_held = status["state"] == "held"
             held.add_metric([lane], 1.0 if is_held else 0.0)
             waiters.add_metric([lane], float(len(status["waiters"])))
+            for klass in CLASSES:
+                queued.add_metric([lane, klass], float(sum(
+                    1 for entry in status.get("queue") or () if entry["effective_class"] == klass)))
             holder = status.get("holder") or {}
             since.add_metric([lane], float(holder.get("held_for") or 0.0) if is_held else 0.0)
             stopped.add_metric([lane], 1.0 if holder.get("stopped") else 0.0)
@@ -100,7 +109,10 @@ class LaneCollector:
                     deflections.add_metric([lane, reason], float(value))
             if found is not None and "local_backend_busy" not in found:
                 deflections.add_metric([lane, "local_backend_busy"], 0.0)
-            for family, histogram in ((hold, counts["hold"]), (wait, counts["wait"])):
+            for family, labels, histogram in (
+                    (hold, [lane], counts["hold"]), (wait, [lane], counts["wait"]),
+                    *((class_wait, [lane, klass], counts.get(f"wait_{klass}"))
+                      for klass in CLASSES)):
                 if histogram is None:
                     continue
                 cumulative, total = [], 0
@@ -108,9 +120,9 @@ class LaneCollector:
                     total += value
                     cumulative.append((_bound(bound), float(total)))
                 cumulative.append(("+Inf", float(histogram["count"])))
-                family.add_metric([lane], cumulative, histogram["sum"])
-        yield from (gate, store, held, waiters, since, stopped, turns, deflections, hold, wait,
-                    readable)
+                family.add_metric(labels, cumulative, histogram["sum"])
+        yield from (gate, store, held, waiters, queued, since, stopped, turns, deflections, hold,
+                    wait, class_wait, readable)
 
 
 def counts_problems(lanes) -> list[str]:

@@ -113,9 +113,37 @@ def status(results: list[dict], as_json: bool, *, notes: list[str] | None = None
 
 
 def _status_line(result: dict) -> str:
-    waiting = f" [{len(result['waiters'])} waiting]" if result["waiters"] else ""
+    count = _waiting(result)
+    waiting = f" [{count} waiting]" if count else ""
     source = " (probe: /proc/locks unreadable)" if result["kernel_source"] == "probe" else ""
-    return sanitize(f"{result['lane']}: {result['message']}{waiting}{source}", 2000)
+    queued = queue_lines(result)
+    if queued:   # one line per lane (scripts read it so): the queue goes inside its brackets
+        waiting = f" [{count} waiting: " + "; ".join(queued) + "]"
+    return sanitize(f"{result['lane']}: {result['message']}{waiting}{source}", 4000)
+
+
+def _waiting(result: dict) -> int:
+    """Turns waiting: the queue when the store keeps one (the kernel sees only its first)."""
+    return len(result.get("queue") or ()) or len(result["waiters"])
+
+
+def queue_lines(result: dict) -> list[str]:
+    """'next: 1. interactive pid 42 (session chat), waited 3.1s' -- the queue in order."""
+    lines = []
+    for entry in result.get("queue") or ():
+        klass = entry["class"]
+        if entry["effective_class"] != klass:
+            klass = f"{entry['effective_class']} (aged from {klass})"
+        where = f" on {entry['host']}" if entry.get("host") and entry["host"] != _here() else ""
+        lines.append(f"{entry['position']}. {klass} pid {entry['pid']}{where} "
+                     f"(session {entry.get('session') or '?'}), waited {entry['waited']:.1f}s")
+    return lines
+
+
+def _here() -> str:
+    from ..facts import hostname
+
+    return hostname()
 
 
 def status_table(results: list[dict]):
@@ -127,9 +155,10 @@ def status_table(results: list[dict]):
         table.add_column(column)
     for result in results:
         style = STATE_STYLE.get(result["state"], "")
+        message = "\n".join([sanitize(result["message"], 2000)] +
+                            [sanitize(line, 300) for line in queue_lines(result)])
         table.add_row(escape(sanitize(result["lane"])), f"[{style}]{result['state']}[/{style}]",
-                      escape(sanitize(result["message"], 2000)),
-                      str(len(result["waiters"])) if result["waiters"] else "")
+                      escape(message), str(_waiting(result) or ""))
     if not results:
         table.add_row("-", "-", "no lanes under the lock root yet", "")
     return table

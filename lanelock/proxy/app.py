@@ -31,13 +31,15 @@ from .routes import Routes
 STATE = "X-Lanelock-State"
 REASON = "X-Lanelock-Reason"
 WAIT_HEADER = "X-Lanelock-Wait"
+PRIORITY_HEADER = "X-Lanelock-Priority"
 BUSY = "busy"
 
 
 class Options:
     def __init__(self, *, fallbacks=(), fallback_model=None, fallback_key=None, wait=0.0,
                  linger=0.0, session_header="X-Lanelock-Session", token=None, cheap_paths=None,
-                 quiet=False, verbose=False, max_body=32 << 20, fallback_timeout=60.0):
+                 quiet=False, verbose=False, max_body=32 << 20, fallback_timeout=60.0,
+                 max_priority="interactive"):
         self.fallbacks = list(fallbacks)
         # fallback_model and fallback_key: {kind or None (every kind): value}
         self.fallback_model = _per_kind(fallback_model)
@@ -49,6 +51,7 @@ class Options:
         self.routes = Routes(cheap_paths)
         self.quiet, self.verbose = quiet, verbose
         self.max_body = max_body
+        self.max_priority = max_priority   # the highest class a request's header may claim
 
 
 class Lingering:
@@ -162,12 +165,13 @@ class Proxy:
             dialect.session_of(fields) or (request.remote or "?")
         model = dialect.model_of(fields)
         wait = self._wait_for(request)
+        priority = self._priority_for(request)
         reused = self._take_lingering(session)
         turn = reused.turn if reused else self.gate.turn(
             session=session[:200], model=model and model[:200], argv=[request.method, path[:200]],
             wait=wait, labels={"via": "proxy", "client": request.remote or "?",
                                "path": path[:200]},
-            askers=_client_of(request))
+            askers=_client_of(request), priority=priority)
         status = None
         started = time.monotonic()
         try:
@@ -204,6 +208,15 @@ class Proxy:
             if seconds is not None and seconds == seconds and seconds >= 0:
                 wait = seconds if wait is None else min(seconds, wait)
         return wait
+
+    def _priority_for(self, request) -> str:
+        """The request's class: its X-Lanelock-Priority when it names one, capped by
+        --max-priority (a client cannot claim more than the proxy allows); else the proxy's."""
+        classes = ("batch", "normal", "interactive")
+        asked = (request.headers.get(PRIORITY_HEADER) or "").strip().lower()
+        if asked not in classes:
+            return self.gate.priority
+        return classes[min(classes.index(asked), classes.index(self.options.max_priority))]
 
     # -- linger -------------------------------------------------------------------------------
     def _take_lingering(self, session: str) -> Lingering | None:
@@ -288,7 +301,8 @@ class Proxy:
         response = web.Response(status=status, body=payload, content_type="application/json")
         response.headers[STATE] = BUSY
         response.headers[REASON] = REASON_BUSY
-        response.headers["Retry-After"] = str(await self._retry_after(turn.holder))
+        response.headers["Retry-After"] = str(await self._retry_after(turn.holder,
+                                                                      turn.priority))
         return response
 
     async def _url_fallback(self, request, path_qs, body, fields, fallback, index, who,
@@ -355,16 +369,28 @@ class Proxy:
     def _drop(self) -> tuple:
         return ("authorization",) if self.options.token else ()
 
-    async def _retry_after(self, holder: dict | None) -> int:
-        """Seconds until the lane is likely free: a typical turn's length (this proxy's recent
-        ones, else the lane's journal, read off the loop) less how long the holder has held it;
-        at least 1."""
+    async def _retry_after(self, holder: dict | None, priority: str = "normal") -> int:
+        """Seconds until this request's class would likely get the lane: a typical turn's length
+        (this proxy's recent ones, else the lane's journal) for the holder's turn, less how long
+        it has held, plus one for each waiter queued that goes before this class; at least 1.
+        The store is read off the loop."""
         typical = _median(self.recent) if self.recent else \
             await asyncio.to_thread(self._journal_typical)
         held_for = (holder or {}).get("held_for") or 0.0
         if typical is None:
             return 1
-        return max(1, math.ceil(typical - held_for))
+        ahead = await asyncio.to_thread(self._queued_before, priority)
+        return max(1, math.ceil(typical - held_for + typical * ahead))
+
+    def _queued_before(self, priority: str) -> int:
+        """Waiters queued now that go before a request of this class (status's queue)."""
+        classes = ("batch", "normal", "interactive")
+        try:
+            [facts] = self.gate.store.survey(self.gate.lane)
+        except Exception:  # noqa: BLE001 - an estimate is a nicety
+            return 0
+        return sum(1 for entry in facts.queue
+                   if classes.index(entry["effective_class"]) >= classes.index(priority))
 
     def _journal_typical(self) -> float | None:
         try:

@@ -28,7 +28,8 @@ RUN_ONLY = (
     (("--verbose", "-v"), "verbose", "flag", None, "Report the wait time and the lock path."),
 )
 # A setting's kind as this parser reads its text.
-_KINDS = {"text": "text", "store": "text", "key-by": "key-by", "seconds": "float",
+_KINDS = {"text": "text", "store": "text", "key-by": "key-by", "priority": "priority",
+          "seconds": "float",
           "optional-seconds": "optional-float", "exit": "exit"}
 
 # name -> (parameter, kind). Kinds: text, multiple (repeatable text), float (>= 0), optional-float
@@ -168,6 +169,10 @@ def _convert(kind: str, value: str):
     if kind == "key-by":
         if value not in ("backend", "model"):
             raise _Unsure
+        return value
+    if kind == "priority":
+        if value not in ("interactive", "normal", "batch"):
+            raise _Unsure   # click says which classes there are
         return value
     if not value.isascii():
         raise _Unsure

@@ -13,7 +13,8 @@ def for_settings(settings, root):
     if dsn:
         from .postgres import PgStore
 
-        return PgStore(dsn)
+        return PgStore(dsn, float(settings.get("priority_aging")))
     from .flock import FlockStore
 
-    return FlockStore(root, settings.get("journal_max_bytes"))
+    return FlockStore(root, settings.get("journal_max_bytes"),
+                      float(settings.get("priority_aging")))

@@ -47,7 +47,7 @@ class LaneFacts:
 
     __slots__ = ("lane", "lock_path", "sidecar_path", "exists", "kernel_source", "problem_lock",
                  "error", "held", "holders", "waiters", "record", "record_problem", "record_absent",
-                 "matches",
+                 "matches", "queue",
                  "replaced", "store_stale", "alive", "reused", "collision", "stopped", "bound")
 
     def __init__(self, lane: str, lock_path: str, sidecar_path: str | None = None):
@@ -72,6 +72,9 @@ class LaneFacts:
         self.collision = False        # another lane's turn holds the same store key
         self.stopped: dict | None = None    # the holder is stopped: {pid, since, words}
         self.bound: str | None = None       # how a holder whose host vanished loses the lane
+        # The turns waiting, in the order they will get the lane: {position, class,
+        # effective_class, pid, session, host, waited}; [] for a store that keeps no order.
+        self.queue: list[dict] = []
 
 
 class LockHandle:
@@ -84,11 +87,14 @@ class LockHandle:
                  it: a thread entering a turn it already holds must not lock twice)
       caveat  -- a warning about this store the turn says once (a root on NFS), or None
 
-    and close(), which frees whatever the handle holds (release() calls it)."""
+    and one the gate sets after open(): asker, {session, hostname} of the turn, for a store that
+    shows its waiters (`status`'s queue). close() frees whatever the handle holds (release()
+    calls it)."""
 
     exists = True
     ident: tuple = ()
     caveat: str | None = None
+    asker: dict | None = None
 
     def close(self) -> None:
         pass
@@ -127,18 +133,24 @@ class LaneStore(ABC):
         create=False a lane that never existed gives a handle whose `exists` is False."""
 
     @abstractmethod
-    def try_lock(self, handle) -> bool:
+    def try_lock(self, handle, rank: int = 1) -> bool:
         """Take the lock if it is free, at once. True only when the lane is now this turn's: a
         store whose lock can be taken on something no longer the lane's (a replaced lock file, a
-        pooled session) checks that here and retries or raises GateUnavailable."""
+        pooled session) checks that here and retries or raises GateUnavailable. rank: the turn's
+        class (store/queue.py CLASSES: 0 batch, 1 normal, 2 interactive); a store that keeps its
+        waiters in order answers False while one of this class or higher waits (no barging), a
+        store that keeps no order ignores it."""
 
     @abstractmethod
-    def wait_lock(self, handle, timeout: float | None, cancel=None) -> bool:
+    def wait_lock(self, handle, timeout: float | None, cancel=None, rank: int = 1) -> bool:
         """Block (in the kernel or the server, never by polling) up to timeout seconds (None:
         forever) until try_lock's answer would be True. cancel: a threading.Event; once it is set
-        (and cancel_wait called) the wait gives up and returns False."""
+        (and cancel_wait called) the wait gives up and returns False. rank: as for try_lock; a
+        store that orders its waiters serves the highest class first, by arrival within a class,
+        a waiter's class rising with its wait (store/queue.py); another takes the kernel's or
+        the server's order."""
 
-    async def wait_lock_async(self, handle, timeout: float | None) -> bool:
+    async def wait_lock_async(self, handle, timeout: float | None, rank: int = 1) -> bool:
         """wait_lock for an asyncio task, costing no thread while it waits. Only a store whose
         blocking_io is False is asked (an asyncio turn on any other waits in a thread of its
         own, with wait_lock and cancel_wait)."""
@@ -187,7 +199,7 @@ class LaneStore(ABC):
 
     @abstractmethod
     def count(self, lane, outcome: str, *, reason: str | None = None, held: float | None = None,
-              waited: float | None = None) -> None:
+              waited: float | None = None, priority: str | None = None) -> None:
         """Add one turn's outcome to the lane's cumulative counts (a turn that held no lock:
         deflected, busy); never raises."""
 

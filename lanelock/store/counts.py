@@ -23,6 +23,9 @@ import os
 import stat
 
 OUTCOMES = ("local", "waited", "deflected", "busy", "ungated", "fail_open")
+CLASSES = ("batch", "normal", "interactive")   # store/queue.py's classes
+# The histograms: hold and wait times, and the waits of each class (issue 26).
+HISTOGRAMS = ("hold", "wait") + tuple(f"wait_{klass}" for klass in CLASSES)
 BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 MAX_BYTES = 64 * 1024
 _FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -30,7 +33,7 @@ _FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 def empty() -> dict:
     return {"schema": 1, "turns": {outcome: 0 for outcome in OUTCOMES}, "deflections": {},
-            "hold": _histogram(), "wait": _histogram()}
+            **{key: _histogram() for key in HISTOGRAMS}}
 
 
 def _histogram() -> dict:
@@ -53,19 +56,20 @@ class NotCounted(Exception):
 
 
 def merge(data, outcome: str | None, *, reason: str | None = None, held: float | None = None,
-          waited: float | None = None) -> dict:
+          waited: float | None = None, priority: str | None = None) -> dict:
     """data (stored counts, any shape) checked, plus one turn when outcome is given. What does
     not parse counts from 0 (the PostgreSQL store's rows, which are JSON the server checked)."""
     counts = parse(json.dumps(data).encode() if not isinstance(data, bytes) else data)[0] \
         if data is not None else empty()
     for family in ("turns", "deflections"):
         counts[family] = {name: value or 0 for name, value in (counts[family] or {}).items()}
-    for key in ("hold", "wait"):
+    for key in HISTOGRAMS:
         counts[key] = counts[key] or _histogram()
-    return _plus(counts, outcome, reason=reason, held=held, waited=waited)
+    return _plus(counts, outcome, reason=reason, held=held, waited=waited, priority=priority)
 
 
-def _plus(counts: dict, outcome: str | None, *, reason=None, held=None, waited=None) -> dict:
+def _plus(counts: dict, outcome: str | None, *, reason=None, held=None, waited=None,
+          priority=None) -> dict:
     """Whole counts (nothing None) plus one turn when outcome is given."""
     if outcome is not None:
         counts["turns"][outcome] = counts["turns"].get(outcome, 0) + 1
@@ -75,14 +79,17 @@ def _plus(counts: dict, outcome: str | None, *, reason=None, held=None, waited=N
             observe(counts["hold"], held)
         if waited is not None:
             observe(counts["wait"], waited)
+            if priority in CLASSES and counts.get(f"wait_{priority}") is not None:
+                observe(counts[f"wait_{priority}"], waited)
     return counts
 
 
 def add(dir_fd: int, name: str, outcome: str, *, reason: str | None = None,
-        held: float | None = None, waited: float | None = None) -> None:
+        held: float | None = None, waited: float | None = None,
+        priority: str | None = None) -> None:
     """Count one turn. NotCounted when it could not be (the caller warns once; the turn goes on)."""
     try:
-        _add(dir_fd, name, outcome, reason=reason, held=held, waited=waited)
+        _add(dir_fd, name, outcome, reason=reason, held=held, waited=waited, priority=priority)
     except OSError as error:
         raise NotCounted(_why(error)) from None
 
@@ -140,7 +147,7 @@ def read(path: str) -> dict:
 def unknown() -> dict:
     """Counts none of which could be read: every counter unknown (None), none 0."""
     return {"schema": 1, "turns": {outcome: None for outcome in OUTCOMES}, "deflections": None,
-            "hold": None, "wait": None}
+            **{key: None for key in HISTOGRAMS}}
 
 
 def parse(raw: bytes) -> tuple[dict, str | None]:
@@ -165,7 +172,7 @@ def parse(raw: bytes) -> tuple[dict, str | None]:
             counts[family][name] = value if _count(value) else None
             if not _count(value):
                 bad.append(f"{family}.{name}")
-    for key in ("hold", "wait"):
+    for key in HISTOGRAMS:
         histogram = data.get(key)
         if histogram is None:
             continue

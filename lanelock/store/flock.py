@@ -24,7 +24,7 @@ import time
 from .. import locks, proc, say
 from ..errors import GateUnavailable, RecordNotWritten
 from ..paths import UNGATED, Root, creation_problem, open_root
-from . import journal, sidecar, waiting
+from . import journal, queue, sidecar, waiting
 from .base import LaneStore, LockHandle
 
 CONTENDED = frozenset({errno.EWOULDBLOCK, errno.EAGAIN})
@@ -32,7 +32,8 @@ _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a planted FI
 
 
 class Handle(LockHandle):
-    __slots__ = ("dir_fd", "fd", "name", "st", "caveat", "stem", "journal_fd", "record", "locked")
+    __slots__ = ("dir_fd", "fd", "name", "st", "caveat", "stem", "journal_fd", "record", "locked",
+                 "queue", "asker")
 
     def __init__(self, dir_fd: int, fd: int | None, name: str, st: os.stat_result | None,
                  caveat: str | None = None, stem: str = ""):
@@ -42,6 +43,8 @@ class Handle(LockHandle):
         self.journal_fd: int | None = None   # a holder's events share one descriptor
         self.record: sidecar.Written | None = None   # this turn's record, kept open to extend
         self.locked = False   # this handle holds the lane (try_lock or wait_lock said True)
+        self.queue = None     # the lane's queue.Queue, once asked
+        self.asker: dict | None = None   # who waits (LockHandle.asker), for the queue's entry
 
     @property
     def exists(self) -> bool:
@@ -62,6 +65,9 @@ class Handle(LockHandle):
                     pass
         self.fd = self.dir_fd = self.journal_fd = None
         self.locked = False
+        if self.queue is not None:
+            self.queue.close()
+            self.queue = None
         if self.record is not None:
             self.record.close()
             self.record = None
@@ -77,10 +83,13 @@ class FlockStore(LaneStore):
     blocking_io = False
     warn = staticmethod(say.warn)   # a count not added (the Gate gives its own: -q, the proxy's)
 
-    def __init__(self, root: Root, journal_max_bytes: int | None = None):
+    def __init__(self, root: Root, journal_max_bytes: int | None = None,
+                 priority_aging: float = queue.DEFAULT_AGING):
         self.root = root
         self.journal_max_bytes = journal_max_bytes or journal.DEFAULT_MAX_BYTES
+        self.aging = priority_aging
         self._caveat_checked: str | None = None
+        self._queue_warned = False
 
     @staticmethod
     def names(stem: str) -> dict[str, str]:
@@ -137,16 +146,144 @@ class FlockStore(LaneStore):
     # would open the new file, two gates. So every lock taken is checked, and on a replaced file
     # the new one is locked instead; a live turn still holding an old inode (its file replaced
     # under it) keeps the lane: we let go and say busy.
-    def try_lock(self, handle: Handle) -> bool:
+    def try_lock(self, handle: Handle, rank: int = queue.DEFAULT_RANK) -> bool:
         for _ in range(REPLACED_TRIES):
             ours = self._ours(handle, self._flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB))
             if ours is not None:
-                return ours
-        raise self._keeps_being_replaced(handle)
+                break
+        else:
+            raise self._keeps_being_replaced(handle)
+        # No barging: a free lane is not taken past a queued waiter of this class or higher
+        # (asked once the lock is ours: a busy lane, the usual case, never reads the queue).
+        if ours and self._waiters_first(handle, rank):
+            self._hand_on(handle)
+            return False
+        return ours
 
-    def wait_lock(self, handle: Handle, timeout: float | None, cancel=None) -> bool:
-        """Block in the kernel until the lock is ours or timeout seconds pass (None: forever), or
-        cancel (a threading.Event) is set."""
+    # -- waiting in order (store/queue.py) -------------------------------------------------------
+    def wait_lock(self, handle: Handle, timeout: float | None, cancel=None,
+                  rank: int = queue.DEFAULT_RANK) -> bool:
+        """Block in the kernel, in the lane's queue, until the lane is ours or timeout seconds
+        pass (None: forever), or cancel (a threading.Event) is set."""
+        ticket = self._join(handle, rank)
+        if ticket is None:
+            return self._wait_lane(handle, timeout, cancel)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not (cancel is not None and cancel.is_set()):
+                left, ahead = _left(deadline), ticket.ahead()
+                if ahead is None:   # first: wait for the lane itself
+                    if not self._wait_lane(handle, left, cancel):
+                        return False
+                    if ticket.ahead() is None:
+                        return True
+                    self._hand_on(handle)   # a higher class came first meanwhile
+                    continue
+                if left is not None and left <= 0:
+                    return False
+                try:
+                    wait = queue.EntryWait(ticket.queue, ahead)
+                except OSError:
+                    continue   # the waiter ahead left as we looked: look again
+                try:
+                    waiting.wait(wait, _least(left, ticket.next_step()), cancel)
+                except OSError:
+                    pass   # the entry ahead went away as we waited: look again
+                finally:
+                    wait.close()
+            return False
+        finally:
+            ticket.leave()
+
+    async def wait_lock_async(self, handle: Handle, timeout: float | None,
+                              rank: int = queue.DEFAULT_RANK) -> bool:
+        """wait_lock for an asyncio task: no thread per waiter (waiting.wait_async); the queue's
+        reading (a look at every waiter's file) runs in the loop's thread pool."""
+        import asyncio
+
+        joining = asyncio.ensure_future(asyncio.to_thread(self._join, handle, rank))
+        try:
+            ticket = await waiting.finished(joining)
+        except asyncio.CancelledError:
+            if not joining.cancelled() and joining.exception() is None and joining.result():
+                joining.result().leave()
+            raise
+        if ticket is None:
+            return await self._wait_lane_async(handle, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        async def first() -> bool:
+            return await waiting.finished(asyncio.ensure_future(asyncio.to_thread(
+                ticket.ahead))) is None
+
+        try:
+            while True:
+                left = _left(deadline)
+                ahead = await waiting.finished(asyncio.ensure_future(asyncio.to_thread(
+                    ticket.ahead)))
+                if ahead is None:
+                    if not await self._wait_lane_async(handle, left):
+                        return False
+                    if await first():
+                        return True
+                    self._hand_on(handle)
+                    continue
+                if left is not None and left <= 0:
+                    return False
+                try:
+                    wait = queue.EntryWait(ticket.queue, ahead)
+                except OSError:
+                    continue   # the waiter ahead left as we looked: look again
+                try:
+                    await waiting.wait_async(wait, _least(left, ticket.next_step()))
+                except OSError:
+                    pass
+                finally:
+                    wait.close()
+        finally:
+            ticket.leave()
+
+    def _queue(self, handle: Handle) -> "queue.Queue | None":
+        if handle.queue is None and handle.dir_fd is not None and handle.dir_fd >= 0:
+            handle.queue = queue.Queue(handle.dir_fd, handle.stem, self.aging)
+        return handle.queue
+
+    def _join(self, handle: Handle, rank: int):
+        """This turn's place in the queue; None when the queue is broken (once said: the wait
+        then takes the kernel's order, as before there was a queue)."""
+        found = self._queue(handle)
+        if found is None:
+            return None
+        try:
+            return found.join(rank, {**(handle.asker or {}), "class": queue.CLASSES[rank],
+                                     "pid": os.getpid()})
+        except OSError as error:
+            self._queue_broken(found, error)
+            return None
+
+    def _waiters_first(self, handle: Handle, rank: int) -> bool:
+        found = self._queue(handle)
+        if found is None:
+            return False
+        try:
+            return found.queued_at_or_above(rank)
+        except OSError as error:
+            self._queue_broken(found, error)
+            return False
+
+    def _queue_broken(self, found, error: OSError) -> None:
+        if not self._queue_warned:
+            self._queue_warned = True
+            self.warn(f"queue {self.path(found.name)} unavailable "
+                      f"({error.strerror or error}); waiting in the kernel's order")
+
+    def _hand_on(self, handle: Handle) -> None:
+        """Holding the lane's lock but not first: let go at once for the one ahead."""
+        fcntl.flock(handle.fd, fcntl.LOCK_UN)
+        handle.locked = False
+
+    def _wait_lane(self, handle: Handle, timeout: float | None, cancel=None) -> bool:
+        """Block in the kernel on the lane's lock itself until it is ours (try_lock's checks)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for _ in range(REPLACED_TRIES):
             left = _left(deadline)
@@ -162,8 +299,7 @@ class FlockStore(LaneStore):
                 return ours
         raise self._keeps_being_replaced(handle)
 
-    async def wait_lock_async(self, handle: Handle, timeout: float | None) -> bool:
-        """wait_lock for an asyncio task: no thread per waiter (waiting.wait_async)."""
+    async def _wait_lane_async(self, handle: Handle, timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         for _ in range(REPLACED_TRIES):
             left = _left(deadline)
@@ -324,9 +460,9 @@ class FlockStore(LaneStore):
         from . import flock_survey
 
         if lane is None:
-            return [flock_survey.facts(self.root.path, stem) for stem in
+            return [flock_survey.facts(self.root.path, stem, aging=self.aging) for stem in
                     flock_survey.lane_stems(self.root.path)]
-        return [flock_survey.facts(self.root.path, lane.stem, lane.name)]
+        return [flock_survey.facts(self.root.path, lane.stem, lane.name, self.aging)]
 
     def lane_names(self) -> list[str]:
         from . import flock_survey
@@ -342,6 +478,12 @@ class FlockStore(LaneStore):
 
 def _left(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.monotonic()
+
+
+def _least(*bounds: float | None) -> float | None:
+    """The shortest of some timeouts (None: no bound)."""
+    given = [bound for bound in bounds if bound is not None]
+    return max(0.0, min(given)) if given else None
 
 
 def _number(value) -> float:

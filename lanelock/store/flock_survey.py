@@ -26,7 +26,7 @@ def lane_stems(root: str) -> list[str]:
     return sorted(name[:-5] for name in names if name.endswith(".lock") and not name.startswith("."))
 
 
-def facts(root: str, stem: str, lane: str | None = None) -> LaneFacts:
+def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0) -> LaneFacts:
     found = LaneFacts(lane or lane_name(stem), os.path.join(root, f"{stem}.lock"),
                       os.path.join(root, f"{stem}.json"))
     try:
@@ -41,6 +41,7 @@ def facts(root: str, stem: str, lane: str | None = None) -> LaneFacts:
         kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
         found.problem_lock = f"the lock path is {kind}"
         return found
+    found.queue = _queue(root, stem, aging)
     record, problem = sidecar.read(found.sidecar_path)
     found.record, found.record_problem = record, problem
     found.record_absent = problem == sidecar.MISSING
@@ -76,6 +77,24 @@ def facts(root: str, stem: str, lane: str | None = None) -> LaneFacts:
 
         found.stopped = stopped(pid, record)
     return found
+
+
+def _queue(root: str, stem: str, aging: float) -> list[dict]:
+    """The lane's waiting turns in order (store/queue.py); [] when there are none to read."""
+    from .queue import Queue
+
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return []
+    waiting = Queue(root_fd, stem, aging)
+    try:
+        return waiting.describe()
+    except OSError:
+        return []
+    finally:
+        waiting.close()
+        os.close(root_fd)
 
 
 def _probe_held(lock_path: str) -> bool | None:

@@ -21,6 +21,7 @@ CLIENT_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval
                      "keepalives_count": 3, "tcp_user_timeout": 10000}
 SERVER_KEEPALIVES = {"tcp_keepalives_idle": 5, "tcp_keepalives_interval": 2,
                      "tcp_keepalives_count": 3, "tcp_user_timeout": 10000}
+CLIENT_CHECK_MS = 1000   # how soon a waiting backend notices its client is gone
 BOUND_SECONDS = SERVER_KEEPALIVES["tcp_keepalives_idle"] + \
     SERVER_KEEPALIVES["tcp_keepalives_interval"] * SERVER_KEEPALIVES["tcp_keepalives_count"]
 BOUND = (f"a holder's lane frees when its session ends; a holder whose host vanishes loses it "
@@ -36,6 +37,10 @@ CREATE TABLE IF NOT EXISTS lanelock_events (
     id bigserial PRIMARY KEY, lane text NOT NULL, ts double precision NOT NULL, event jsonb NOT NULL);
 CREATE INDEX IF NOT EXISTS lanelock_events_lane_ts ON lanelock_events (lane, ts);
 CREATE TABLE IF NOT EXISTS lanelock_counts (lane text PRIMARY KEY, counts jsonb NOT NULL);
+CREATE TABLE IF NOT EXISTS lanelock_queue (
+    ticket bigserial PRIMARY KEY, lane text NOT NULL, rank integer NOT NULL,
+    arrival timestamptz NOT NULL DEFAULT clock_timestamp(), facts jsonb NOT NULL);
+CREATE INDEX IF NOT EXISTS lanelock_queue_lane ON lanelock_queue (lane);
 """
 MISSING_DRIVER = "the PostgreSQL store needs psycopg: pip install 'lanelock[postgres]'"
 
@@ -71,12 +76,20 @@ def connect(dsn: str, application_name: str):
         given = ""
     server = " ".join(f"-c {name}={value}" for name, value in SERVER_KEEPALIVES.items())
     try:
-        return psycopg.connect(dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT,
+        conn = psycopg.connect(dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT,
                                application_name=application_name[:63],
                                options=f"{given} {server}".strip(), **CLIENT_KEEPALIVES)
     except psycopg.Error as error:
         raise GateUnavailable(f"cannot reach the lane store {redact(dsn)}: "
                               f"{first_line(error)}") from None
+    try:
+        # A backend blocked in a lock wait (a queued turn) does not read its socket: without
+        # this check (PostgreSQL 14+) a waiter killed with kill -9 stays queued, its lock held,
+        # until the wait ends. Older servers refuse the name: they keep today's behaviour.
+        conn.execute(f"SET client_connection_check_interval = {CLIENT_CHECK_MS}")
+    except psycopg.Error:
+        pass
+    return conn
 
 
 def ensure_schema(conn) -> str | None:
@@ -86,7 +99,8 @@ def ensure_schema(conn) -> str | None:
         with conn.cursor() as cursor:
             cursor.execute("SELECT to_regclass('lanelock_holders') IS NOT NULL AND "
                            "to_regclass('lanelock_events') IS NOT NULL AND "
-                           "to_regclass('lanelock_counts') IS NOT NULL")
+                           "to_regclass('lanelock_counts') IS NOT NULL AND "
+                           "to_regclass('lanelock_queue') IS NOT NULL")
             if cursor.fetchone()[0]:
                 return None
             with conn.transaction():

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass
 
 from ..errors import GateUnavailable, RecordNotWritten
+from . import pg_queue
 from .base import LaneFacts, LaneStore, LockHandle
+from .queue import DEFAULT_AGING
 from .pg_session import BOUND, NAMESPACE, SCHEMA_SQL, connect, driver, ensure_schema, first_line, redact
 
 NO_ROW = "no holder row yet"
@@ -45,6 +48,7 @@ class PgHandle(LockHandle):
     fd: int | None = None          # the connection's socket, watched for a lost session
     caveat: str | None = None
     cancelled: bool = False        # cancel_wait() gave up the wait
+    asker: dict | None = None      # who waits (LockHandle.asker)
     exists = True                  # a lock row exists as soon as anyone asks
 
     def close(self) -> None:
@@ -56,9 +60,11 @@ class PgHandle(LockHandle):
 
 class PgStore(LaneStore):
     kind = "postgresql"
+    _queue_warned = False   # the one warning of a queue that cannot be used, per process
 
-    def __init__(self, dsn: str):
+    def __init__(self, dsn: str, priority_aging: float = DEFAULT_AGING):
         self.dsn = dsn
+        self.aging = priority_aging
 
     def problems(self) -> list:
         return []   # `where` does not connect; an unreachable store fails open at the turn
@@ -103,9 +109,22 @@ class PgStore(LaneStore):
     def watch_fd(self, handle: PgHandle) -> int | None:
         return handle.fd
 
-    def try_lock(self, handle: PgHandle) -> bool:
+    def try_lock(self, handle: PgHandle, rank: int = 1) -> bool:
+        if not self._try_lane(handle):
+            return False
+        # No barging: a free lane is not taken past a queued waiter of this class or higher.
+        if self._queue_or(handle, False, pg_queue.queued_at_or_above, handle.lane, rank,
+                          self.aging):
+            self._unlock_lane(handle)
+            return False
+        return True
+
+    def _try_lane(self, handle: PgHandle) -> bool:
         return self._call(handle, "SELECT pg_try_advisory_lock(%s, %s)", handle.key) \
             and self._same_session(handle)
+
+    def _unlock_lane(self, handle: PgHandle) -> None:
+        self._call(handle, "SELECT pg_advisory_unlock(%s, %s)", handle.key)
 
     def cancel_wait(self, handle: PgHandle) -> None:
         """Give up a wait from another thread: the server cancels the blocked statement."""
@@ -115,7 +134,85 @@ class PgStore(LaneStore):
         except Exception:  # noqa: BLE001 - a connection already gone has nothing to cancel
             pass
 
-    def wait_lock(self, handle: PgHandle, timeout: float | None, cancel=None) -> bool:
+    # -- waiting in order (pg_queue.py) -------------------------------------------------------------
+    def wait_lock(self, handle: PgHandle, timeout: float | None, cancel=None,
+                  rank: int = 1) -> bool:
+        """In the lane's queue, blocking in the server (never polling) until the lane is ours,
+        timeout seconds pass (None: forever) or the wait is cancelled (cancel_wait)."""
+        ticket = self._join(handle, rank)
+        if ticket is None:
+            return self._wait_lane(handle, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        psycopg = driver()
+        try:
+            return self._wait_in_queue(handle, ticket, deadline, cancel, psycopg)
+        except GateUnavailable:
+            if handle.cancelled:
+                return False
+            raise
+        finally:
+            if not handle.cancelled:
+                try:
+                    self._queue_call(handle, pg_queue.leave, ticket)
+                except GateUnavailable:
+                    pass   # the session is gone: its ticket lock with it
+
+    def _wait_in_queue(self, handle: PgHandle, ticket: int, deadline, cancel, psycopg) -> bool:
+        while not handle.cancelled and not (cancel is not None and cancel.is_set()):
+            left = None if deadline is None else deadline - time.monotonic()
+            ahead = self._queue_call(handle, pg_queue.ahead, handle.lane, ticket, self.aging)
+            if ahead is None:
+                if not self._wait_lane(handle, left):
+                    return False
+                if self._queue_call(handle, pg_queue.ahead, handle.lane, ticket,
+                                    self.aging) is None:
+                    return True
+                self._unlock_lane(handle)   # a higher class came first meanwhile
+                continue
+            if left is not None and left <= 0:
+                return False
+            step = self._queue_call(handle, pg_queue.next_step, handle.lane, ticket,
+                                    self.aging)
+            bounds = [bound for bound in (left, step) if bound is not None]
+            self._queue_call(handle, pg_queue.wait_behind, ahead,
+                             max(0.001, min(bounds)) if bounds else None, psycopg)
+        return False
+
+    def _join(self, handle: PgHandle, rank: int) -> int | None:
+        """This turn's ticket; None when the queue cannot be used (said once: the wait then
+        takes the server's order, as before there was a queue)."""
+        try:
+            return self._queue_call(handle, pg_queue.join, handle.lane, rank,
+                                    {**(handle.asker or {}), "pid": os.getpid()})
+        except GateUnavailable as error:
+            if handle.cancelled:
+                raise
+            if not PgStore._queue_warned:
+                PgStore._queue_warned = True
+                self.warn(f"lane store queue unavailable ({error}); waiting in the server's "
+                          "order")
+            return None
+
+    def _queue_or(self, handle: PgHandle, default, function, *args):
+        """A look at the queue that must not fail the turn: default when the queue cannot be
+        read (said once)."""
+        try:
+            return self._queue_call(handle, function, *args)
+        except GateUnavailable as error:
+            if not PgStore._queue_warned:
+                PgStore._queue_warned = True
+                self.warn(f"lane store queue unavailable ({error}); waiting in the server's "
+                          "order")
+            return default
+
+    def _queue_call(self, handle: PgHandle, function, *args):
+        psycopg = driver()
+        try:
+            return function(handle.conn, *args)
+        except psycopg.Error as error:
+            raise GateUnavailable(f"lane store: {first_line(error)}") from None
+
+    def _wait_lane(self, handle: PgHandle, timeout: float | None) -> bool:
         """A blocking lock with a server-side timeout: the server wakes us, no polling."""
         psycopg = driver()
         millis = 0 if timeout is None else max(1, int(timeout * 1000))
@@ -125,7 +222,7 @@ class PgStore(LaneStore):
                 try:
                     cursor.execute("SELECT pg_advisory_lock(%s, %s)", handle.key)
                 except psycopg.errors.LockNotAvailable:
-                    return self.try_lock(handle)
+                    return self._try_lane(handle)
                 finally:
                     cursor.execute("SET lock_timeout = 0")
         except psycopg.Error as error:
@@ -305,6 +402,10 @@ class PgStore(LaneStore):
                      "lanelock": bool(app and app.startswith("lanelock"))}
             (facts.holders if granted else facts.waiters).append(entry)
         facts.held = bool(facts.holders)
+        try:
+            facts.queue = pg_queue.describe(conn, lane, self.aging)
+        except driver().Error:
+            facts.queue = []   # no queue table (no CREATE privilege): nobody queues here
         record, problem = self.holder_row(conn, key, lane)
         facts.record, facts.record_problem = record, problem
         facts.record_absent = problem == NO_ROW

@@ -128,6 +128,24 @@ async def wait_async(handle, timeout: float | None) -> bool:
     return _claim(waiter, slot, handle)
 
 
+async def finished(future):
+    """future's result, waiting for it to finish even if this task is cancelled meanwhile (the
+    cancellation then propagates): a step in a thread is never left running unseen."""
+    import asyncio
+
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            cancelled = cancelled or not future.done()
+        except BaseException:   # noqa: BLE001 - the result is the caller's
+            break
+    if cancelled:
+        raise asyncio.CancelledError
+    return future.result()
+
+
 class _LoopEvent:
     """The slot's event for an asyncio waiter: set() from the waiter thread resolves a future on
     the loop."""

@@ -1,0 +1,122 @@
+"""Who goes next on a PostgreSQL lane: the order of store/queue.py -- class, aging, arrival --
+kept by the server for every host's waiters (issue 26).
+
+A waiting turn is a row of lanelock_queue (lane, a ticket from a sequence, class, the server's
+clock_timestamp() at arrival, who) and a session advisory lock on (QUEUE_NAMESPACE, ticket) that
+its connection holds while it waits. The row becomes visible only with its lock held (one
+transaction), so a row whose lock nobody holds is a waiter that is gone -- its session ended
+(kill -9, or a vanished host after the keepalive bound) -- and whoever sees it skips and deletes
+it. One clock, the server's, orders arrivals and ages waits on every host. A waiter blocks in the
+server on the ticket lock of the one ahead (pg_advisory_lock_shared under a lock_timeout that ends
+at its own next aging step), or on the lane's own lock when it is first.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .queue import CLASSES, TOP, effective
+
+QUEUE_NAMESPACE = 0x4C4E5155   # "LNQU": never a lane's key (store/postgres.py NAMESPACE)
+_LIVE = """
+SELECT q.ticket, q.rank, extract(epoch FROM q.arrival)::float8,
+       extract(epoch FROM clock_timestamp() - q.arrival)::float8, q.facts, l.pid IS NOT NULL
+FROM lanelock_queue q
+LEFT JOIN pg_locks l ON l.locktype = 'advisory' AND l.granted AND l.classid = %s
+     AND l.objid = (q.ticket %% 2147483647)::oid AND l.objsubid = 2
+     AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+WHERE q.lane = %s
+"""
+
+
+def key(ticket: int) -> tuple[int, int]:
+    return QUEUE_NAMESPACE, ticket % 2147483647
+
+
+class Entry:
+    __slots__ = ("ticket", "rank", "arrival", "waited", "facts")
+
+    def __init__(self, ticket, rank, arrival, waited, facts):
+        self.ticket, self.rank, self.arrival, self.waited = ticket, rank, arrival, waited
+        self.facts = facts if isinstance(facts, dict) else {}
+
+    def effective(self, aging: float) -> int:
+        return effective(self.rank, 0, int(self.waited * 1e9), aging)
+
+    def order(self, aging: float) -> tuple:
+        return (-self.effective(aging), self.arrival, self.ticket)
+
+
+def join(conn, lane: str, rank: int, facts: dict) -> int:
+    """Queue a turn: its row, visible only once its ticket lock is held."""
+    with conn.transaction(), conn.cursor() as cursor:
+        cursor.execute("INSERT INTO lanelock_queue (lane, rank, facts) VALUES (%s, %s, %s) "
+                       "RETURNING ticket", (lane, rank, json.dumps(facts)))
+        ticket = cursor.fetchone()[0]
+        cursor.execute("SELECT pg_advisory_lock(%s, %s)", key(ticket))
+    return ticket
+
+
+def leave(conn, ticket: int) -> None:
+    with conn.cursor() as cursor:
+        cursor.execute("DELETE FROM lanelock_queue WHERE ticket = %s", (ticket,))
+        cursor.execute("SELECT pg_advisory_unlock(%s, %s)", key(ticket))
+
+
+def live(conn, lane: str) -> list[Entry]:
+    """The lane's waiting turns; the rows of turns gone are deleted on the way."""
+    with conn.cursor() as cursor:
+        cursor.execute(_LIVE, (QUEUE_NAMESPACE, lane))
+        rows = cursor.fetchall()
+        gone = [row[0] for row in rows if not row[5]]
+        if gone:
+            cursor.execute("DELETE FROM lanelock_queue q WHERE q.ticket = ANY(%s) AND NOT EXISTS ("
+                           "SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted "
+                           "AND l.classid = %s AND l.objid = (q.ticket %% 2147483647)::oid "
+                           "AND l.objsubid = 2)", (gone, QUEUE_NAMESPACE))
+    return [Entry(*row[:5]) for row in rows if row[5]]
+
+
+def ahead(conn, lane: str, ticket: int, aging: float) -> Entry | None:
+    """The live entry just ahead of this ticket's, or None when it is first."""
+    entries = live(conn, lane)
+    mine = next((entry for entry in entries if entry.ticket == ticket), None)
+    if mine is None:
+        return None
+    before = [entry for entry in entries if entry.order(aging) < mine.order(aging)]
+    return max(before, key=lambda entry: entry.order(aging), default=None)
+
+
+def next_step(conn, lane: str, ticket: int, aging: float) -> float | None:
+    mine = next((entry for entry in live(conn, lane) if entry.ticket == ticket), None)
+    if mine is None or aging <= 0 or mine.effective(aging) >= TOP:
+        return None
+    return aging - mine.waited % aging + 0.001
+
+
+def queued_at_or_above(conn, lane: str, rank: int, aging: float) -> bool:
+    return any(entry.effective(aging) >= rank for entry in live(conn, lane))
+
+
+def describe(conn, lane: str, aging: float) -> list[dict]:
+    """The live entries in order, as store/queue.py describes them for `status`."""
+    entries = sorted(live(conn, lane), key=lambda entry: entry.order(aging))
+    return [{"position": position, "class": CLASSES[entry.rank],
+             "effective_class": CLASSES[entry.effective(aging)], "pid": entry.facts.get("pid"),
+             "session": entry.facts.get("session"), "host": entry.facts.get("hostname"),
+             "waited": round(entry.waited, 3)}
+            for position, entry in enumerate(entries, 1)]
+
+
+def wait_behind(conn, entry: Entry, timeout: float | None, psycopg) -> None:
+    """Block in the server until the entry's waiter leaves (or dies), or timeout passes."""
+    millis = 0 if timeout is None else max(1, int(timeout * 1000))
+    with conn.cursor() as cursor:
+        cursor.execute(f"SET lock_timeout = {millis}")
+        try:
+            cursor.execute("SELECT pg_advisory_lock_shared(%s, %s)", key(entry.ticket))
+            cursor.execute("SELECT pg_advisory_unlock_shared(%s, %s)", key(entry.ticket))
+        except psycopg.errors.LockNotAvailable:
+            pass
+        finally:
+            cursor.execute("SET lock_timeout = 0")

@@ -1,0 +1,256 @@
+"""Who goes next on a flock lane: the waiting turns in order, kept by the kernel (issue 26).
+
+Each waiting turn is a file in the lane's queue directory (STEM.queue/ under the lock root, mode
+1777 like /tmp: every user's turns queue there), named ARRIVAL.RANK.PID.RANDOM -- ARRIVAL in
+CLOCK_MONOTONIC nanoseconds, one clock for every process of the machine -- holding a line of JSON
+for `status` (session, class). The turn holds an exclusive flock on its file for as long as it
+waits; the file appears (rename) already locked, so a file nobody locks is a waiter that is gone:
+one that got the lane and left, or one killed with kill -9 (the kernel dropped its lock). Gone
+files are skipped by everyone and removed by whoever notices; no file a live process holds is
+ever removed, and nobody has to clean up after a crash for the queue to move.
+
+The order: effective class first -- a waiting turn's class rises one step per `aging` seconds
+waited, up to interactive, so a batch turn waits at most about two steps plus the holds of those
+ahead of it -- then arrival. A waiting turn blocks on the flock of the live entry just ahead of it
+(the kernel wakes it the instant that waiter leaves or dies), or on the lane's lock when it is
+first, and looks again at its own next aging step. Holding the lane's lock it takes the lane only
+if it is still first, else it lets go at once for the one ahead (a later arrival of a higher
+class). A turn that would take a free lane without queueing (flock.try_lock) first asks whether a
+live waiter of its class or higher is queued: then the lane counts as busy (no barging).
+
+It cannot deadlock: every wait is on a waiter strictly ahead in the order as the waiter saw it,
+or on the lane's lock; the order changes only at arrivals and aging steps, and a waiter looks
+again at each of its own steps, so a wait on an entry no longer ahead ends when that matters.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import stat
+import time
+
+from .. import locks
+
+CLASSES = ("batch", "normal", "interactive")   # rank = index: higher goes first
+DEFAULT_CLASS = "normal"
+DEFAULT_RANK = 1
+DEFAULT_AGING = 30.0   # seconds a waiting turn's class takes to rise one step
+TOP = len(CLASSES) - 1
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def rank_of(name: str | None) -> int:
+    """The rank of a class name (ValueError for a name that is none)."""
+    return CLASSES.index(name or DEFAULT_CLASS)
+
+
+def effective(rank: int, arrival_ns: int, now_ns: int, aging: float) -> int:
+    """The class a waiter counts as now: one step up per `aging` seconds waited."""
+    if aging <= 0:
+        return rank
+    return min(TOP, rank + int((now_ns - arrival_ns) / 1e9 // aging))
+
+
+class Entry:
+    """One queued turn, as its file name says (ARRIVAL.RANK.PID.RANDOM)."""
+
+    __slots__ = ("name", "arrival", "rank", "pid")
+
+    def __init__(self, name: str, arrival: int, rank: int, pid: int):
+        self.name, self.arrival, self.rank, self.pid = name, arrival, rank, pid
+
+    @classmethod
+    def parse(cls, name: str) -> "Entry | None":
+        parts = name.split(".")
+        if len(parts) != 4 or not all(part.isdigit() for part in parts[:3]):
+            return None
+        rank = int(parts[1])
+        return cls(name, int(parts[0]), rank, int(parts[2])) if rank <= TOP else None
+
+    def key(self, now_ns: int, aging: float) -> tuple:
+        return (-effective(self.rank, self.arrival, now_ns, aging), self.arrival, self.name)
+
+
+class Ticket:
+    """This turn's place in the queue: its file, locked, until leave()."""
+
+    def __init__(self, queue: "Queue", entry: Entry, fd: int):
+        self.queue, self.entry, self.fd = queue, entry, fd
+
+    def leave(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.entry.name, dir_fd=self.queue.dir_fd)
+        except OSError:
+            pass
+        os.close(self.fd)   # after the unlink: nobody mistakes the file for a gone waiter's
+        self.fd = None
+
+    def ahead(self) -> Entry | None:
+        """The live entry just ahead of this one in the order now, or None when first."""
+        now = time.monotonic_ns()
+        mine = self.entry.key(now, self.queue.aging)
+        before = [entry for entry in self.queue.live() if entry.key(now, self.queue.aging) < mine]
+        return max(before, key=lambda entry: entry.key(now, self.queue.aging), default=None)
+
+    def next_step(self) -> float | None:
+        """Seconds until this turn's class rises a step (None: at the top, or no aging)."""
+        aging = self.queue.aging
+        now = time.monotonic_ns()
+        if aging <= 0 or effective(self.entry.rank, self.entry.arrival, now, aging) >= TOP:
+            return None
+        waited = (now - self.entry.arrival) / 1e9
+        return aging - waited % aging + 0.001
+
+
+class Queue:
+    """The queue directory of one lane (dir_fd: the lock root)."""
+
+    def __init__(self, root_fd: int, stem: str, aging: float):
+        self.root_fd, self.name, self.aging = root_fd, f"{stem}.queue", aging
+        self.dir_fd: int | None = None
+
+    def open(self, create: bool) -> bool:
+        """Open the directory (make it when create); False when there is none yet."""
+        if self.dir_fd is not None:
+            return True
+        try:
+            self.dir_fd = os.open(self.name, _DIR_FLAGS, dir_fd=self.root_fd)
+            return True
+        except FileNotFoundError:
+            if not create:
+                return False
+        try:
+            os.mkdir(self.name, 0o1777, dir_fd=self.root_fd)
+            os.chmod(self.name, 0o1777 | stat.S_ISVTX, dir_fd=self.root_fd)   # past the umask
+        except FileExistsError:
+            pass
+        self.dir_fd = os.open(self.name, _DIR_FLAGS, dir_fd=self.root_fd)
+        return True
+
+    def close(self) -> None:
+        if self.dir_fd is not None:
+            os.close(self.dir_fd)
+            self.dir_fd = None
+
+    def join(self, rank: int, facts: dict) -> Ticket:
+        """Queue this turn: its file, locked before it appears (OSError: the queue is broken)."""
+        self.open(create=True)
+        temp = f".new.{os.getpid()}.{os.urandom(6).hex()}"
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o644, dir_fd=self.dir_fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(fd, (json.dumps(facts) + "\n").encode())
+            arrival = time.monotonic_ns()
+            entry = Entry(f"{arrival:020d}.{rank}.{os.getpid()}.{os.urandom(4).hex()}", arrival,
+                          rank, os.getpid())
+            os.rename(temp, entry.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        except BaseException:
+            try:
+                os.unlink(temp, dir_fd=self.dir_fd)
+            except OSError:
+                pass
+            os.close(fd)
+            raise
+        return Ticket(self, entry, fd)
+
+    def live(self, *, tidy: bool = True) -> list[Entry]:
+        """The entries whose turn still waits (its lock held). tidy: remove the files of waiters
+        gone (a reader such as `status` leaves them: it never changes what it looks at)."""
+        if not self.open(create=False):
+            return []
+        names = [name for name in os.listdir(self.dir_fd) if Entry.parse(name) is not None]
+        # /proc/locks read after the listing: a file listed was locked before it appeared, so a
+        # waiter still there shows in it. Without /proc/locks, each file is asked with a lock.
+        held = locks.held_files() if names else None
+        found = []
+        for name in names:
+            alive = self._held(name, held) if held is not None else self._alive(name)
+            if alive:
+                found.append(Entry.parse(name))
+            elif tidy:
+                self._remove(name)
+        return found
+
+    def _held(self, name: str, held: set) -> bool:
+        try:
+            st = os.stat(name, dir_fd=self.dir_fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return (locks.device_of(st), st.st_ino) in held
+
+    def _remove(self, name: str) -> None:
+        try:   # nobody holds it: its waiter is gone, and the file can never be locked again
+            os.unlink(name, dir_fd=self.dir_fd)
+        except OSError:
+            pass   # another user's (sticky directory) or removed already: skipped all the same
+
+    def _alive(self, name: str) -> bool:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                         dir_fd=self.dir_fd)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as error:
+            return error.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+        finally:
+            os.close(fd)
+        return False
+
+    def queued_at_or_above(self, rank: int) -> bool:
+        """Does a live waiter of this class or higher (as it counts now) wait?"""
+        now = time.monotonic_ns()
+        return any(effective(entry.rank, entry.arrival, now, self.aging) >= rank
+                   for entry in self.live())
+
+    def describe(self) -> list[dict]:
+        """The live entries in order, for `status`: position, class, effective class, pid,
+        session, waited (seconds)."""
+        now = time.monotonic_ns()
+        rows = []
+        for position, entry in enumerate(sorted(self.live(tidy=False),
+                                                key=lambda entry: entry.key(now, self.aging)), 1):
+            facts = self._facts(entry.name)
+            rows.append({"position": position, "class": CLASSES[entry.rank],
+                         "effective_class": CLASSES[effective(entry.rank, entry.arrival, now,
+                                                              self.aging)],
+                         "pid": entry.pid, "session": facts.get("session"),
+                         "host": facts.get("hostname"),
+                         "waited": round((now - entry.arrival) / 1e9, 3)})
+        return rows
+
+    def _facts(self, name: str) -> dict:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                         dir_fd=self.dir_fd)
+        except OSError:
+            return {}
+        try:
+            data = json.loads(os.read(fd, 4096) or b"{}")
+        except ValueError:
+            data = {}
+        finally:
+            os.close(fd)
+        return data if isinstance(data, dict) else {}
+
+
+class EntryWait:
+    """A descriptor on the entry just ahead, for waiting.wait (it locks handle.fd)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, queue: Queue, entry: Entry):
+        self.fd = os.open(entry.name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                          dir_fd=queue.dir_fd)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
