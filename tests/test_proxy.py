@@ -1060,6 +1060,12 @@ def test_two_hundred_waiting_requests_cost_a_bounded_number_of_threads(procs, ho
 
     # The proxy reports how many requests are taking the lane; the wait itself reports nothing.
     wait_for(lambda: taking() == 200, what="the 200 requests to wait for the lane")
+    # ... and every one of them waits in the lane's queue (not on its way there)
+    from lanelock import Gate
+
+    gate = Gate(engine.backend)
+    wait_for(lambda: len(gate.store.survey(gate.lane)[0].queue) == 200,
+             what="the 200 requests to queue")
     most = max(threads() for _ in range(20))
     assert most <= 24, f"{most} threads for 200 waiting requests"
     assert busy.release() == 0

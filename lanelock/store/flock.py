@@ -181,6 +181,9 @@ class FlockStore(LaneStore):
                     continue
                 if left is not None and left <= 0:
                     return False
+                if queue.is_mine(ahead):   # a turn of this process: no kernel wait, no thread
+                    queue.wait_mine(ahead, _least(left, ticket.next_step()), cancel)
+                    continue
                 try:
                     wait = queue.EntryWait(ticket.queue, ahead)
                 except OSError:
@@ -230,6 +233,9 @@ class FlockStore(LaneStore):
                     continue
                 if left is not None and left <= 0:
                     return False
+                if queue.is_mine(ahead):
+                    await queue.wait_mine_async(ahead, _least(left, ticket.next_step()))
+                    continue
                 try:
                     wait = queue.EntryWait(ticket.queue, ahead)
                 except OSError:

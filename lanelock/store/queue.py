@@ -25,6 +25,7 @@ again at each of its own steps, so a wait on an entry no longer ahead ends when 
 
 from __future__ import annotations
 
+import _thread
 import errno
 import fcntl
 import json
@@ -74,11 +75,21 @@ class Entry:
         return (-effective(self.rank, self.arrival, now_ns, aging), self.arrival, self.name)
 
 
+# This process's live tickets, by file name -> what to call when each leaves. A waiter whose
+# turn comes after another turn of this same process waits for it here, not in the kernel: the
+# kernel wait costs a thread per file (store/waiting.py), and a proxy's 200 waiting requests
+# would be 200 threads (issue 24); this costs none.
+_MINE: dict[str, list] = {}
+_GUARD = _thread.allocate_lock()
+
+
 class Ticket:
     """This turn's place in the queue: its file, locked, until leave()."""
 
     def __init__(self, queue: "Queue", entry: Entry, fd: int):
         self.queue, self.entry, self.fd = queue, entry, fd
+        with _GUARD:
+            _MINE[entry.name] = []
 
     def leave(self) -> None:
         if self.fd is None:
@@ -89,6 +100,10 @@ class Ticket:
             pass
         os.close(self.fd)   # after the unlink: nobody mistakes the file for a gone waiter's
         self.fd = None
+        with _GUARD:
+            wakers = _MINE.pop(self.entry.name, [])
+        for wake in wakers:
+            wake()
 
     def ahead(self) -> Entry | None:
         """The live entry just ahead of this one in the order now, or None when first."""
@@ -239,6 +254,76 @@ class Queue:
         finally:
             os.close(fd)
         return data if isinstance(data, dict) else {}
+
+
+def is_mine(entry: Entry) -> bool:
+    """Is the entry a live ticket of this very process (waited for without the kernel)?"""
+    return entry.pid == os.getpid() and entry.name in _MINE
+
+
+def _listen(entry: Entry, wake) -> bool:
+    """Call wake when the entry's ticket leaves; False when it has left already."""
+    with _GUARD:
+        wakers = _MINE.get(entry.name)
+        if wakers is None:
+            return False
+        wakers.append(wake)
+        return True
+
+
+def _forget(entry: Entry, wake) -> None:
+    with _GUARD:
+        wakers = _MINE.get(entry.name)
+        if wakers is not None and wake in wakers:
+            wakers.remove(wake)
+
+
+def wait_mine(entry: Entry, timeout: float | None, cancel=None) -> None:
+    """Until this process's ticket of entry leaves, timeout passes or cancel (an Event) is set."""
+    import threading
+
+    left = threading.Event()
+    if not _listen(entry, left.set):
+        return
+    try:
+        if cancel is None:
+            left.wait(timeout)
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not left.is_set() and not cancel.is_set():   # slices only to notice a cancel
+            rest = None if deadline is None else deadline - time.monotonic()
+            if rest is not None and rest <= 0:
+                return
+            left.wait(0.05 if rest is None else min(0.05, rest))
+    finally:
+        _forget(entry, left.set)
+
+
+async def wait_mine_async(entry: Entry, timeout: float | None) -> None:
+    """wait_mine for an asyncio task: the leaving ticket resolves a future on the loop."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    left = loop.create_future()
+
+    def resolve() -> None:
+        if not left.done():
+            left.set_result(None)
+
+    def wake() -> None:
+        try:
+            loop.call_soon_threadsafe(resolve)
+        except RuntimeError:   # the loop is closed: nobody waits
+            pass
+
+    if not _listen(entry, wake):
+        return
+    try:
+        await asyncio.wait_for(asyncio.shield(left), timeout)
+    except asyncio.TimeoutError:
+        pass
+    finally:
+        _forget(entry, wake)
 
 
 class EntryWait:
