@@ -253,6 +253,34 @@ def lane_named(name: str) -> Lane:
     return Lane(host, int(port), scope, model or None, base, machine or None)
 
 
+def as_seen_elsewhere(lane: Lane) -> Lane:
+    """The lane as another host keys the same spelling, for a store several hosts share. This
+    machine collapses its own LAN address or name (10.0.0.5:8080, gpubox:8080) into
+    localhost:PORT; every other host keys that spelling by the address or name itself -- two
+    keys, two gates for one engine. So a local lane spelled by anything but a loopback name or
+    address is keyed as the others key it; a loopback spelling stays this machine's own."""
+    if lane.scope != "local" or not lane.given:
+        return lane
+    host, port, _ = split_backend(lane.given)
+    if host == LOCAL_HOST or host.endswith(".localhost") or _LOOPBACK_QUAD.match(host):
+        return lane
+    address = _address(host)
+    if address is not None and (address.is_loopback or address.is_unspecified):
+        return lane
+    import ipaddress
+
+    if address is not None:
+        private = address.is_private or address.is_link_local or \
+            address in ipaddress.ip_network(CGNAT)
+        scope = "lan" if private else "public"
+    else:
+        scope = "lan" if "." not in host or host.endswith(LAN_SUFFIXES) else "public"
+    if scope == "public":   # other hosts would not gate it at all: stay this machine's lane
+        return lane
+    return Lane(str(address) if address is not None else host, port, scope, lane.model,
+                lane.given)
+
+
 def qualified(lane: Lane, machine: str) -> Lane:
     """The same lane, named with the machine it is on (for a store shared by several hosts)."""
     return Lane(lane.host, lane.port, lane.scope, lane.model, lane.given, machine)

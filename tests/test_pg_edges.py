@@ -5,8 +5,10 @@ postgresql package; skipped without it unless LANELOCK_REQUIRE_PG is set.
 
 from __future__ import annotations
 
+import json
 import os
 import select
+import shutil
 import subprocess
 import sys
 import time
@@ -116,3 +118,32 @@ def test_a_holder_whose_host_vanishes_loses_the_lane_within_the_bound(namespace,
     assert waiter.returncode == 0, waiter
     assert freed_after <= BOUND_SECONDS + 4, f"lane freed {freed_after:.1f}s after the cut"
     print(f"lane freed {freed_after:.1f}s after the cut (bound {BOUND_SECONDS}s)")
+
+
+def test_the_engine_box_keys_its_own_lan_address_as_the_other_hosts_do(namespace,
+                                                                       reachable_server,
+                                                                       holder, run_cmd):
+    """Found by the two-host proxy test: on the engine's own box, -b ITS_LAN_ADDRESS:PORT was
+    keyed localhost:PORT@BOX while every other host keyed it ADDRESS:PORT -- two advisory keys,
+    two gates, a turn on each side held at once. Now the box keys it as the others do."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux's unshare for a host's own hostname")
+    backend = f"{namespace.host_ip}:{20000 + os.getpid() % 20000}"   # this side's own address
+    here = reachable_server.dsn
+    there = here.replace("127.0.0.1", namespace.host_ip)
+    other = ["ip", "netns", "exec", namespace.name, "unshare", "--uts", "sh", "-c",
+             'hostname other-host && exec "$@"', "other"]
+    box = json.loads(run_cmd([*LANELOCK, "where", "--json", "-b", backend, "--store", here]).stdout)
+    far = json.loads(run_cmd([*other, *LANELOCK, "where", "--json", "-b", backend,
+                              "--store", there]).stdout)
+    assert (box["lane"], box["scope"]) == (backend, "lan") == (far["lane"], far["scope"])
+    assert box["lock_path"].split("#")[1] == far["lock_path"].split("#")[1]   # one advisory key
+    held = holder("-b", backend, "--store", here, "-s", "engine-box")
+    done = run_cmd([*other, *LANELOCK, "run", "-b", backend, "--store", there, "--", "true"])
+    assert done.returncode == 75, done.stderr
+    assert "local_backend_busy" in done.stderr and "engine-box" in done.stderr
+    assert held.release() == 0
+    # A loopback spelling on the box stays the box's own lane.
+    local = json.loads(run_cmd([*LANELOCK, "where", "--json", "-b", "127.0.0.1:8080",
+                                "--store", here]).stdout)
+    assert local["lane"].startswith("localhost:8080@")

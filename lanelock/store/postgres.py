@@ -70,6 +70,10 @@ class PgStore(LaneStore):
         return []   # `where` does not connect; an unreachable store fails open at the turn
 
     def qualify(self, lane):
+        from ..lanes import as_seen_elsewhere
+
+        # This machine's own LAN address or name, keyed as every other host keys it.
+        lane = as_seen_elsewhere(lane)
         if lane.scope != "local":
             return lane
         from ..facts import hostname
