@@ -10,7 +10,6 @@ import os
 import select
 import shutil
 import subprocess
-import sys
 import time
 import uuid
 
