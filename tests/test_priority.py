@@ -275,3 +275,38 @@ def test_metrics_count_waiters_and_waits_by_class(holder, procs, tmp_path, lanel
     assert 'lanelock_lane_class_wait_seconds_count{class="interactive",lane="localhost:8080"} ' \
         '1.0' in after
     assert 'lanelock_lane_queued{class="batch",lane="localhost:8080"} 0.0' in after
+
+
+def test_asyncio_tasks_wait_in_class_order(holder):
+    """Tasks of one event loop queue like processes: by class, then arrival."""
+    import asyncio
+
+    first = holder("-b", BACKEND, "-s", "first")
+    os.environ["LANELOCK_PRIORITY_AGING"] = "3600"
+    try:
+        gate = Gate(BACKEND)
+        served = []
+
+        async def take(name, klass):
+            async with gate.turn(session=name, wait=None, priority=klass) as turn:
+                assert turn.held
+                served.append(name)
+
+        def queued_now() -> int:
+            return len(gate.store.survey(gate.lane)[0].queue)
+
+        async def main():
+            tasks = []
+            for name, klass in (("b", "batch"), ("n1", "normal"), ("i", "interactive"),
+                                ("n2", "normal")):
+                before = queued_now()
+                tasks.append(asyncio.ensure_future(take(name, klass)))
+                await asyncio.to_thread(wait_for, lambda: queued_now() > before,
+                                        f"{name} to queue")
+            await asyncio.to_thread(first.release)
+            await asyncio.gather(*tasks)
+
+        asyncio.run(main())
+    finally:
+        os.environ.pop("LANELOCK_PRIORITY_AGING", None)
+    assert served == ["i", "n1", "n2", "b"]
