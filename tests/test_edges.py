@@ -237,8 +237,10 @@ def test_status_and_deflections_say_the_holder_is_stopped(holder, lanelock):
     os.kill(held.child_pid, signal.SIGSTOP)
     try:
         # The wrapper hears of the stop (SIGCHLD) and writes it down; nothing tells the test when.
-        found = wait_for(lambda: (lambda seen: seen if (seen["holder"] or {}).get("stopped")
-                                  else None)(lane()), what="the wrapper to record the stop")
+        # /proc shows the stop at once; the record's "since" only once the wrapper wrote it.
+        found = wait_for(lambda: (lambda seen: seen if ((seen["holder"] or {}).get("stopped") or
+                                                        {}).get("since") else None)(lane()),
+                         what="the wrapper to record the stop")
         assert found["verdict"] == "held"
         assert f"pid {held.child_pid} is stopped" in found["message"], found["message"]
         assert f"kill -CONT {held.child_pid}" in found["message"]
