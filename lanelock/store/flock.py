@@ -76,6 +76,9 @@ class Handle(LockHandle):
 # Times a turn locks the lane's file again after finding it replaced under its lock, before the
 # gate is called unavailable (something keeps replacing it: a misbehaving cleaner).
 REPLACED_TRIES = 3
+# How often a waiter looks again when the entry ahead cannot be opened to wait on (only a file
+# made unreadable by hand: lanelock's own are 0644 whatever the umask).
+UNREADABLE_LOOK = 0.1
 
 
 class FlockStore(LaneStore):
@@ -186,8 +189,11 @@ class FlockStore(LaneStore):
                     continue
                 try:
                     wait = queue.EntryWait(ticket.queue, ahead)
-                except OSError:
+                except FileNotFoundError:
                     continue   # the waiter ahead left as we looked: look again
+                except OSError:   # a file we may not open (a hand-made 0600): look again soon
+                    time.sleep(_least(left, ticket.next_step(), UNREADABLE_LOOK))
+                    continue
                 try:
                     waiting.wait(wait, _least(left, ticket.next_step()), cancel)
                 except OSError:
@@ -238,8 +244,11 @@ class FlockStore(LaneStore):
                     continue
                 try:
                     wait = queue.EntryWait(ticket.queue, ahead)
-                except OSError:
+                except FileNotFoundError:
                     continue   # the waiter ahead left as we looked: look again
+                except OSError:
+                    await asyncio.sleep(_least(left, ticket.next_step(), UNREADABLE_LOOK))
+                    continue
                 try:
                     await waiting.wait_async(wait, _least(left, ticket.next_step()))
                 except OSError:

@@ -159,6 +159,9 @@ class Queue:
         fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
                      0o644, dir_fd=self.dir_fd)
         try:
+            # Readable by every user past any umask (077 included): a waiter behind it opens it
+            # to wait on its lock, and `status` reads who waits.
+            os.fchmod(fd, 0o644)
             fcntl.flock(fd, fcntl.LOCK_EX)
             os.write(fd, (json.dumps(facts) + "\n").encode())
             arrival = time.monotonic_ns()
