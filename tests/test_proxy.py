@@ -1065,7 +1065,7 @@ def test_two_hundred_waiting_requests_cost_a_bounded_number_of_threads(procs, ho
 
     gate = Gate(engine.backend)
     wait_for(lambda: len(gate.store.survey(gate.lane)[0].queue) == 200,
-             what="the 200 requests to queue")
+             what="the 200 requests to queue", timeout=TIMEOUT * 2)   # 200 joins on a loaded box
     most = max(threads() for _ in range(20))
     assert most <= 24, f"{most} threads for 200 waiting requests"
     assert busy.release() == 0
