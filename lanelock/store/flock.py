@@ -174,7 +174,8 @@ class FlockStore(LaneStore):
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not (cancel is not None and cancel.is_set()):
-                left, ahead = _left(deadline), ticket.ahead()
+                now = time.monotonic_ns()   # one reading for the order and the next step
+                left, ahead, step = _left(deadline), ticket.ahead(now), ticket.next_step(now)
                 if ahead is None:   # first: wait for the lane itself
                     if not self._wait_lane(handle, left, cancel):
                         return False
@@ -185,17 +186,17 @@ class FlockStore(LaneStore):
                 if left is not None and left <= 0:
                     return False
                 if queue.is_mine(ahead):   # a turn of this process: no kernel wait, no thread
-                    queue.wait_mine(ahead, _least(left, ticket.next_step()), cancel)
+                    queue.wait_mine(ahead, _least(left, step), cancel)
                     continue
                 try:
                     wait = queue.EntryWait(ticket.queue, ahead)
                 except FileNotFoundError:
                     continue   # the waiter ahead left as we looked: look again
                 except OSError:   # a file we may not open (a hand-made 0600): look again soon
-                    time.sleep(_least(left, ticket.next_step(), UNREADABLE_LOOK))
+                    time.sleep(_least(left, step, UNREADABLE_LOOK))
                     continue
                 try:
-                    waiting.wait(wait, _least(left, ticket.next_step()), cancel)
+                    waiting.wait(wait, _least(left, step), cancel)
                 except OSError:
                     pass   # the entry ahead went away as we waited: look again
                 finally:
@@ -227,9 +228,10 @@ class FlockStore(LaneStore):
 
         try:
             while True:
-                left = _left(deadline)
+                left, now = _left(deadline), time.monotonic_ns()
                 ahead = await waiting.finished(asyncio.ensure_future(asyncio.to_thread(
-                    ticket.ahead)))
+                    ticket.ahead, now)))
+                step = ticket.next_step(now)
                 if ahead is None:
                     if not await self._wait_lane_async(handle, left):
                         return False
@@ -240,17 +242,17 @@ class FlockStore(LaneStore):
                 if left is not None and left <= 0:
                     return False
                 if queue.is_mine(ahead):
-                    await queue.wait_mine_async(ahead, _least(left, ticket.next_step()))
+                    await queue.wait_mine_async(ahead, _least(left, step))
                     continue
                 try:
                     wait = queue.EntryWait(ticket.queue, ahead)
                 except FileNotFoundError:
                     continue   # the waiter ahead left as we looked: look again
                 except OSError:
-                    await asyncio.sleep(_least(left, ticket.next_step(), UNREADABLE_LOOK))
+                    await asyncio.sleep(_least(left, step, UNREADABLE_LOOK))
                     continue
                 try:
-                    await waiting.wait_async(wait, _least(left, ticket.next_step()))
+                    await waiting.wait_async(wait, _least(left, step))
                 except OSError:
                     pass
                 finally:

@@ -105,17 +105,20 @@ class Ticket:
         for wake in wakers:
             wake()
 
-    def ahead(self) -> Entry | None:
-        """The live entry just ahead of this one in the order now, or None when first."""
-        now = time.monotonic_ns()
+    def ahead(self, now: int | None = None) -> Entry | None:
+        """The live entry just ahead of this one in the order at `now` (CLOCK_MONOTONIC ns;
+        default: now), or None when first."""
+        now = time.monotonic_ns() if now is None else now
         mine = self.entry.key(now, self.queue.aging)
         before = [entry for entry in self.queue.live() if entry.key(now, self.queue.aging) < mine]
         return max(before, key=lambda entry: entry.key(now, self.queue.aging), default=None)
 
-    def next_step(self) -> float | None:
-        """Seconds until this turn's class rises a step (None: at the top, or no aging)."""
+    def next_step(self, now: int | None = None) -> float | None:
+        """Seconds from `now` until this turn's class rises a step (None: at the top, or no
+        aging). Read with the same `now` as ahead(): a step taken between two clock readings
+        would leave a waiter waiting, without a timeout, on an entry by then behind it."""
         aging = self.queue.aging
-        now = time.monotonic_ns()
+        now = time.monotonic_ns() if now is None else now
         if aging <= 0 or effective(self.entry.rank, self.entry.arrival, now, aging) >= TOP:
             return None
         waited = (now - self.entry.arrival) / 1e9
