@@ -21,6 +21,7 @@ from . import handover, say
 from .errors import GateUnavailable, RecordNotWritten, WouldBlock
 from .facts import boot_id, default_session, hostname, own_start_ticks, user_name, utc_now
 from .place import Place
+from .proc import start_ticks
 from .store.queue import CLASSES
 from .settings import Settings
 
@@ -73,16 +74,19 @@ class Gate(Place):
 
     def turn(self, *, session: str | None = None, model: str | None = None,
              argv: list[str] | None = None, wait: float | None = 0.0,
-             labels: dict | None = None, askers=None, priority: str | None = None) -> "Turn":
+             labels: dict | None = None, askers=None, priority: str | None = None,
+             command_pid: int | None = None) -> "Turn":
         """A turn on this lane; the lock is taken on entering it (`with`, or `async with` in
         asyncio code, which never blocks the event loop), or by acquire(). wait: seconds to block
         for the lane (None: forever); 0 deflects after the short grace period. labels: more
         facts for the holder record and the journal (the proxy's client and path). askers: who
         asks for the turn when not this process (the proxy's client): a callable returning
         handover.Asker values, called only when the lane is busy. priority: interactive, normal
-        or batch -- who goes first among the turns that wait (default: the priority setting)."""
+        or batch -- who goes first among the turns that wait (default: the priority setting).
+        command_pid: a process already started that the turn runs (`lanelock run`'s child): if
+        this process is killed first, the next turn waits for that one to end."""
         return Turn(self, session=session, model=model or self.model, argv=argv, wait=wait,
-                    labels=labels, askers=askers, priority=priority)
+                    labels=labels, askers=askers, priority=priority, command_pid=command_pid)
 
     def probe(self) -> dict:
         """Take the lock without blocking and let go at once: 'free' or 'busy' (with the holder)."""
@@ -107,7 +111,7 @@ class Gate(Place):
 
 class Turn:
     def __init__(self, gate: Gate, *, session, model, argv, wait, labels=None, askers=None,
-                 priority=None):
+                 priority=None, command_pid=None):
         self.gate = gate
         self.session = session or gate.settings.get("session") or default_session()
         self.priority = priority or gate.priority
@@ -118,6 +122,8 @@ class Turn:
         self.argv = list(argv or [])
         self.labels = dict(labels or {})
         self._argv_cache: dict | None = None
+        self.command_pid = command_pid
+        self._command: tuple[int, int] | None = None   # (pid, start ticks), read before the lock
         self._settled = False   # its outcome was counted (metrics)
         self._owner = None    # who may nest in this turn: the thread, or an asyncio task
         self._cancel = None   # threading.Event: an asyncio turn's wait was cancelled
@@ -277,6 +283,9 @@ class Turn:
         # Facts the holder record needs, read (once per process) before the lock: after it, they
         # would delay the hand-off.
         own_start_ticks(), boot_id(), user_name(), hostname()
+        if self.command_pid is not None and self._command is None:
+            ticks = start_ticks(self.command_pid)
+            self._command = (self.command_pid, ticks) if ticks is not None else None
         self._handle = None
         handle = self._handle = store.open(gate.lane)
         handle.asker = {"session": self.session, "hostname": hostname()}
@@ -455,7 +464,7 @@ class Turn:
         return holder_facts.record(
             lane=self.gate.lane, session=self.session, model=self.model, argv=self._argv_cache,
             acquired_at=self._acquired_at, acquired_monotonic=self._started, turn=self.token,
-            stopped_at=self._stopped_at, labels=self.labels)
+            stopped_at=self._stopped_at, labels=self.labels, command=self._command)
 
     def _event(self, event: str, at: tuple[float, str] | None = None, **extra) -> dict:
         # "monotonic" is one system-wide clock: durations between turns survive wall-clock jumps.

@@ -16,8 +16,10 @@ ARGV_BUDGET = 4096   # characters of argv a holder record keeps (the readers' li
 
 def record(*, lane, session: str, model: str | None, argv: dict, acquired_at: str,
            acquired_monotonic: float, turn: str | None, stopped_at: str | None = None,
-           labels: dict | None = None) -> dict:
-    """The holder record of this process's turn on lane (a Lane). argv: argv_fields()."""
+           labels: dict | None = None, command: tuple[int, int] | None = None) -> dict:
+    """The holder record of this process's turn on lane (a Lane). argv: argv_fields().
+    command: (pid, start ticks) of the process the turn runs (`lanelock run`'s child), which the
+    next turn waits for should this one be killed first (store/outlived.py)."""
     found = {
         "schema": SCHEMA, "lane": lane.name, "backend": lane.given,
         "pid": os.getpid(), "start_ticks": own_start_ticks(), "boot_id": boot_id(),
@@ -25,6 +27,8 @@ def record(*, lane, session: str, model: str | None, argv: dict, acquired_at: st
         "user": user_name(), "uid": os.getuid(), "hostname": hostname(),
         "acquired_at": acquired_at, "acquired_monotonic": acquired_monotonic, "turn": turn,
     }
+    if command is not None:
+        found["command_pid"], found["command_start_ticks"] = command
     if stopped_at is not None:
         found["stopped_at"] = stopped_at
     if labels:

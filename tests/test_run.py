@@ -18,8 +18,8 @@ import pexpect
 import psutil
 import pytest
 
-from conftest import (LANELOCK, TIMEOUT, ExitWatch, environ, is_waiting, needs_flock, pid_gone,
-                      read_line, signalled_hold, wait_for)
+from conftest import (LANELOCK, TIMEOUT, ExitWatch, environ, flock_entries, is_queued, is_waiting,
+                      needs_flock, pid_gone, read_line, signalled_hold, wait_for, wait_stopped)
 
 ENV_DUMP = [sys.executable, "-c",
             "import json, os; print(json.dumps({k: v for k, v in os.environ.items() "
@@ -584,6 +584,128 @@ def test_kill_9_of_the_wrapper_frees_the_lane_and_kills_the_child(holder, lanelo
     assert held.wait() == -signal.SIGKILL
     assert lanelock("probe").returncode == 0, "the lane outlived its wrapper"
     child.wait()   # the parent-death signal
+
+
+# A held command slow to die: its touched pages are freed before its files are closed (the
+# kernel's do_exit order), so a SIGKILL'd copy holds its token flock for a moment after the kill.
+HEAVY_HOLD = r"""
+import fcntl, os, sys
+weight = b"\1" * (1 << 30)
+token = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+fcntl.flock(token, fcntl.LOCK_EX)
+print("ready", os.getpid(), flush=True)
+sys.stdin.read()
+"""
+
+# The next turn, an API turn (waiting for the lane, or deflect-mode) that looks at the token the
+# moment the lane is its.
+TOKEN_LOOK = r"""
+import fcntl, os, sys
+from lanelock import Gate
+token = os.open(sys.argv[1], os.O_RDWR | os.O_CLOEXEC)
+print("asking", flush=True)
+
+def look(turn):
+    if turn.state != "held":
+        return f"{turn.state} {turn.reason}"
+    try:
+        fcntl.flock(token, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return "held free"
+    except BlockingIOError:
+        return "held beside the killed turn's command"
+
+async def in_a_task():
+    async with Gate().turn(wait=None) as turn:
+        return look(turn)
+
+if sys.argv[2] == "async":
+    import asyncio
+    print(asyncio.run(in_a_task()), flush=True)
+else:
+    with Gate().turn(wait=None if sys.argv[2] == "forever" else float(sys.argv[2])) as turn:
+        print(look(turn), flush=True)
+"""
+
+
+@pytest.mark.parametrize("waiter", ["waiting", "async", "arriving"])
+def test_kill_9_of_the_wrapper_hands_the_lane_on_only_once_its_command_is_gone(
+        waiter, holder, procs, lock_dir, tmp_path):
+    """The kernel lets go of the wrapper's lock before its child is sent the parent-death
+    signal, and the child takes a moment to die: the next turn must not generate beside it.
+    Here the command takes ~70 ms to die (1 GiB to free): the turn waiting for the lane (a
+    thread or an asyncio task), or a deflect-mode one arriving just then, gets it only once the command is gone (or deflects)."""
+    token = tmp_path / "token"
+    held = holder(command=[sys.executable, "-c", HEAVY_HOLD, str(token)])
+    lock = lock_dir / "localhost-8080.lock"
+    look = procs.start([sys.executable, "-c", TOKEN_LOOK, str(token),
+                        {"waiting": "forever", "async": "async", "arriving": "0"}[waiter]],
+                       env=environ({"LANELOCK_DEBUG_PAUSE": "before-acquire"
+                                    if waiter == "arriving" else None}),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert read_line(look.stdout, TIMEOUT) == "asking\n"
+    if waiter != "arriving":
+        wait_for(lambda: is_waiting(lock, look.pid) or look.poll() is not None,
+                 what="the next turn to wait for the lane")
+        os.kill(held.pid, signal.SIGKILL)
+    else:   # stopped just before it tries the lane; let go once the wrapper is dead
+        wait_stopped(look.pid)
+        os.kill(held.pid, signal.SIGKILL)
+        held.wait()
+        os.kill(look.pid, signal.SIGCONT)
+    out, err = look.communicate(timeout=TIMEOUT)
+    assert look.returncode == 0 and "Traceback" not in err, err
+    if waiter != "arriving":
+        assert out.splitlines()[-1] == "held free", (out, err)
+    else:   # the lane was busy while the command ran, or taken once it was gone
+        assert out.splitlines()[-1] in ("held free", "deflected local_backend_busy"), (out, err)
+
+
+# A command that turns its parent-death signal off: it outlives a killed wrapper.
+ESCAPING_HOLD = r"""
+import ctypes, os, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, 0, 0, 0, 0)   # PR_SET_PDEATHSIG, none
+print("ready", os.getpid(), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_command_that_outlives_its_killed_wrapper_keeps_the_lane_until_it_ends(
+        holder, procs, lanelock, lock_dir):
+    """Whoever generates owns the lane: with its wrapper killed, a command still running (here
+    one that turned its parent-death signal off) is the holder -- status says so and why, probe
+    and a deflect-mode turn find the lane busy and name it, a waiting turn gets the lane the
+    moment it ends."""
+    held = holder(command=[sys.executable, "-c", ESCAPING_HOLD])
+    os.kill(held.pid, signal.SIGKILL)
+    held.wait()
+    try:
+        status = lanelock("status", "--json")
+        lane = json.loads(status.stdout)["lanes"][0]
+        assert (lane["state"], lane["verdict"]) == ("held", "ending"), lane
+        assert lane["holder"]["pid"] == held.child_pid
+        words = lanelock("status").stdout
+        assert f"held by pid {held.child_pid}, the command of lanelock turn pid {held.pid}" in words
+        assert "which was killed: the lane frees when it ends" in words
+        probe = lanelock("probe")
+        assert probe.returncode == 1 and f"pid {held.child_pid}" in probe.stdout, probe
+        busy = lanelock("run", "--", "true")
+        assert busy.returncode == 75 and "still ending" in busy.stderr, busy.stderr
+        waiter = procs.start([*LANELOCK, "run", "--wait", "--", "echo", "ran"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # it takes the lock, and holds it while it waits for the command
+        wait_for(lambda: waiter.pid in flock_entries(lock_dir / "localhost-8080.lock")[0]
+                 or waiter.poll() is not None, what="the turn to wait")
+        assert is_queued(lock_dir / "localhost-8080.lock", waiter.pid)
+        assert waiter.poll() is None, waiter.communicate()
+        waiting = json.loads(lanelock("status", "--json").stdout)["lanes"][0]
+        assert waiting["verdict"] == "ending", waiting   # the waiter holds the lock meanwhile
+        assert f"pid {waiter.pid} takes the lane when it ends" in waiting["message"], waiting
+    finally:
+        os.kill(held.child_pid, signal.SIGKILL)
+    out, err = waiter.communicate(timeout=TIMEOUT)
+    assert (waiter.returncode, out) == (0, "ran\n"), err
+    after = json.loads(lanelock("status", "--json").stdout)["lanes"][0]
+    assert after["verdict"] == "released", after
 
 
 def test_kill_9_of_the_child_frees_the_lane_and_the_wrapper_exits_137(holder, lanelock, lock_dir):

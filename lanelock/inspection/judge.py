@@ -5,7 +5,7 @@ held and by whom; the holder record only labels that holder, and only when it ag
 store's facts go through here, so `status` says the same thing in the same words whatever the store.
 
 Verdicts (documented under `status --json` in the README):
-  held, held-foreign, held-unlabelled, lock-file-replaced   -- state "held"
+  held, held-foreign, held-unlabelled, lock-file-replaced, ending   -- state "held"
   released, died, releasing, sidecar-stale, sidecar-bad, never-used, collision   -- state "free"
   bad-lock-file, gate-unavailable, error   -- state "unknown"
 
@@ -56,6 +56,8 @@ def judge(facts, gate_problem: str | None = None) -> dict:
     if facts.held is None:
         return _verdict(result, UNKNOWN, "error",
                         "cannot tell: /proc/locks unreadable and the probe failed")
+    if facts.ending is not None and not stale:
+        return _ending(result, facts, record)
     if facts.held:
         return _held(result, facts, record, released, stale)
     if record is None:
@@ -97,6 +99,20 @@ def holder(facts) -> dict:
     note = facts.record_problem or "the holder record does not match the holder"
     return holder_facts.unlabelled(first.get("pid"), first.get("command"), note,
                                    lanelock=facts.collision or bool(first.get("lanelock")))
+
+
+def _ending(result: dict, facts, record: dict) -> dict:
+    """A killed turn's command still runs: the gate waits for it as for a holder
+    (store/outlived.py), whether the lock is free or held by the next turn waiting for it."""
+    result["last"] = holder_facts.from_record(record)
+    result["holder"] = {**result["last"], "pid": facts.ending,
+                        "note": f"the command of turn {_pid(record)}, killed; still ending"}
+    then = "the lane frees when it ends"
+    if facts.held and facts.holders:
+        then = f"pid {facts.holders[0]['pid']} takes the lane when it ends"
+    return _verdict(result, HELD, "ending",
+                    f"held by pid {facts.ending}, the command of lanelock turn {_pid(record)} "
+                    f"({_who(record)}), which was killed: {then}")
 
 
 def _held(result: dict, facts, record, released: bool, stale: str | None) -> dict:

@@ -3,7 +3,9 @@
 - The child never inherits the lock fd (O_CLOEXEC), so nothing it leaves behind can hold the lane.
 - The child gets a parent-death signal (SIGKILL): if the wrapper is killed, even with SIGKILL, the
   kernel drops the lane and the generation stops with it; no turn continues ungated. The wrapper
-  may die between fork() and prctl(), so the child checks its parent afterwards.
+  may die between fork() and prctl(), so the child checks its parent afterwards. The kernel drops
+  the lock before it sends that signal: the holder record names the child, and the next turn waits
+  for it to be gone (store/outlived.py).
 - The child is forked before the lane is taken and parked until the lane is ours (Starter): the
   fork is off the hand-off path, where flock(1)'s whole cost is one fork of a small C program.
 - INT/TERM/HUP/QUIT/USR1/USR2 sent to the wrapper are forwarded to the child (flock(1) does not,

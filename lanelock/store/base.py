@@ -48,7 +48,8 @@ class LaneFacts:
     __slots__ = ("lane", "lock_path", "sidecar_path", "exists", "kernel_source", "problem_lock",
                  "error", "held", "holders", "waiters", "record", "record_problem", "record_absent",
                  "matches", "queue",
-                 "replaced", "store_stale", "alive", "reused", "collision", "stopped", "bound")
+                 "replaced", "store_stale", "alive", "reused", "collision", "stopped", "bound",
+                 "ending")
 
     def __init__(self, lane: str, lock_path: str, sidecar_path: str | None = None):
         self.lane = lane
@@ -72,6 +73,9 @@ class LaneFacts:
         self.collision = False        # another lane's turn holds the same store key
         self.stopped: dict | None = None    # the holder is stopped: {pid, since, words}
         self.bound: str | None = None       # how a holder whose host vanished loses the lane
+        # The command of a turn killed without releasing, still running on this machine (its
+        # pid): the lane is not free until it is gone (store/outlived.py).
+        self.ending: int | None = None
         # The turns waiting, in the order they will get the lane: {position, class,
         # effective_class, pid, session, host, waited}; [] for a store that keeps no order.
         self.queue: list[dict] = []

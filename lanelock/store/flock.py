@@ -24,7 +24,7 @@ import time
 from .. import locks, proc, say
 from ..errors import GateUnavailable, RecordNotWritten
 from ..paths import UNGATED, Root, creation_problem, open_root
-from . import journal, queue, sidecar, waiting
+from . import journal, outlived, queue, sidecar, waiting
 from .base import LaneStore, LockHandle
 
 CONTENDED = frozenset({errno.EWOULDBLOCK, errno.EAGAIN})
@@ -33,7 +33,7 @@ _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a planted FI
 
 class Handle(LockHandle):
     __slots__ = ("dir_fd", "fd", "name", "st", "caveat", "stem", "journal_fd", "record", "locked",
-                 "queue", "asker")
+                 "queue", "asker", "outlived")
 
     def __init__(self, dir_fd: int, fd: int | None, name: str, st: os.stat_result | None,
                  caveat: str | None = None, stem: str = ""):
@@ -45,6 +45,7 @@ class Handle(LockHandle):
         self.locked = False   # this handle holds the lane (try_lock or wait_lock said True)
         self.queue = None     # the lane's queue.Queue, once asked
         self.asker: dict | None = None   # who waits (LockHandle.asker), for the queue's entry
+        self.outlived = None   # (pid, ticks): a killed turn's command, still running (outlived.py)
 
     @property
     def exists(self) -> bool:
@@ -161,7 +162,7 @@ class FlockStore(LaneStore):
         if ours and self._waiters_first(handle, rank):
             self._hand_on(handle)
             return False
-        return ours
+        return ours and self._outlived_gone(handle, 0)
 
     # -- waiting in order (store/queue.py) -------------------------------------------------------
     def wait_lock(self, handle: Handle, timeout: float | None, cancel=None,
@@ -313,7 +314,7 @@ class FlockStore(LaneStore):
                 got = self._contended(handle, error)
             ours = self._ours(handle, got)
             if ours is not None:
-                return ours
+                return ours and self._outlived_gone(handle, _left(deadline), cancel)
         raise self._keeps_being_replaced(handle)
 
     async def _wait_lane_async(self, handle: Handle, timeout: float | None) -> bool:
@@ -329,8 +330,24 @@ class FlockStore(LaneStore):
                 got = self._contended(handle, error)
             ours = self._ours(handle, got)
             if ours is not None:
+                if ours and handle.outlived is not None:
+                    if not await outlived.gone_async(*handle.outlived, _left(deadline)):
+                        self._hand_on(handle)
+                        return False
+                    handle.outlived = None
                 return ours
         raise self._keeps_being_replaced(handle)
+
+    def _outlived_gone(self, handle: Handle, timeout: float | None, cancel=None) -> bool:
+        """The lane is ours: is the command of the turn before it (killed, outlived.py) gone, or
+        gone within timeout? If not, the lane is let go again (busy)."""
+        if handle.outlived is None:
+            return True
+        if not outlived.gone(*handle.outlived, timeout, cancel):
+            self._hand_on(handle)
+            return False
+        handle.outlived = None
+        return True
 
     def _flock(self, handle: Handle, operation: int) -> bool:
         try:
@@ -350,9 +367,13 @@ class FlockStore(LaneStore):
         if not got:
             return False
         if self._current(handle):
-            if self._orphan_holds(handle):
+            # The record, read only when its turn never released (the usual hand-off skips it).
+            record, _ = sidecar.read(self.names(handle.stem)["sidecar"], dir_fd=handle.dir_fd,
+                                     live_only=True)
+            if self._orphan_holds(handle, record):
                 fcntl.flock(handle.fd, fcntl.LOCK_UN)
                 return False
+            handle.outlived = outlived.running_command(record)
             handle.locked = True
             return True
         os.close(handle.fd)   # our lock is on an orphan inode: let it go, open the lane's file
@@ -374,12 +395,10 @@ class FlockStore(LaneStore):
             return False
         return (now.st_dev, now.st_ino) == (handle.st.st_dev, handle.st.st_ino)
 
-    def _orphan_holds(self, handle: Handle) -> bool:
+    def _orphan_holds(self, handle: Handle, record: dict | None) -> bool:
         """Does a live turn hold a removed or replaced lock file of this lane? Its lock is on the
         old inode, ours on the new one: taking the lane now would make two gates. The sidecar
         names it (pid, start time, lock_inode); the kernel confirms it."""
-        record, _ = sidecar.read(self.names(handle.stem)["sidecar"], dir_fd=handle.dir_fd,
-                                 live_only=True)
         inode = sidecar.field(record, "lock_inode", int)
         pid = sidecar.field(record, "pid", int)
         if record is None or "released_at" in record or inode is None or pid is None \

@@ -72,6 +72,11 @@ def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0) -> 
         else:
             found.store_stale = (f"it was written for lock inode {inode}, the file here is inode "
                                  f"{st.st_ino}")
+    if not found.alive:   # free, or held by the next turn while it waits for the command
+        from .outlived import running_command
+
+        command = running_command(record)
+        found.ending = command[0] if command else None
     if found.held and found.matches and pid is not None:
         from ..holder import stopped
 
