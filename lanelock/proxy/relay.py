@@ -78,15 +78,16 @@ async def relay(session, request: web.BaseRequest, url: str, body: bytes, header
             response.headers[name] = value
         if "Content-Length" not in response.headers:
             response.enable_chunked_encoding()
-        await response.prepare(request)
         try:
+            await response.prepare(request)
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
+            await response.write_eof()
         except (ClientError, OSError):
-            # The engine failed mid-answer: what was relayed stands; close the client's side.
+            # The engine failed mid-answer, or the client went away (aiohttp's reset error is
+            # both): what was relayed stands; close the client's side.
             request.transport and request.transport.close()
             return response
-        await response.write_eof()
         request["lanelock_done"] = True
         return response
     finally:

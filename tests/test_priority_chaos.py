@@ -1,0 +1,979 @@
+"""Who goes next (issue 26) under chaos: three classes of turns from every kind of client at once,
+random kill -9 of holders and waiters, and the order proven from the records afterwards.
+
+One stand-in engine (the contention detector, lanelock/testing/standin.py) stands behind one lane.
+Twelve turn loops per class take turns at it, each turn one short generation: three `lanelock run
+--wait --priority CLASS -- curl ...` loops, three processes looping `with gate.turn(priority=...)`,
+three asyncio tasks (one of each class in each of three processes) looping `async with
+gate.turn(...)`, and three proxy clients (one of each class through each of three `lanelock proxy
+--wait`s, sending X-Lanelock-Priority). Loops think a random moment between turns (deliberate
+pacing, so the queue is sometimes long and sometimes empty). Meanwhile a killer sends SIGKILL, about
+twice a second, to the lane's holder or to a queued waiter -- or, for the proxy's turns, mostly to
+the client, whose proxy must then give the request's wait or generation up; whatever it kills is
+restarted. Aging is short (AGING seconds a step), so it decides many grants within the run.
+
+The records nobody in the load can fake:
+
+- the engine's: how many generations were in flight (/stats), and, per generation, when it began
+  and ended (the stand-in's own counter, written down as it counts, with the X-Lanelock-Session
+  header each request carries);
+- a token, an flock the curl of a `lanelock run` turn takes before it starts and keeps for as long
+  as it lives, and every other generation finds free as it begins (the Python workers look
+  themselves, the engine looks for the proxy's requests): the kernel's word that no turn's command
+  still runs when the next turn generates, whatever the engine noticed;
+- the journal (`waited` / `acquired` / `released`, each appended by a holder while it holds the
+  lane, so the file's order is the order the lane was granted in);
+- each queue entry's exact arrival: an observer process watches STEM.queue/ with inotify and
+  writes down every entry as it appears (ARRIVAL.RANK.PID.RANDOM, ARRIVAL in CLOCK_MONOTONIC ns --
+  the clock of the journal's "monotonic" -- and the session its file names) and when it saw it
+  (an upper bound on when the entry became visible to other turns). The journal's own estimate of
+  the arrival (monotonic - waited) is shown for comparison: it is taken before the queue is joined.
+
+What must hold (issue 26): no two generations at once (an overlap the engine counts only because it
+had not yet noticed that a killed holder's generation was over is told apart and shown); FIFO
+within a class; no later arrival, and no barging turn, granted past a waiter that counted (after
+aging) as at least its class; every batch turn served within two aging steps plus the holds of the
+turns that had arrived before it; a killed waiter out of the queue once it is dead; no stall, no
+traceback, no lost journal line, the lane free and the queue empty at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import LANELOCK, TIMEOUT, flock_entries, json_of, read_line
+from lanelock import Gate
+from lanelock.store import journal
+from test_proxy import CHAT, Proxy, chat_body, request
+
+CLASSES = ("batch", "normal", "interactive")        # rank = index, as in lanelock/store/queue.py
+AGING = 1.0                  # seconds per aging step (LANELOCK_PRIORITY_AGING)
+GENERATION = 0.03            # seconds the stand-in takes per answer
+THINK = 1.2                  # a loop thinks uniform(0, THINK) seconds between its turns
+TARGET = 1000                # completed turns, then the load stops
+LOAD_LIMIT = 130.0           # ... or after this long, whichever comes first
+KILL_EVERY = (0.2, 0.8)      # seconds between kills
+SLACK = 1.5                  # seconds of slack on the batch bound (a loaded 2-core VM)
+STALL = 5.0                  # no gap between two grants may be this long (holds are ~0.05 s)
+GONE_WITHIN = 1.0            # a killed waiter's entry no longer counts this long after its death
+HANGUP_SEEN_WITHIN = 1.0     # the engine notices a killed client's hang-up within this long
+SENTINEL = "zz-sentinel"     # not an entry name (store/queue.py's Entry.parse skips it)
+
+# The stand-in, writing down on stdout every change of its in-flight count as it makes it (under
+# one lock, so the lines are in the order of the changes), with the request's session; a line
+# "mark" on GET /chaos-mark, after every earlier line. It runs ahead of the load (nice -10): a
+# hang-up is noticed as soon as the kernel closes the dead client's connection.
+ENGINE = r"""
+import fcntl, os, sys, threading, time
+from lanelock.testing.standin import make_server
+try:
+    os.nice(-10)
+except OSError:
+    pass
+server = make_server(0, float(sys.argv[1]), "stand-in")
+counter, lock, local = server.counter, threading.Lock(), threading.local()
+
+def written(name, call):
+    def change():
+        with lock:
+            call()
+            sys.stdout.write(f"{name} {time.monotonic():.6f} {threading.get_ident()} "
+                             f"{counter.in_flight} {getattr(local, 'session', '-')}\n")
+            sys.stdout.flush()
+    return change
+
+counter.enter, counter.leave = written("enter", counter.enter), written("leave", counter.leave)
+counter.hung_up = written("hangup", counter.hung_up)
+
+# A proxy's generation looks at the token as its request comes in (the proxy itself cannot).
+token = os.open(sys.argv[2], os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+class Handler(server.RequestHandlerClass):
+    def do_POST(self):
+        local.session = self.headers.get("X-Lanelock-Session", "-")
+        if local.session.startswith("proxy"):
+            try:
+                fcntl.flock(token, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(token, fcntl.LOCK_UN)
+            except BlockingIOError:
+                with lock:
+                    sys.stdout.write(f"overlap {local.session}\n")
+                    sys.stdout.flush()
+        return super().do_POST()
+
+    def do_GET(self):
+        if self.path == "/chaos-mark":
+            with lock:
+                sys.stdout.write("mark\n")
+                sys.stdout.flush()
+        return super().do_GET()
+
+server.RequestHandlerClass = Handler
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+# What the Python workers share: one generation at the engine, once the token is found free -- no
+# `lanelock run` turn's command (which holds it for as long as it lives) still running.
+GENERATE = """
+import fcntl, os, urllib.request
+BODY = b'{"messages": [{"role": "user", "content": "hi"}]}'
+
+def holders(token):
+    # The processes that have the token open, but this one: pid:state:command.
+    found, target = [], os.readlink(f"/proc/self/fd/{token}")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == target
+                   for fd in os.listdir(f"/proc/{pid}/fd")):
+                state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+                command = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")[0].decode()
+                if "python" not in os.path.basename(command):   # not a worker, not the engine
+                    found.append(f"{pid}:{state}:{os.path.basename(command)}")
+        except OSError:
+            pass
+    return found
+
+
+def generate(url, session, token):
+    try:
+        fcntl.flock(token, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(token, fcntl.LOCK_UN)
+    except BlockingIOError:
+        print("overlap", session, *holders(token), flush=True)
+        return
+    request = urllib.request.Request(url + "/v1/chat/completions", data=BODY, headers={
+        "Content-Type": "application/json", "X-Lanelock-Session": session})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        answer.read()
+"""
+
+# Takes turns with the Python API until its stdin closes: one stream of one class.
+API_WORKER = GENERATE + """
+import random, select, sys
+from lanelock import Gate
+backend, url, klass, prefix, think, seed, token_path = sys.argv[1:8]
+token = os.open(token_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+gate, rng = Gate(backend), random.Random(int(seed))
+n = 0
+while not select.select([0], [], [], rng.uniform(0, float(think)))[0]:
+    session = f"{prefix}-{n}"
+    n += 1
+    with gate.turn(session=session, wait=None, priority=klass) as turn:
+        if not turn.held:
+            print("bad", session, turn.state, flush=True)
+            continue
+        generate(url, session, token)
+    print("done", session, flush=True)
+"""
+
+# One asyncio task per class, each a stream of turns, until stdin closes.
+ASYNC_WORKER = GENERATE + """
+import asyncio, random, sys
+from lanelock import Gate
+backend, url, prefix, think, seed, token_path = sys.argv[1:7]
+
+async def stream(gate, klass, stop, rng, token):
+    n = 0
+    while True:
+        try:
+            await asyncio.wait_for(stop.wait(), rng.uniform(0, float(think)))
+            return
+        except asyncio.TimeoutError:
+            pass
+        session = f"{prefix}-{klass}-{n}"
+        n += 1
+        async with gate.turn(session=session, wait=None, priority=klass) as turn:
+            if not turn.held:
+                print("bad", session, turn.state, flush=True)
+                continue
+            await asyncio.to_thread(generate, url, session, token)
+        print("done", session, flush=True)
+
+async def main():
+    loop, stop = asyncio.get_running_loop(), asyncio.Event()
+    loop.add_reader(0, lambda: (loop.remove_reader(0), stop.set()))
+    gate = Gate(backend)
+    tokens = {klass: os.open(token_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+              for klass in ("batch", "normal", "interactive")}   # one description per task
+    await asyncio.gather(*(stream(gate, klass, stop, random.Random(f"{seed}{klass}"),
+                                  tokens[klass]) for klass in tokens))
+
+asyncio.run(main())
+"""
+
+# A client of `lanelock proxy`: one request at a time with X-Lanelock-Priority, until stdin
+# closes. A proxy being restarted refuses connections for a moment: retried. A request whose
+# proxy died under it is "lost" (its turn was killed).
+PROXY_CLIENT = """
+import http.client, random, select, sys, time
+port, klass, prefix, think, seed, path, body = sys.argv[1:8]
+rng = random.Random(int(seed))
+n = 0
+while not select.select([0], [], [], rng.uniform(0, float(think)))[0]:
+    session = f"{prefix}-{n}"
+    n += 1
+    conn = http.client.HTTPConnection("127.0.0.1", int(port), timeout=300)
+    try:
+        conn.request("POST", path, body.encode(), {
+            "Content-Type": "application/json", "X-Lanelock-Session": session,
+            "X-Lanelock-Priority": klass})
+        response = conn.getresponse()
+        data = response.read()
+    except ConnectionRefusedError:
+        time.sleep(0.05)
+        continue
+    except (ConnectionError, http.client.HTTPException) as error:
+        print("lost", session, type(error).__name__, flush=True)
+        continue
+    finally:
+        conn.close()
+    state = response.getheader("X-Lanelock-State")
+    if response.status == 200 and state == "held":
+        print("done", session, flush=True)
+    else:
+        print("bad", session, response.status, state, data[:200], flush=True)
+"""
+
+# The held command of a `lanelock run` turn: take the token on descriptor 9 (exit 99, naming who
+# has it open, if another turn's command still holds it), then become curl, which keeps
+# descriptor 9 -- and the token -- for as long as it lives.
+RUN_GENERATE = r"""
+exec 9>>"$0"
+if ! flock -n 9; then
+    holders=""
+    for fd in /proc/[0-9]*/fd/*; do    # who has it open, but the Python workers and engine
+        [ "$fd" -ef "$0" ] || continue
+        pid=$(echo "$fd" | cut -d/ -f3)
+        command=$(cat "/proc/$pid/comm" 2>/dev/null)
+        case "$pid:$command" in "$$:"*|*:python*) ;; *) holders="$holders $pid:$command" ;; esac
+    done
+    echo "overlap $1 $holders" >&2
+    exit 99
+fi
+shift
+exec "$@"
+"""
+
+# Writes down every entry that appears in the queue directory (inotify IN_MOVED_TO: an entry
+# appears by rename, already locked), when it saw it, and the session its file names, read at once
+# (a waiter that leaves within microseconds may be gone first: then null). Ends at the sentinel.
+OBSERVER = r"""
+import ctypes, json, os, struct, sys, time
+try:
+    os.nice(-10)     # see each entry before its waiter can leave (root only; else as is)
+except OSError:
+    pass
+queue_dir = sys.argv[1]
+libc = ctypes.CDLL(None, use_errno=True)
+IN_MOVED_TO, IN_Q_OVERFLOW = 0x80, 0x4000
+fd = libc.inotify_init1(os.O_CLOEXEC)
+if fd < 0 or libc.inotify_add_watch(fd, queue_dir.encode(), IN_MOVED_TO) < 0:
+    sys.exit(f"inotify: {os.strerror(ctypes.get_errno())}")
+dir_fd = os.open(queue_dir, os.O_RDONLY | os.O_DIRECTORY)
+print("watching", flush=True)
+while True:
+    data, offset = os.read(fd, 1 << 16), 0
+    seen = time.monotonic()
+    while offset < len(data):
+        _, mask, _, length = struct.unpack_from("iIII", data, offset)
+        name = data[offset + 16:offset + 16 + length].rstrip(b"\0").decode()
+        offset += 16 + length
+        if mask & IN_Q_OVERFLOW:
+            print(json.dumps({"overflow": True}), flush=True)
+            continue
+        if name == "zz-sentinel":
+            sys.exit(0)
+        session = None
+        try:
+            entry = os.open(name, os.O_RDONLY | os.O_NONBLOCK, dir_fd=dir_fd)
+            try:
+                session = json.loads(os.read(entry, 4096)).get("session")
+            finally:
+                os.close(entry)
+        except (OSError, ValueError):
+            pass
+        print(json.dumps({"name": name, "session": session, "seen": seen}), flush=True)
+"""
+
+
+class Engine:
+    """The stand-in (ENGINE) in its own process; its stdout lines are collected by a thread."""
+
+    def __init__(self, procs, token: Path):
+        self.proc = procs.start([sys.executable, "-c", ENGINE, GENERATION, token],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        line = read_line(self.proc.stdout)
+        assert line.strip().isdigit(), f"the stand-in did not start: {line!r}"
+        self.port = int(line)
+        self.backend = f"127.0.0.1:{self.port}"
+        self.url = f"http://{self.backend}"
+        self.lines: list[list[str]] = []
+        self.overlaps: list[str] = []
+        self.marked = threading.Event()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        for raw in iter(self.proc.stdout.readline, b""):
+            words = raw.decode().split()
+            if words == ["mark"]:
+                self.marked.set()
+            elif words[:1] == ["overlap"]:
+                self.overlaps.append(f"proxy {words[1]} (seen by the engine)")
+            else:
+                self.lines.append(words)
+
+    def stats(self) -> dict:
+        return json.loads(request(self.port, "GET", "/stats")[2])
+
+    def log(self) -> list[list[str]]:
+        """Every change of the in-flight count so far, in order."""
+        request(self.port, "GET", "/chaos-mark")
+        assert self.marked.wait(TIMEOUT), "the engine's log never reached its mark"
+        return list(self.lines)
+
+
+def effective(rank: int, arrival: float, now: float) -> int:
+    """The class a waiter counts as at `now` (store/queue.py's rule, in seconds)."""
+    return min(len(CLASSES) - 1, rank + max(0, int((now - arrival) // AGING)))
+
+
+class Worker:
+    """One long-lived load process (API, asyncio, proxy client) under a supervisor thread that
+    restarts it when killed. Its stdout lines ("done SESSION", "lost ...", anything else is a
+    problem) are read by that thread; closing its stdin asks it to finish its turn and end."""
+
+    def __init__(self, load: "Load", kind: str, name: str, argv_of):
+        self.load, self.kind, self.name, self.argv_of = load, kind, name, argv_of
+        self.generation = 0
+        self.proc: subprocess.Popen | None = None
+        self.thread = threading.Thread(target=self._supervise, name=name)
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.name}-g{self.generation}"
+
+    def _supervise(self) -> None:
+        while not self.load.stop.is_set():
+            with open(self.load.tmp / f"{self.prefix}.stderr", "wb") as stderr:
+                self.proc = self.load.procs.start(self.argv_of(self.prefix, self.generation),
+                                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                  stderr=stderr)
+            self.load.register(self.proc.pid, self)
+            if self.load.stop.is_set():
+                self.proc.stdin.close()
+            for line in iter(self.proc.stdout.readline, b""):
+                self.load.report(self.kind, line.decode().split())
+            status = self.proc.wait(TIMEOUT)
+            self.load.unregister(self.proc.pid)
+            self.generation += 1
+            if status != -signal.SIGKILL:
+                if status != 0:
+                    self.load.problems.append(f"{self.name} exited {status}")
+                return
+
+    def finish(self) -> None:
+        proc = self.proc
+        if proc is not None and proc.stdin and not proc.stdin.closed:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+
+
+class ProxyHost:
+    """One `lanelock proxy --wait` on a fixed port, restarted on that port when killed; close()
+    ends it with SIGTERM (its exit status must then be 0)."""
+
+    def __init__(self, load: "Load", index: int):
+        self.load, self.index = load, index
+        self.port: int | None = None
+        self.proxy: Proxy | None = None
+        self.starts = 0
+        self.closing = False
+        self.statuses: list[int] = []
+        self.lock = threading.Lock()
+        self.up = threading.Event()
+        self.thread = threading.Thread(target=self._supervise, name=f"proxy{index}")
+
+    def _start(self) -> Proxy:
+        listen = () if self.port is None else ("--listen", f"127.0.0.1:{self.port}")
+        proxy = Proxy(self.load.procs, self.load.engine.backend, "--wait", "120", "--priority",
+                      "normal", "--max-priority", "interactive", *listen)
+        self.port, self.starts = proxy.port, self.starts + 1
+        return proxy
+
+    def _supervise(self) -> None:
+        while True:
+            with self.lock:
+                if self.closing:
+                    return
+            proxy = self._start()
+            with self.lock:
+                self.proxy = proxy
+                self.load.register(proxy.proc.pid, self)
+                if self.closing:
+                    proxy.proc.send_signal(signal.SIGTERM)
+            self.up.set()
+            while True:   # Server.wait() gives up after TIMEOUT; a proxy may serve for longer
+                try:
+                    status = proxy.wait()
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            self.load.unregister(proxy.proc.pid)
+            self.load.proxy_logs.append(proxy.log())
+            if status != -signal.SIGKILL:
+                self.statuses.append(status)
+                return
+
+    def close(self) -> None:
+        with self.lock:
+            self.closing = True
+            if self.proxy is not None:
+                self.proxy.proc.send_signal(signal.SIGTERM)   # a no-op once it is reaped
+        self.thread.join(TIMEOUT)
+        assert not self.thread.is_alive(), f"proxy {self.index} did not stop"
+
+
+class Load:
+    """The whole load: its processes, what they report, the killer."""
+
+    def __init__(self, procs, tmp: Path, engine: Engine, lock: Path, token: Path):
+        self.procs, self.tmp, self.engine, self.lock, self.token = procs, tmp, engine, lock, token
+        self.stop = threading.Event()
+        self.finished = threading.Event()
+        self.guard = threading.Lock()
+        self.owners: dict[int, object] = {}          # live pid -> its Worker / ProxyHost / "run"
+        self.done: list[str] = []                    # sessions of completed turns
+        self.lost: list[str] = []                    # turns whose process was killed under them
+        self.overlaps: list[str] = []                # a generating client found the token held
+        self.problems: list[str] = []
+        self.proxy_logs: list[str] = []
+        self.run_stderr: list[str] = []
+        self.kills: dict[str, int] = {"holder": 0, "waiter": 0, "proxy": 0, "client": 0}
+        self.kill_log: list[tuple[float, int, str]] = []   # (sent, pid, client's session prefix)
+        self.gone_after: list[tuple[float, int]] = []   # (seconds, looks) a killed process
+        #                                                 still counted as queued after its death
+        self.gate = Gate(engine.backend)
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def register(self, pid: int, owner) -> None:
+        with self.guard:
+            self.owners[pid] = owner
+
+    def unregister(self, pid: int) -> None:
+        with self.guard:
+            self.owners.pop(pid, None)
+
+    def report(self, kind: str, words: list[str]) -> None:
+        with self.guard:
+            if words[:1] == ["done"]:
+                self.done.append(words[1])
+                if len(self.done) >= TARGET:
+                    self.finished.set()
+            elif words[:1] == ["lost"]:
+                self.lost.append(words[1])
+            elif words[:1] == ["overlap"]:
+                self.overlaps.append(f"{kind} {' '.join(words[1:])}")
+            elif words:
+                self.problems.append(f"{kind}: {' '.join(words)}")
+
+    # -- the `lanelock run` loops (a thread each: one turn, one process) ------------------------
+    def run_loop(self, klass: str, name: str, seed: int) -> None:
+        rng = random.Random(seed)
+        n = 0
+        while not self.stop.wait(rng.uniform(0, THINK)):
+            session = f"{name}-{n}"
+            n += 1
+            curl = ["curl", "-sf", "--max-time", "60", "-o", "/dev/null",
+                    "-H", "Content-Type: application/json", "-H", f"X-Lanelock-Session: {session}",
+                    "--data-binary", chat_body().decode(), self.engine.url + CHAT]
+            proc = self.procs.start([*LANELOCK, "run", "-q", "--wait", "120", "--priority", klass,
+                                     "-s", session, "-b", self.engine.backend, "--", "sh", "-c",
+                                     RUN_GENERATE, self.token, session, *curl],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            self.register(proc.pid, "run")
+            _, err = proc.communicate(timeout=TIMEOUT * 3)
+            self.unregister(proc.pid)
+            err = err.decode(errors="replace")
+            self.run_stderr.append(err)
+            if proc.returncode == 0:
+                self.report("run", ["done", session])
+            elif proc.returncode == -signal.SIGKILL:
+                self.report("run", ["lost", session])
+            elif proc.returncode == 99 and err.startswith("overlap"):
+                self.report("run", err.split())
+            else:
+                self.report("run", ["bad", session, str(proc.returncode), err[-300:]])
+
+    # -- the killer -------------------------------------------------------------------------------
+    def killer(self, seed: int) -> None:
+        rng = random.Random(seed)
+        while not self.stop.wait(rng.uniform(*KILL_EVERY)):
+            if rng.random() < 0.45:
+                holders = flock_entries(self.lock)[0]
+                if not holders:
+                    continue
+                pid, target, session = holders[0], "holder", self._holder_session()
+            else:
+                queue = self.gate.store.survey(self.gate.lane)[0].queue
+                if not queue:
+                    continue
+                entry = rng.choice(queue)
+                pid, target, session = entry["pid"], "waiter", entry.get("session")
+            with self.guard:
+                owner = self.owners.get(pid)
+            if owner is None:
+                continue   # ended meanwhile
+            if isinstance(owner, ProxyHost) and rng.random() < 0.7:
+                # Mostly the client: its proxy must give the request's wait or generation up.
+                client = self._proxy_client(session)
+                if client is not None and client.proc is not None:
+                    prefix = client.prefix
+                    if self._kill(client.proc.pid, client, prefix):
+                        self.kills["client"] += 1
+                    continue
+            if self._kill(pid, owner, ""):
+                self.kills["proxy" if isinstance(owner, ProxyHost) else target] += 1
+                # The kernel dropped the dead process's locks on its queue entries: they no
+                # longer count. Asked of the store as `status` asks it (a state no process
+                # reports), until they are gone.
+                died, looks = time.monotonic(), 0
+                while any(entry["pid"] == pid
+                          for entry in self.gate.store.survey(self.gate.lane)[0].queue):
+                    looks += 1
+                    if time.monotonic() - died > GONE_WITHIN:
+                        break
+                    time.sleep(0.001)
+                self.gone_after.append((time.monotonic() - died if looks else 0.0, looks))
+
+    def _kill(self, pid: int, owner, prefix: str) -> bool:
+        """SIGKILL through a pidfd, if pid is still this owner's live process; True once dead."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return False
+        try:
+            with self.guard:
+                if self.owners.get(pid) is not owner:   # reaped (and maybe reused) meanwhile
+                    return False
+            self.kill_log.append((time.monotonic(), pid, prefix))
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            ready, _, _ = select.select([pidfd], [], [], TIMEOUT)
+            assert ready, f"pid {pid} outlived SIGKILL"
+            return True
+        finally:
+            os.close(pidfd)
+
+    def _holder_session(self) -> str | None:
+        try:
+            return json.loads(self.lock.with_suffix(".json").read_text()).get("session")
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def _proxy_client(self, session: str | None) -> Worker | None:
+        if not session:
+            return None
+        with self.guard:
+            for owner in self.owners.values():
+                if isinstance(owner, Worker) and owner.kind == "proxy" and \
+                        session.startswith(owner.prefix + "-"):
+                    return owner
+        return None
+
+
+def watch_for_stalls(load: Load, lock: Path, stalls: list[str]) -> None:
+    """While the load runs: once the engine has been quiet for half of STALL seconds, write down
+    who waits on whom (the kernel's view: each waiter blocked in flock() on the lane or
+    on a queue entry, and whose that is), for the failure message. Polled, as a stall is a state no
+    process reports."""
+    queue_dir, seen = lock.with_suffix(".queue"), None
+    while not load.stop.wait(0.25) and len(stalls) < 3:
+        begun = [float(words[1]) for words in load.engine.lines[-1:]]
+        if not begun or begun == seen or time.monotonic() - begun[0] < STALL / 2:
+            continue
+        seen = begun   # one look per quiet spell, half way to a stall
+        names = {}
+        for path in [lock, *queue_dir.iterdir()]:
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            names[f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"] = \
+                "the lane" if path == lock else f"entry {path.name}"
+        holding, waiting = {}, []
+        with open("/proc/locks") as handle:
+            for line in handle:
+                words = line.split()
+                blocked = words[1] == "->"
+                pid, inode = words[-4], words[-3]
+                if inode in names:
+                    if blocked:
+                        waiting.append(f"pid {pid} waits on {names[inode]}")
+                    else:
+                        holding[inode] = pid
+        queue = [(entry["pid"], entry["session"], entry["effective_class"])
+                 for entry in load.gate.store.survey(load.gate.lane)[0].queue]
+        stalls.append(f"no generation for {time.monotonic() - begun[0]:.1f}s; lane held by "
+                      f"{[pid for inode, pid in holding.items() if names[inode] == 'the lane']}; "
+                      f"queue {queue}; {waiting}; entries held: "
+                      f"{ {names[inode]: pid for inode, pid in holding.items()} }")
+
+
+# -- reading the records --------------------------------------------------------------------------
+class Turn:
+    __slots__ = ("session", "pid", "rank", "granted", "index", "estimate", "arrival", "seen",
+                 "after")
+
+    def __init__(self, acquired: dict, waited: dict | None, after: float):
+        self.session, self.pid = acquired["session"], acquired["pid"]
+        self.rank = CLASSES.index(acquired["priority"])
+        self.granted = acquired["monotonic"]
+        self.index = 0
+        # the journal's estimate of the arrival (taken before try_lock, not at the queue)
+        self.estimate = waited["monotonic"] - waited["waited"] if waited else None
+        self.arrival: float | None = None   # the queue entry's ARRIVAL, when the turn waited
+        self.seen: float | None = None      # when the observer saw the entry: visible by then
+        self.after = after   # the journal line before this grant: the grant was decided later
+
+
+def turns_of(events: list[dict]) -> tuple[list[Turn], int]:
+    """(the grants in order, how many turns waited). Every line read here is written by a holder
+    while it holds the lane, so the file's order is the grant order, and each grant was decided
+    after the line before it."""
+    turns, waited, last = [], {}, float("-inf")
+    for event in events:
+        kind = event.get("event")
+        if kind == "waited":
+            waited[(event["pid"], event["session"])] = event
+        elif kind == "acquired":
+            turns.append(Turn(event, waited.pop((event["pid"], event["session"]), None), last))
+            last = event["monotonic"]
+        elif kind == "released":
+            last = event["monotonic"]
+    turns = [turn for turn in turns if turn.session != "setup"]
+    for index, turn in enumerate(turns):
+        turn.index = index
+    return turns, sum(turn.estimate is not None for turn in turns)
+
+
+def match_arrivals(turns: list[Turn], entries: list[dict]) -> dict:
+    """Each waiting turn's queue entry: by the session its file names, else (its waiter left
+    before the observer read it) the one entry of its pid and class nearest the journal's
+    estimate, if no other is nearly as near."""
+    parsed = []
+    for entry in entries:
+        arrival, rank, pid, _ = entry["name"].split(".")
+        parsed.append({"arrival": int(arrival) / 1e9, "rank": int(rank), "pid": int(pid),
+                       "session": entry["session"], "seen": entry["seen"], "used": False})
+    by_session = {entry["session"]: entry for entry in parsed if entry["session"]}
+    unread = []
+    for turn in turns:
+        if turn.estimate is None:
+            continue
+        entry = by_session.get(turn.session)
+        if entry is not None and entry["pid"] == turn.pid and entry["rank"] == turn.rank:
+            entry["used"] = True
+            turn.arrival, turn.seen = entry["arrival"], entry["seen"]
+        else:
+            unread.append(turn)
+    unmatched = 0
+    for turn in unread:
+        near = sorted((abs(entry["arrival"] - turn.estimate), index)
+                      for index, entry in enumerate(parsed) if not entry["used"]
+                      and entry["pid"] == turn.pid and entry["rank"] == turn.rank
+                      and entry["arrival"] <= turn.granted)
+        if near and near[0][0] < 1.0 and (len(near) == 1 or near[1][0] > near[0][0] + 1.0):
+            entry = parsed[near[0][1]]
+            entry["used"] = True
+            turn.arrival, turn.seen = entry["arrival"], entry["seen"]
+        else:
+            unmatched += 1
+    errors = [turn.estimate - turn.arrival for turn in turns if turn.arrival is not None]
+    return {"entries": len(parsed), "read": len(by_session), "by_pid": len(unread) - unmatched,
+            "unmatched": unmatched, "never_granted": sum(not entry["used"] for entry in parsed),
+            "estimate_error": (min(errors), max(errors)) if errors else (0.0, 0.0)}
+
+
+def out_of_order(turns: list[Turn]) -> tuple[list[str], list[str]]:
+    """(within a class, across classes): grants that broke the order, among turns granted.
+
+    X was granted before B. X's grant was decided at some moment between `earliest` -- the later
+    of X's arrival in the queue and the journal line before X's grant (the previous holder's,
+    written while it held the lane) -- and X's own `acquired` line. B was in the queue for all of
+    that if the observer had seen its entry by `earliest` (B leaves the queue only holding the lane,
+    after X let go).
+
+    Within a class: X and B of one class, both waited, B arrived first and was in the queue when
+    X's grant was decided. Aging cannot excuse it: of two waiters of one class the earlier always
+    counts as at least the later's class.
+
+    Across classes (and barging): B in the queue at X's decision and counting, at the earliest
+    moment of it, as a higher class than X at its latest -- or the same class with the earlier
+    arrival. A turn that took a free lane without waiting (no arrival: it counts as its class)
+    must not have done so past a waiter of its class or higher (no barging)."""
+    within, across = [], []
+    queued = sorted((turn for turn in turns if turn.arrival is not None),
+                    key=lambda turn: turn.seen)
+    for x in turns:
+        earliest = x.after if x.arrival is None else max(x.after, x.arrival)
+        x_class = x.rank if x.arrival is None else effective(x.rank, x.arrival, x.granted)
+        for b in queued:
+            if b.seen > earliest:
+                break
+            if b.index <= x.index:
+                continue
+            if x.arrival is not None and b.rank == x.rank and b.arrival < x.arrival:
+                within.append(f"{x.session} (arrived {x.arrival:.3f}, granted {x.granted:.3f}) "
+                              f"before {b.session} (arrived {b.arrival:.3f}, in the queue by "
+                              f"{b.seen:.3f}, granted {b.granted:.3f}), both {CLASSES[x.rank]}")
+            b_class = effective(b.rank, b.arrival, earliest)
+            if b_class > x_class or (b_class == x_class and (x.arrival is None
+                                                             or b.arrival < x.arrival)):
+                across.append(f"{x.session} ({CLASSES[x.rank]}, counting as at most "
+                              f"{CLASSES[x_class]}, arrived {x.arrival}, granted "
+                              f"{x.granted:.3f}, decided after {earliest:.3f}) before "
+                              f"{b.session} ({CLASSES[b.rank]}, counting as at least "
+                              f"{CLASSES[b_class]}, arrived {b.arrival:.3f}, in the queue by "
+                              f"{b.seen:.3f}, granted {b.granted:.3f})")
+    return within, across
+
+
+def batch_waits(turns: list[Turn]) -> tuple[list[str], dict]:
+    """Every batch turn is served within two aging steps plus the holds ahead of it: once it
+    counts as interactive (two steps after its arrival) only turns that arrived before it go
+    first, one hold each -- a hold here is grant to next grant: the hold and its hand-off, or a
+    killed holder's time -- after the hold under way at that moment (at most the longest)."""
+    cycles = {turn.index: nxt.granted - turn.granted for turn, nxt in zip(turns, turns[1:])}
+    longest = max(cycles.values(), default=0.0)
+    plain = 2 * AGING + longest + SLACK
+    late, worst = [], {"wait": 0.0, "bound": 0.0, "ahead": 0, "over_plain": 0, "count": 0,
+                       "longest": longest, "plain": plain}
+    for b in turns:
+        if b.rank != 0 or b.arrival is None:
+            continue
+        worst["count"] += 1
+        top = b.arrival + 2 * AGING
+        ahead = [x for x in turns[:b.index] if x.granted > top and x.arrival is not None
+                 and x.arrival < b.arrival]
+        bound = plain + sum(cycles[x.index] for x in ahead)
+        wait = b.granted - b.arrival
+        worst["over_plain"] += wait > plain
+        if wait > bound:
+            late.append(f"{b.session} waited {wait:.2f}s, bound {bound:.2f}s "
+                        f"({len(ahead)} earlier arrivals ahead once it counted as interactive)")
+        if wait > worst["wait"]:
+            worst.update(wait=wait, bound=bound, ahead=len(ahead))
+    return late, worst
+
+
+def engine_overlaps(lines: list[list[str]], turns: list[Turn],
+                    kill_log: list[tuple[float, int, str]]) -> tuple[list[str], list[float]]:
+    """(overlaps, excused): each time a generation began at the engine while another was in flight.
+
+    Excused -- and listed by how long the engine went on counting the earlier one -- only when the
+    earlier generation's client had been killed before the later one began, and the engine let go
+    of it within HANGUP_SEEN_WITHIN: the killed holder process itself (it hands the lane on as it
+    dies, and the engine sees the dead connection a moment later, or, starved, counts it to its
+    end), or the proxy client the generation answered. A killed `lanelock run` turn whose curl
+    still generated when the next generation began is no excuse: the token, which curl keeps until
+    it is dead, catches that one."""
+    pid_of = {turn.session: turn.pid for turn in turns}
+    flying: dict[str, dict] = {}                 # thread -> generation in flight
+    pairs = []
+    for words in lines:
+        kind, when, thread, session = words[0], float(words[1]), words[2], words[4]
+        if kind == "enter":
+            generation = {"session": session, "enter": when, "leave": None}
+            pairs += [(other, generation) for other in flying.values()]
+            flying[thread] = generation
+        elif kind == "leave" and thread in flying:
+            flying.pop(thread)["leave"] = when
+    overlaps, excused = [], []
+    for first, then in pairs:
+        killed = [sent for sent, pid, prefix in kill_log
+                  if first["enter"] - 1.0 < sent < then["enter"]
+                  and (pid == pid_of.get(first["session"])
+                       or (prefix and first["session"].startswith(prefix + "-")))]
+        counted_on = (first["leave"] or float("inf")) - then["enter"]
+        if killed and counted_on < HANGUP_SEEN_WITHIN:
+            excused.append(counted_on)
+        else:
+            overlaps.append(f"{then['session']} began at {then['enter']:.6f} while "
+                            f"{first['session']} (began {first['enter']:.6f}) was in flight "
+                            f"until {first['leave']} (its client killed at {killed})")
+    return overlaps, excused
+
+
+# -- the test -------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_priority_chaos_keeps_the_order_and_never_overlaps(procs, lock_dir, tmp_path,
+                                                           monkeypatch):
+    started = time.monotonic()
+    assert shutil.which("curl") and shutil.which("flock"), "needs curl and flock(1)"
+    monkeypatch.setenv("LANELOCK_PRIORITY_AGING", str(AGING))
+    token = tmp_path / "generating.token"
+    engine = Engine(procs, token)
+    where = json_of(["where", "-b", engine.backend, "--json"])
+    lock, journal_path = Path(where["lock_path"]), Path(where["journal_path"])
+    # The lane's files and its queue directory, made as a first waiter would (store/queue.py),
+    # so the observer watches it from the first entry on.
+    with Gate(engine.backend).turn(session="setup"):
+        pass
+    queue_dir = lock.with_suffix(".queue")
+    queue_dir.mkdir(mode=0o1777, exist_ok=True)
+    os.chmod(queue_dir, 0o1777)
+    observer = procs.start([sys.executable, "-c", OBSERVER, queue_dir], stdout=subprocess.PIPE)
+    assert read_line(observer.stdout).strip() == "watching"
+    observed: list[str] = []
+    drain = threading.Thread(target=lambda: observed.extend(
+        line.decode() for line in iter(observer.stdout.readline, b"")))
+    drain.start()
+
+    load = Load(procs, tmp_path, engine, lock, token)
+    python, body = sys.executable, chat_body().decode()
+    hosts = [ProxyHost(load, index) for index in range(3)]
+    for host in hosts:
+        host.thread.start()
+    for host in hosts:
+        assert host.up.wait(TIMEOUT), "a proxy did not start"
+    workers, runs, seed = [], [], 0
+    for index in range(3):
+        for klass in CLASSES:
+            seed += 1
+            workers.append(Worker(load, "api", f"api{index}-{klass}",
+                                  lambda prefix, gen, klass=klass, seed=seed: [
+                                      python, "-c", API_WORKER, engine.backend, engine.url, klass,
+                                      prefix, THINK, seed * 1000 + gen, token]))
+            workers.append(Worker(load, "proxy", f"proxy{index}-{klass}",
+                                  lambda prefix, gen, klass=klass, seed=seed, host=hosts[index]: [
+                                      python, "-c", PROXY_CLIENT, host.port, klass, prefix,
+                                      THINK, seed * 1000 + gen + 500, CHAT, body]))
+            runs.append(threading.Thread(target=load.run_loop, name=f"run{index}-{klass}",
+                                         args=(klass, f"run{index}-{klass}", seed + 100)))
+        workers.append(Worker(load, "async", f"async{index}", lambda prefix, gen, seed=index: [
+            python, "-c", ASYNC_WORKER, engine.backend, engine.url, prefix, THINK,
+            seed * 1000 + gen, token]))
+    killer = threading.Thread(target=load.killer, args=(2604,), name="killer")
+    stalls: list[str] = []
+    watch = threading.Thread(target=watch_for_stalls, args=(load, lock, stalls), daemon=True)
+    load_started = time.monotonic()
+    for thread in [*(worker.thread for worker in workers), *runs, killer, watch]:
+        thread.start()
+    try:
+        load.finished.wait(LOAD_LIMIT)
+    finally:
+        load.stop.set()
+        load_time = time.monotonic() - load_started
+        killer.join(TIMEOUT)
+        for worker in workers:
+            worker.finish()
+        deadline = time.monotonic() + TIMEOUT
+        for thread in [*(worker.thread for worker in workers), *runs]:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [thread.name for thread in [*(worker.thread for worker in workers), *runs]
+                 if thread.is_alive()]   # (killed at teardown)
+        for host in hosts:
+            host.close()
+        (tmp_path / SENTINEL).write_text("")
+        os.rename(tmp_path / SENTINEL, queue_dir / SENTINEL)   # the observer ends on it
+        assert observer.wait(TIMEOUT) == 0
+        drain.join(TIMEOUT)
+        os.unlink(queue_dir / SENTINEL)
+
+    # -- the records ------------------------------------------------------------------------------
+    stats = engine.stats()
+    events, torn = journal.read(str(journal_path))
+    turns, waited = turns_of(events)
+    entries = [json.loads(line) for line in observed]
+    overflow = [entry for entry in entries if entry.get("overflow")]
+    matching = match_arrivals(turns, [entry for entry in entries if "name" in entry])
+    within, across = out_of_order(turns)
+    late, batch = batch_waits(turns)
+    overlaps, excused = engine_overlaps(engine.log(), turns, load.kill_log)
+    gaps = [nxt.granted - turn.granted for turn, nxt in zip(turns, turns[1:])]
+    granted = {turn.session for turn in turns}
+    unrecorded = [session for session in load.done if session not in granted]
+    tracebacks = [text for text in [*load.proxy_logs, *load.run_stderr,
+                                    *(path.read_text(errors="replace")
+                                      for path in tmp_path.glob("*.stderr"))]
+                  if "Traceback" in text]
+    queue_left = load.gate.store.survey(load.gate.lane)[0].queue
+    print(f"\npriority chaos: {len(turns)} turns granted ({len(load.done)} completed, "
+          f"{len(load.lost)} killed under way; {waited} waited) in {load_time:.1f}s of load; "
+          f"engine: {stats['total']} generations, max in flight {stats['max_in_flight']}, "
+          f"{stats['hangups']} hang-ups")
+    print(f"  kills: {sum(load.kills.values())} {load.kills} (proxy restarts "
+          f"{sum(host.starts - 1 for host in hosts)}); a killed process's queue entries "
+          f"counted on for {max(load.gone_after, default=(0, 0))[0] * 1000:.1f} ms at most after "
+          f"its death (bound {GONE_WITHIN:g} s; {sum(looks > 0 for _, looks in load.gone_after)} "
+          f"of {len(load.gone_after)} kills: still there at the first look)")
+    tokens = [*load.overlaps, *engine.overlaps]
+    print(f"  overlaps: {len(overlaps) + len(tokens)} (two generating clients alive at once, by "
+          f"the token: {len(tokens)}; at the engine: {len(overlaps)}, besides {len(excused)} "
+          f"excused: a killed client's generation the engine counted on for "
+          f"{max(excused, default=0) * 1000:.2f} ms at most after the next one began)")
+    print(f"  out-of-order grants: {len(within)} within a class, {len(across)} across classes "
+          f"(effective class, barging)")
+    print(f"  batch: longest wait {batch['wait']:.2f}s vs its bound {batch['bound']:.2f}s "
+          f"(2 x {AGING:g}s aging + longest hold {batch['longest']:.2f}s + {SLACK:g}s slack + "
+          f"the holds of {batch['ahead']} earlier arrivals); {batch['over_plain']} of "
+          f"{batch['count']} over the plain {batch['plain']:.2f}s; late: {len(late)}")
+    for rank in reversed(range(len(CLASSES))):
+        values = sorted(turn.granted - turn.arrival for turn in turns
+                        if turn.arrival is not None and turn.rank == rank)
+        if values:
+            print(f"  {CLASSES[rank]}: {len(values)} waited, median "
+                  f"{values[len(values) // 2]:.2f}s, max {values[-1]:.2f}s")
+    print(f"  queue entries seen {matching['entries']}: {matching['read']} with their session, "
+          f"{matching['by_pid']} by pid and class, {matching['unmatched']} unmatched, "
+          f"{matching['never_granted']} never granted (killed or given up); the journal's "
+          f"arrival estimate minus the entry's: {matching['estimate_error'][0] * 1000:+.1f} to "
+          f"{matching['estimate_error'][1] * 1000:+.1f} ms")
+    print(f"  longest gap between grants {max(gaps, default=0):.2f}s; whole test "
+          f"{time.monotonic() - started:.1f}s")
+
+    # Every broken promise at once, so one run tells all it found.
+    broken = {
+        "a `lanelock run` turn's command still ran when the next generation began (the token "
+        "was held)": tokens,
+        "two generations in flight at the engine": overlaps,
+        "out of order within a class": within,
+        "out of order across classes (effective class, barging)": across,
+        "batch turns served later than two aging steps plus the holds ahead of them": late,
+        f"a stall: {max(gaps, default=0):.2f}s without a grant": (stalls or ["(not seen)"])
+        if max(gaps, default=0) >= STALL else [],
+        "killed processes still queued": [f"{seconds:.3f}s" for seconds, _ in load.gone_after
+                                          if seconds > GONE_WITHIN],
+        "torn journal lines or an inotify overflow": ["torn"] * torn + overflow,
+        "turns that did not end as they should": load.problems,
+        "proxies that did not stop cleanly": [status for host in hosts
+                                              for status in host.statuses if status != 0],
+        "tracebacks": [text[text.index("Traceback"):][-700:] for text in tracebacks],
+        "completed turns the journal lacks": unrecorded,
+        "journal lines lost to rotation (the setup turn's are gone)": [] if any(
+            event.get("session") == "setup" for event in events) else ["setup"],
+        "loops whose last turn never ended (a stall at the end)": stuck,
+        "too few turns": [len(turns)] if len(turns) < TARGET * 0.6 else [],
+        "too few kills": [load.kills] if sum(load.kills.values()) < 20 else [],
+        "waiting turns whose queue entry was not seen": [matching] if matching["unmatched"]
+        > len(turns) * 0.01 else [],
+        "left in the queue": queue_left,
+    }
+    assert not any(broken.values()), "\n".join(
+        f"{what}: {len(found)}: {found[:5]}" for what, found in broken.items() if found)
