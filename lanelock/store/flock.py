@@ -19,12 +19,11 @@ import errno
 import fcntl
 import os
 import stat
-import time
 
 from .. import locks, proc, say
 from ..errors import GateUnavailable, RecordNotWritten
 from ..paths import UNGATED, Root, creation_problem, open_root
-from . import journal, outlived, queue, sidecar, waiting
+from . import flock_wait, journal, outlived, queue, sidecar, waiting
 from .base import LaneStore, LockHandle
 
 CONTENDED = frozenset({errno.EWOULDBLOCK, errno.EAGAIN})
@@ -72,14 +71,6 @@ class Handle(LockHandle):
         if self.record is not None:
             self.record.close()
             self.record = None
-
-
-# Times a turn locks the lane's file again after finding it replaced under its lock, before the
-# gate is called unavailable (something keeps replacing it: a misbehaving cleaner).
-REPLACED_TRIES = 3
-# How often a waiter looks again when the entry ahead cannot be opened to wait on (only a file
-# made unreadable by hand: lanelock's own are 0644 whatever the umask).
-UNREADABLE_LOOK = 0.1
 
 
 class FlockStore(LaneStore):
@@ -151,7 +142,7 @@ class FlockStore(LaneStore):
     # the new one is locked instead; a live turn still holding an old inode (its file replaced
     # under it) keeps the lane: we let go and say busy.
     def try_lock(self, handle: Handle, rank: int = queue.DEFAULT_RANK) -> bool:
-        for _ in range(REPLACED_TRIES):
+        for _ in range(flock_wait.REPLACED_TRIES):
             ours = self._ours(handle, self._flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB))
             if ours is not None:
                 break
@@ -162,54 +153,26 @@ class FlockStore(LaneStore):
         if ours and self._waiters_first(handle, rank):
             self._hand_on(handle)
             return False
-        return ours and self._outlived_gone(handle, 0)
+        return ours and self._outlived_gone(handle)
 
-    # -- waiting in order (store/queue.py) -------------------------------------------------------
+    # -- waiting in order (store/queue.py; the steps are flock_wait.py's) ------------------------
     def wait_lock(self, handle: Handle, timeout: float | None, cancel=None,
                   rank: int = queue.DEFAULT_RANK) -> bool:
         """Block in the kernel, in the lane's queue, until the lane is ours or timeout seconds
         pass (None: forever), or cancel (a threading.Event) is set."""
         ticket = self._join(handle, rank)
         if ticket is None:
-            return self._wait_lane(handle, timeout, cancel)
-        deadline = None if timeout is None else time.monotonic() + timeout
+            return flock_wait.run(flock_wait.lane(self, handle, timeout, cancel), handle,
+                                  cancel=cancel)
         try:
-            while not (cancel is not None and cancel.is_set()):
-                now = time.monotonic_ns()   # one reading for the order and the next step
-                left, ahead, step = _left(deadline), ticket.ahead(now), ticket.next_step(now)
-                if ahead is None:   # first: wait for the lane itself
-                    if not self._wait_lane(handle, left, cancel):
-                        return False
-                    if ticket.ahead() is None:
-                        return True
-                    self._hand_on(handle)   # a higher class came first meanwhile
-                    continue
-                if left is not None and left <= 0:
-                    return False
-                if queue.is_mine(ahead):   # a turn of this process: no kernel wait, no thread
-                    queue.wait_mine(ahead, _least(left, step), cancel)
-                    continue
-                try:
-                    wait = queue.EntryWait(ticket.queue, ahead)
-                except FileNotFoundError:
-                    continue   # the waiter ahead left as we looked: look again
-                except OSError:   # a file we may not open (a hand-made 0600): look again soon
-                    time.sleep(_least(left, step, UNREADABLE_LOOK))
-                    continue
-                try:
-                    waiting.wait(wait, _least(left, step), cancel)
-                except OSError:
-                    pass   # the entry ahead went away as we waited: look again
-                finally:
-                    wait.close()
-            return False
+            return flock_wait.run(flock_wait.queued(self, handle, ticket, timeout, cancel),
+                                  handle, ticket, cancel)
         finally:
             ticket.leave()
 
     async def wait_lock_async(self, handle: Handle, timeout: float | None,
                               rank: int = queue.DEFAULT_RANK) -> bool:
-        """wait_lock for an asyncio task: no thread per waiter (waiting.wait_async); the queue's
-        reading (a look at every waiter's file) runs in the loop's thread pool."""
+        """wait_lock for an asyncio task: no thread per waiter."""
         import asyncio
 
         joining = asyncio.ensure_future(asyncio.to_thread(self._join, handle, rank))
@@ -220,44 +183,10 @@ class FlockStore(LaneStore):
                 joining.result().leave()
             raise
         if ticket is None:
-            return await self._wait_lane_async(handle, timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-
-        async def first() -> bool:
-            return await waiting.finished(asyncio.ensure_future(asyncio.to_thread(
-                ticket.ahead))) is None
-
+            return await flock_wait.run_async(flock_wait.lane(self, handle, timeout), handle)
         try:
-            while True:
-                left, now = _left(deadline), time.monotonic_ns()
-                ahead = await waiting.finished(asyncio.ensure_future(asyncio.to_thread(
-                    ticket.ahead, now)))
-                step = ticket.next_step(now)
-                if ahead is None:
-                    if not await self._wait_lane_async(handle, left):
-                        return False
-                    if await first():
-                        return True
-                    self._hand_on(handle)
-                    continue
-                if left is not None and left <= 0:
-                    return False
-                if queue.is_mine(ahead):
-                    await queue.wait_mine_async(ahead, _least(left, step))
-                    continue
-                try:
-                    wait = queue.EntryWait(ticket.queue, ahead)
-                except FileNotFoundError:
-                    continue   # the waiter ahead left as we looked: look again
-                except OSError:
-                    await asyncio.sleep(_least(left, step, UNREADABLE_LOOK))
-                    continue
-                try:
-                    await waiting.wait_async(wait, _least(left, step))
-                except OSError:
-                    pass
-                finally:
-                    wait.close()
+            return await flock_wait.run_async(flock_wait.queued(self, handle, ticket, timeout),
+                                              handle, ticket)
         finally:
             ticket.leave()
 
@@ -300,50 +229,12 @@ class FlockStore(LaneStore):
         fcntl.flock(handle.fd, fcntl.LOCK_UN)
         handle.locked = False
 
-    def _wait_lane(self, handle: Handle, timeout: float | None, cancel=None) -> bool:
-        """Block in the kernel on the lane's lock itself until it is ours (try_lock's checks)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for _ in range(REPLACED_TRIES):
-            left = _left(deadline)
-            try:
-                if left is not None and left <= 0 and cancel is None:
-                    got = self._flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                else:
-                    got = waiting.wait(handle, left, cancel)
-            except OSError as error:
-                got = self._contended(handle, error)
-            ours = self._ours(handle, got)
-            if ours is not None:
-                return ours and self._outlived_gone(handle, _left(deadline), cancel)
-        raise self._keeps_being_replaced(handle)
-
-    async def _wait_lane_async(self, handle: Handle, timeout: float | None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for _ in range(REPLACED_TRIES):
-            left = _left(deadline)
-            try:
-                if left is not None and left <= 0:
-                    got = self._flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                else:
-                    got = await waiting.wait_async(handle, left)
-            except OSError as error:
-                got = self._contended(handle, error)
-            ours = self._ours(handle, got)
-            if ours is not None:
-                if ours and handle.outlived is not None:
-                    if not await outlived.gone_async(*handle.outlived, _left(deadline)):
-                        self._hand_on(handle)
-                        return False
-                    handle.outlived = None
-                return ours
-        raise self._keeps_being_replaced(handle)
-
-    def _outlived_gone(self, handle: Handle, timeout: float | None, cancel=None) -> bool:
-        """The lane is ours: is the command of the turn before it (killed, outlived.py) gone, or
-        gone within timeout? If not, the lane is let go again (busy)."""
+    def _outlived_gone(self, handle: Handle) -> bool:
+        """The lane is ours: is the command of the turn before it (killed, outlived.py) gone?
+        If not, the lane is let go again (busy; a turn that waits, waits for it)."""
         if handle.outlived is None:
             return True
-        if not outlived.gone(*handle.outlived, timeout, cancel):
+        if not outlived.gone(*handle.outlived, 0):
             self._hand_on(handle)
             return False
         handle.outlived = None
@@ -510,16 +401,6 @@ class FlockStore(LaneStore):
         if since is not None:
             events = [event for event in events if _number(event.get("ts")) >= since]
         return events, bad
-
-
-def _left(deadline: float | None) -> float | None:
-    return None if deadline is None else deadline - time.monotonic()
-
-
-def _least(*bounds: float | None) -> float | None:
-    """The shortest of some timeouts (None: no bound)."""
-    given = [bound for bound in bounds if bound is not None]
-    return max(0.0, min(given)) if given else None
 
 
 def _number(value) -> float:
