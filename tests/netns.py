@@ -1,6 +1,7 @@
 """Test hosts for the PostgreSQL store: a network namespace joined to this one by a veth pair, and
-a PostgreSQL server the namespaces can reach. test_pg_edges.py and test_pg_proxy.py import these
-(`from netns import namespace, reachable_server  # noqa: F401` for the fixtures).
+a PostgreSQL server the namespaces can reach. test_pg_edges.py imports these
+(`from netns import namespace, reachable_server  # noqa: F401` for the fixtures); test_pg_proxy.py
+and test_priority_hosts.py build their site of two hosts from them (two_hosts, Host).
 
 Root and iproute2 make a namespace; without them (or where the kernel refuses one) the fixtures
 skip, and without Debian's postgresql package so does reachable_server.
@@ -16,7 +17,9 @@ import uuid
 import pytest
 
 import pg_server
-from conftest import TIMEOUT
+from conftest import LANELOCK, TIMEOUT
+
+ENGINE_IP = "10.213.77.1"   # the engine box's address on the first host's link
 
 
 class Namespace:
@@ -104,3 +107,36 @@ def reachable_server(namespace, lock_roots):
     """A server that also listens on the veth address, trusting the namespace's address; stopped
     after the teardown check has seen its lanes free."""
     return reachable_postgres(lock_roots, namespace.host_ip, f"{namespace.ns_ip}/32")
+
+
+class Host:
+    """One host of the site: a network namespace with its own hostname, reaching the store (and
+    the engine) at the engine box's LAN address."""
+
+    def __init__(self, namespace: Namespace, hostname: str, store: str):
+        self.namespace, self.hostname, self.store = namespace, hostname, store
+        self.prefix = namespace.prefix(hostname)
+
+    def lanelock(self, run_cmd, *args):
+        """`lanelock ARGS` run on this host, to completion."""
+        return run_cmd([*self.prefix, *LANELOCK, *args])
+
+
+def two_hosts(lock_roots, hostnames: tuple[str, str], host=Host) -> list:
+    """[host(namespace, hostname, store) for each hostname]: two hosts linked to this namespace,
+    the engine box, where a PostgreSQL server listens on 10.213.77.1 and trusts both hosts'
+    addresses (the store). The namespaces go down after the teardown check, so procs kills the
+    processes on them while their links are up and the server sees their sessions end at once (a
+    link taken down first would leave a lane held for the vanished-host bound)."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux's unshare for a host's own hostname")
+    namespaces = []
+    for subnet in (0, 1):
+        namespace = make_namespace(subnet)
+        lock_roots.after(namespace.down)
+        namespace.route_everything_here()
+        namespaces.append(namespace)
+    assert namespaces[0].host_ip == ENGINE_IP
+    server = reachable_postgres(lock_roots, ENGINE_IP, "10.213.77.0/29")   # .2 and .6
+    store = f"postgresql://postgres@{ENGINE_IP}:{server.port}/postgres"
+    return [host(namespace, name, store) for namespace, name in zip(namespaces, hostnames)]

@@ -11,6 +11,7 @@ waits are observed in the kernel (/proc/locks).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -53,6 +54,30 @@ def events(lanelock) -> list[dict]:
     return json.loads(result.stdout)["events"]
 
 
+@contextlib.asynccontextmanager
+async def ticking():
+    """A 1 ms ticker on the running loop for as long as the block runs: yields the list it appends
+    each tick's lag to (seconds later than 1 ms it woke), one a tick. A loop that goes on while
+    tasks wait ticks on; a store call on the loop lags the tick behind it by the call's length.
+    Stopped at the block's end (the tick under way still counts)."""
+    lags: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker():
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            before = loop.time()
+            await asyncio.sleep(0.001)
+            lags.append(loop.time() - before - 0.001)
+
+    tick = asyncio.ensure_future(ticker())
+    try:
+        yield lags
+    finally:
+        stop.set()
+        await tick
+
+
 def test_tasks_deflect_while_another_process_holds_and_the_loop_runs_on(holder, lanelock,
                                                                         lock_dir):
     other = holder("-b", BACKEND, "-s", "other")
@@ -63,18 +88,9 @@ def test_tasks_deflect_while_another_process_holds_and_the_loop_runs_on(holder, 
             return turn.state, turn.reason, turn.proceed, turn.holder, turn.waited
 
     async def main():
-        ticks = 0
-
-        async def tick():
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0.001)
-
-        ticker = asyncio.create_task(tick())
-        results = await asyncio.gather(*(one(index) for index in range(10)))
-        ticker.cancel()
-        return results, ticks
+        async with ticking() as lags:
+            results = await asyncio.gather(*(one(index) for index in range(10)))
+        return results, len(lags)
 
     started = time.monotonic()
     results, ticks = asyncio.run(main())
@@ -265,15 +281,6 @@ def loop_lag_while_turns_run(gate, tasks: int = 50, samples: int = 1000) -> list
     many more find it busy and deflect (and settle their counts), round after round until the
     ticker has `samples` lags: a p99 of a hundred ticks is their maximum, one scheduler hiccup of
     a loaded machine (CI saw one of 81 ms), while a store call on the loop would lag every turn."""
-    lags: list[float] = []
-
-    async def ticker(stop):
-        loop = asyncio.get_running_loop()
-        while not stop.is_set():
-            before = loop.time()
-            await asyncio.sleep(0.001)
-            lags.append(loop.time() - before - 0.001)
-
     async def taking(index):
         async with gate.turn(session=f"lag-{index}", wait=None) as turn:
             assert turn.held
@@ -284,20 +291,16 @@ def loop_lag_while_turns_run(gate, tasks: int = 50, samples: int = 1000) -> list
             return turn.state
 
     async def main():
-        stop = asyncio.Event()
-        tick = asyncio.ensure_future(ticker(stop))
-        await asyncio.sleep(0.01)
-        for _ in range(100):   # rounds; a bound so a stalled ticker cannot loop forever
-            results = await asyncio.gather(*[taking(i) for i in range(tasks)],
-                                           *[deflecting(i) for i in range(tasks)])
-            if len(lags) >= samples:
-                break
-        stop.set()
-        await tick
-        return results
+        async with ticking() as lags:
+            await asyncio.sleep(0.01)
+            for _ in range(100):   # rounds; a bound so a stalled ticker cannot loop forever
+                await asyncio.gather(*[taking(i) for i in range(tasks)],
+                                     *[deflecting(i) for i in range(tasks)])
+                if len(lags) >= samples:
+                    break
+        return lags
 
-    asyncio.run(main())
-    return lags
+    return asyncio.run(main())
 
 
 STALL = 1.0   # seconds another process keeps the lane's counts locked
@@ -346,15 +349,7 @@ def test_a_stalled_store_stalls_threads_never_the_loop(store, request, monkeypat
     with gate.turn(session="first"):   # the counts exist before anyone locks them
         pass
     let_go = counts_held_by_another_process(gate, procs, store, request)
-    lags: list[float] = []
     tasks = 10
-
-    async def ticker(stop):
-        loop = asyncio.get_running_loop()
-        while not stop.is_set():
-            before = loop.time()
-            await asyncio.sleep(0.001)
-            lags.append(loop.time() - before - 0.001)
 
     async def taking(index):
         async with gate.turn(session=f"stall-{index}", wait=None) as turn:
@@ -365,22 +360,19 @@ def test_a_stalled_store_stalls_threads_never_the_loop(store, request, monkeypat
             return turn.state
 
     async def main():
-        stop = asyncio.Event()
-        tick = asyncio.ensure_future(ticker(stop))
-        timer = threading.Timer(STALL, let_go)
-        timer.start()
-        try:
-            started = time.monotonic()
-            results = await asyncio.gather(*[taking(i) for i in range(tasks)],
-                                           *[deflecting(i) for i in range(tasks)])
-            took = time.monotonic() - started
-        finally:
-            await asyncio.to_thread(timer.join)
-            stop.set()
-            await tick
-        return results, took
+        async with ticking() as lags:
+            timer = threading.Timer(STALL, let_go)
+            timer.start()
+            try:
+                started = time.monotonic()
+                results = await asyncio.gather(*[taking(i) for i in range(tasks)],
+                                               *[deflecting(i) for i in range(tasks)])
+                took = time.monotonic() - started
+            finally:
+                await asyncio.to_thread(timer.join)
+        return results, took, lags
 
-    results, took = asyncio.run(main())
+    results, took, lags = asyncio.run(main())
     assert results[:tasks] == ["held"] * tasks
     assert set(results[tasks:]) <= {"held", "deflected"}
     assert took >= STALL * 0.9, "the turns never waited for the counts: the stall proved nothing"

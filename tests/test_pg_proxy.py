@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,14 +30,13 @@ import psutil
 import pytest
 
 from conftest import LANELOCK, TIMEOUT, ExitWatch, Server, read_line, wait_for
-from netns import make_namespace, reachable_postgres
+from netns import ENGINE_IP, Host, two_hosts
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("psycopg")
 
 PYTHON = sys.executable
 LISTENING = re.compile(r"proxy listening on http://127\.0\.0\.1:(\d+) for (\S+) \(lane ([^)]+)\)")
-ENGINE_IP = "10.213.77.1"        # the engine box's address on the first host's link
 HOST_NAMES = ("host-a", "host-b")
 CLIENTS_PER_HOST = 12
 
@@ -150,18 +148,8 @@ class Engine:
             conn.close()
 
 
-class Host:
-    """One host of the site: a network namespace with its own hostname, reaching the store and
-    the engine at the engine box's LAN address."""
-
-    def __init__(self, namespace, hostname: str, store_port: int):
-        self.namespace, self.hostname = namespace, hostname
-        self.prefix = namespace.prefix(hostname)
-        self.store = f"postgresql://postgres@{ENGINE_IP}:{store_port}/postgres"
-
-    def lanelock(self, run_cmd, *args):
-        """`lanelock ARGS` run on this host, to completion."""
-        return run_cmd([*self.prefix, *LANELOCK, *args])
+class ProxyHost(Host):
+    """A host of the site (netns.Host) that runs proxies and their clients."""
 
     def where(self, run_cmd, backend: str) -> dict:
         done = self.lanelock(run_cmd, "where", "--json", "-b", backend, "--store", self.store)
@@ -192,21 +180,8 @@ class Host:
 @pytest.fixture
 def hosts(lock_roots):
     """[host A, host B]: two hosts linked to this namespace, the engine box, where a PostgreSQL
-    server listens on 10.213.77.1 and trusts both hosts' addresses. The namespaces go down after
-    the teardown check, so procs kills the processes on them while their links are up and the
-    server sees their sessions end at once (a link taken down first would leave a lane held for
-    the vanished-host bound)."""
-    if shutil.which("unshare") is None:
-        pytest.skip("needs util-linux's unshare for a host's own hostname")
-    namespaces = []
-    for subnet in (0, 1):
-        namespace = make_namespace(subnet)
-        lock_roots.after(namespace.down)
-        namespace.route_everything_here()
-        namespaces.append(namespace)
-    assert namespaces[0].host_ip == ENGINE_IP
-    server = reachable_postgres(lock_roots, ENGINE_IP, "10.213.77.0/29")   # .2 and .6
-    return [Host(namespace, name, server.port) for namespace, name in zip(namespaces, HOST_NAMES)]
+    server listens on 10.213.77.1 and trusts both hosts' addresses (netns.two_hosts)."""
+    return two_hosts(lock_roots, HOST_NAMES, ProxyHost)
 
 
 def assert_one_lane(hosts, run_cmd, backend: str) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import shutil
 import signal
 import subprocess
 import time
@@ -34,11 +33,15 @@ from pathlib import Path
 import pytest
 
 from conftest import LANELOCK, TIMEOUT, ExitWatch, is_waiting, json_of, wait_for
-from netns import make_namespace, reachable_postgres
-from test_users import launcher, shared_root, users  # noqa: F401 (fixtures)
+from netns import ENGINE_IP, Host, two_hosts
+import test_users
+from test_users import launcher
+
+# test_users.py's fixtures, bound here for pytest to find: imported by name, pyflakes reads them as
+# unused imports and user_site's parameters as their redefinitions.
+users, shared_root = test_users.users, test_users.shared_root
 
 NO_AGING = "3600"
-ENGINE_IP = "10.213.77.1"            # the engine box's address on the first host's link
 ENGINE = f"{ENGINE_IP}:8093"         # nobody listens: `run` never asks the engine
 HOST_NAMES = ("host-a", "host-b")
 # The served command: append "NAME USER" to the order file ($0), proving who ran it and when.
@@ -78,17 +81,8 @@ def wait_queued(queue, waiter, name: str) -> dict:
 
 
 # == two hosts on one PostgreSQL store ============================================================
-class Host:
-    """One host of the site: a network namespace with its own hostname, reaching the store at
-    the engine box's LAN address."""
-
-    def __init__(self, namespace, hostname: str, store: str):
-        self.hostname, self.store = hostname, store
-        self.prefix = namespace.prefix(hostname)
-
-    def lanelock(self, run_cmd, *args):
-        """`lanelock ARGS` on this host, to completion."""
-        return run_cmd([*self.prefix, *LANELOCK, *args])
+class QueueHost(Host):
+    """A host of the site (netns.Host) whose turns queue for the engine's lane."""
 
     def waiter(self, procs, order: Path, name: str, klass: str):
         """`lanelock run --wait --priority KLASS` on this host, its command appending NAME to
@@ -102,23 +96,12 @@ class Host:
 @pytest.fixture
 def hosts(lock_roots, monkeypatch):
     """[host A, host B], as in test_pg_proxy.py: two hosts linked to this namespace, the engine
-    box, where a PostgreSQL server listens on 10.213.77.1 and trusts both hosts' addresses. The
-    namespaces go down after the teardown check, so procs kills the processes on them while their
-    links are up and the server sees their sessions end at once."""
+    box, where a PostgreSQL server listens on 10.213.77.1 and trusts both hosts' addresses
+    (netns.two_hosts)."""
     pytest.importorskip("psycopg")
-    if shutil.which("unshare") is None:
-        pytest.skip("needs util-linux's unshare for a host's own hostname")
-    namespaces = []
-    for subnet in (0, 1):
-        namespace = make_namespace(subnet)
-        lock_roots.after(namespace.down)
-        namespace.route_everything_here()
-        namespaces.append(namespace)
-    assert namespaces[0].host_ip == ENGINE_IP
-    server = reachable_postgres(lock_roots, ENGINE_IP, "10.213.77.0/29")   # .2 and .6
-    store = f"postgresql://postgres@{ENGINE_IP}:{server.port}/postgres"
+    hosts = two_hosts(lock_roots, HOST_NAMES, QueueHost)
     monkeypatch.setenv("LANELOCK_PRIORITY_AGING", NO_AGING)   # every process of the test
-    return [Host(namespace, name, store) for namespace, name in zip(namespaces, HOST_NAMES)]
+    return hosts
 
 
 def pg_lane(store: str) -> dict:
@@ -162,6 +145,16 @@ def queue_on_hosts(hosts, procs, order, arrivals) -> dict:
     return waiters
 
 
+def hold_and_queue(hosts, holding_host, holder, procs, run_cmd, order, arrivals):
+    """The one lane on both hosts, held from holding_host (its turn in the store), then the
+    waiters queued behind it (queue_on_hosts): (the holder, name -> Popen)."""
+    assert_one_lane(hosts, run_cmd)
+    first = holder("-b", ENGINE, "--store", holding_host.store, "-s", "holder",
+                   prefix=holding_host.prefix)
+    assert_held_from(first, holding_host)
+    return first, queue_on_hosts(hosts, procs, order, arrivals)
+
+
 @pytest.mark.slow
 def test_waiters_on_two_hosts_are_served_by_class_then_arrival(hosts, holder, procs, run_cmd,
                                                                  tmp_path):
@@ -169,14 +162,11 @@ def test_waiters_on_two_hosts_are_served_by_class_then_arrival(hosts, holder, pr
     reads names each by its host and pid, in class then arrival order (the server's clock), and
     the lane serves them in that order."""
     host_a, host_b = hosts
-    assert_one_lane(hosts, run_cmd)
     order = tmp_path / "order"
-    first = holder("-b", ENGINE, "--store", host_a.store, "-s", "holder", prefix=host_a.prefix)
-    assert_held_from(first, host_a)
     arrivals = [(host_a, "a-batch", "batch"), (host_b, "b-normal", "normal"),
                 (host_a, "a-interactive", "interactive"), (host_b, "b-batch", "batch"),
                 (host_a, "a-normal", "normal"), (host_b, "b-interactive", "interactive")]
-    waiters = queue_on_hosts(hosts, procs, order, arrivals)
+    first, waiters = hold_and_queue(hosts, host_a, holder, procs, run_cmd, order, arrivals)
     expected = ["a-interactive", "b-interactive", "b-normal", "a-normal", "a-batch", "b-batch"]
     host_of = {name: host.hostname for host, name, _ in arrivals}
     klass_of = {name: klass for _, name, klass in arrivals}
@@ -215,14 +205,11 @@ def test_kill_9_of_a_queued_waiter_on_one_host_leaves_the_queue_at_once(hosts, h
     the waiter behind it: each leaves the queue within seconds (the server ends the session of a
     client gone), and the rest are served in order."""
     host_a, host_b = hosts
-    assert_one_lane(hosts, run_cmd)
     order = tmp_path / "order"
-    first = holder("-b", ENGINE, "--store", host_b.store, "-s", "holder", prefix=host_b.prefix)
-    assert_held_from(first, host_b)
     arrivals = [(host_a, "a-normal", "normal"), (host_b, "b-doomed", "interactive"),
                 (host_a, "a-interactive", "interactive"), (host_b, "b-batch", "batch"),
                 (host_a, "a-middle", "normal"), (host_a, "a-batch", "batch")]
-    waiters = queue_on_hosts(hosts, procs, order, arrivals)
+    first, waiters = hold_and_queue(hosts, host_b, holder, procs, run_cmd, order, arrivals)
     store = host_a.store
     assert [entry["session"] for entry in pg_lane(store)["queue"]] == \
         ["b-doomed", "a-interactive", "a-normal", "a-middle", "b-batch", "a-batch"]
@@ -249,7 +236,7 @@ BACKEND = "localhost:7043"
 
 
 @pytest.fixture
-def user_site(users, shared_root, monkeypatch):   # noqa: F811 (the fixtures imported above)
+def user_site(users, shared_root, monkeypatch):
     """(lock path, order file): the lane in the shared root, and a file every user can append
     to (root's, in the root-owned 1777 base)."""
     monkeypatch.setenv("LANELOCK_PRIORITY_AGING", NO_AGING)
