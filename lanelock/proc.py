@@ -45,6 +45,24 @@ def state(pid: int) -> bytes | None:
     return fields[0] if fields else None
 
 
+PF_EXITING = 0x4   # include/linux/sched.h: the process is in do_exit()
+
+
+def exiting(pid: int) -> bool:
+    """Is the process gone, a zombie, or on its way out (killed: its files, and so its locks, are
+    being closed, but it is not a zombie yet)?"""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            data = handle.read()
+    except OSError:
+        return True
+    fields = data[data.rfind(b")") + 2:].split()
+    try:
+        return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & PF_EXITING)
+    except (IndexError, ValueError):
+        return True
+
+
 def ancestors(pid: int | None = None) -> list[int]:
     """Parent, grandparent, ... up to (not including) pid 0."""
     chain: list[int] = []

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -206,3 +207,31 @@ def test_missing_driver_names_the_extra(lanelock, tmp_path):
     assert "pip install 'lanelock[postgres]'" in done.stderr
     probe = lanelock("probe", env=env)
     assert probe.returncode == 2 and "lanelock[postgres]" in probe.stderr
+
+
+def test_a_killed_run_hands_the_lane_on_only_once_its_command_is_gone(lanelock, holder, postgres,
+                                                                      procs):
+    """As on the flock store (test_run.py): the server lets the lane go when the killed wrapper's
+    session closes, but its command, still running here, keeps it -- status says `ending`, a
+    deflect-mode turn names it, a waiting turn gets the lane once it ends."""
+    from test_run import ESCAPING_HOLD
+
+    held = holder(command=[sys.executable, "-c", ESCAPING_HOLD])
+    os.kill(held.pid, signal.SIGKILL)
+    held.wait()
+    sql(postgres, "SELECT pg_advisory_lock(%s, %s)", *key_of_the_lane(lanelock))   # let go by now
+    try:
+        lane = json.loads(lanelock("status", "--json").stdout)["lanes"][0]
+        assert (lane["state"], lane["verdict"]) == ("held", "ending"), lane
+        assert lane["holder"]["pid"] == held.child_pid
+        busy = lanelock("run", "--", "true")
+        assert busy.returncode == 75 and "still ending" in busy.stderr, busy.stderr
+        waiter = procs.start([*LANELOCK, "run", "--wait", "--", "echo", "ran"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: json.loads(lanelock("status", "--json").stdout)["lanes"][0]["queue"]
+                 or waiter.poll() is not None, what="the turn to wait")
+        assert waiter.poll() is None, waiter.communicate()
+    finally:
+        os.kill(held.child_pid, signal.SIGKILL)
+    out, err = waiter.communicate(timeout=TIMEOUT)
+    assert (waiter.returncode, out) == (0, "ran\n"), err

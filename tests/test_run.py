@@ -693,9 +693,9 @@ def test_a_command_that_outlives_its_killed_wrapper_keeps_the_lane_until_it_ends
         waiter = procs.start([*LANELOCK, "run", "--wait", "--", "echo", "ran"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         # it takes the lock, and holds it while it waits for the command
-        wait_for(lambda: waiter.pid in flock_entries(lock_dir / "localhost-8080.lock")[0]
+        lock = lock_dir / "localhost-8080.lock"
+        wait_for(lambda: (waiter.pid in flock_entries(lock)[0] and is_queued(lock, waiter.pid))
                  or waiter.poll() is not None, what="the turn to wait")
-        assert is_queued(lock_dir / "localhost-8080.lock", waiter.pid)
         assert waiter.poll() is None, waiter.communicate()
         waiting = json.loads(lanelock("status", "--json").stdout)["lanes"][0]
         assert waiting["verdict"] == "ending", waiting   # the waiter holds the lock meanwhile

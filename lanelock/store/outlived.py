@@ -17,16 +17,18 @@ import time
 
 from .. import proc
 from ..facts import boot_id, hostname
-from ..holder import field
+from ..holder import field, still_running
 
 # A wait that can be cancelled from another thread looks at its cancel event this often.
 CANCEL_LOOK = 0.1
 
 
 def running_command(record: dict | None) -> tuple[int, int] | None:
-    """(pid, start ticks) of the command of a turn that never released, while it still runs on
-    this machine; None otherwise (released, another host's or boot's, gone, or its pid reused)."""
-    if not record or "released_at" in record:
+    """(pid, start ticks) of the command of a turn killed without releasing, while the command
+    still runs on this machine; None otherwise (released, its holder alive -- a PostgreSQL turn
+    whose session was ended runs on, ungated, as it says --, another host's or boot's, gone, or
+    its pid reused)."""
+    if not record or "released_at" in record or _holder_lives(record):
         return None
     pid = field(record, "command_pid", int)
     ticks = field(record, "command_start_ticks", int)
@@ -36,6 +38,12 @@ def running_command(record: dict | None) -> tuple[int, int] | None:
             or record.get("boot_id") not in (None, boot_id()):
         return None
     return (pid, ticks) if proc.start_ticks(pid) == ticks else None
+
+
+def _holder_lives(record: dict) -> bool:
+    """Does the turn's own process still run, and not on its way out? (The lock can be free the
+    moment a killed holder's files close, before it is a zombie: that holder is dying.)"""
+    return still_running(record) is True and not proc.exiting(field(record, "pid", int))
 
 
 def _pidfd(pid: int) -> int | None:

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import GateUnavailable, RecordNotWritten
-from . import pg_queue
+from . import outlived, pg_queue
 from .base import LaneFacts, LaneStore, LockHandle
 from .queue import DEFAULT_AGING
 from .pg_session import BOUND, NAMESPACE, SCHEMA_SQL, connect, driver, ensure_schema, first_line, redact
@@ -49,6 +49,7 @@ class PgHandle(LockHandle):
     caveat: str | None = None
     cancelled: bool = False        # cancel_wait() gave up the wait
     asker: dict | None = None      # who waits (LockHandle.asker)
+    outlived: tuple | None = None  # (pid, ticks): a killed turn's command still runs (outlived.py)
     exists = True                  # a lock row exists as soon as anyone asks
 
     def close(self) -> None:
@@ -121,6 +122,17 @@ class PgStore(LaneStore):
                           self.aging):
             self._unlock_lane(handle)
             return False
+        return self._outlived_gone(handle, 0)
+
+    def _outlived_gone(self, handle: PgHandle, timeout: float | None) -> bool:
+        """The lane is ours: is the command of a killed turn before it (outlived.py) gone, or
+        gone within timeout? If not, the lane is let go again (busy)."""
+        if handle.outlived is None:
+            return True
+        if not outlived.gone(*handle.outlived, timeout):
+            self._unlock_lane(handle)
+            return False
+        handle.outlived = None
         return True
 
     def _try_lane(self, handle: PgHandle) -> bool:
@@ -218,6 +230,13 @@ class PgStore(LaneStore):
 
     def _wait_lane(self, handle: PgHandle, timeout: float | None) -> bool:
         """A blocking lock with a server-side timeout: the server wakes us, no polling."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._lock_lane(handle, timeout):
+            return False
+        return self._outlived_gone(handle, None if deadline is None
+                                   else max(0.0, deadline - time.monotonic()))
+
+    def _lock_lane(self, handle: PgHandle, timeout: float | None) -> bool:
         psycopg = driver()
         millis = 0 if timeout is None else max(1, int(timeout * 1000))
         try:
@@ -242,7 +261,23 @@ class PgStore(LaneStore):
         if backend != handle.backend_pid:
             raise GateUnavailable("the lane store connection goes through a transaction-mode "
                                   "pooler (backend pid changed); connect to PostgreSQL directly")
+        handle.outlived = outlived.running_command(self._unreleased_here(handle))
         return True
+
+    def _unreleased_here(self, handle: PgHandle) -> dict | None:
+        """The record of a turn of this machine that never released (it was killed), if the
+        lane's is one; a row only then, so the usual hand-off reads nothing back."""
+        from ..facts import hostname
+
+        try:
+            with handle.conn.cursor() as cursor:
+                cursor.execute("SELECT record FROM lanelock_holders WHERE key2 = %s AND "
+                               "NOT record ? 'released_at' AND record->>'hostname' = %s",
+                               (handle.key[1], hostname()))
+                row = cursor.fetchone()
+        except driver().Error:
+            return None   # no holder table (the records only label turns): nothing to wait for
+        return row[0] if row and isinstance(row[0], dict) else None
 
     def release(self, handle: PgHandle, count: dict | None = None) -> None:
         if count is not None:   # on the turn's own connection, before the round trip that unlocks
@@ -427,6 +462,9 @@ class PgStore(LaneStore):
             facts.reused = ticks is not None and ticks != record.get("start_ticks")
         else:
             facts.alive = False   # its session is gone (the lock is free): the turn has ended
+        if not facts.alive:   # a killed turn's command may still run here (outlived.py)
+            command = outlived.running_command(record)
+            facts.ending = command[0] if command else None
         if facts.matches and record.get("hostname") == hostname() and isinstance(pid, int):
             from ..holder import stopped
 
