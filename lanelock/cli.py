@@ -485,9 +485,9 @@ def duel(backend, lock_dir, store, hold, fallback, users, profile_env, cron_env,
     Exit 0 PASS, 1 FAIL.
     """
     import os
-    import shlex
 
     from .inspection import render
+    from .run import words
     from .testing.duel import Duel
 
     user_list = [name for name in (users or "").split(",") if name]
@@ -501,10 +501,14 @@ def duel(backend, lock_dir, store, hold, fallback, users, profile_env, cron_env,
                 pwd.getpwnam(name)
             except KeyError:
                 raise click.UsageError(f"--users: no such user {name!r}") from None
+    try:   # split as `run --fallback` splits it (bash's quoting, no shell run)
+        fallback_argv = words.split(fallback) if fallback else []
+    except ValueError as error:
+        raise click.UsageError(f"--fallback {fallback!r}: {error}") from None
     gate = strict_gate(backend, lock_dir, None, None, store=store)
     contest = Duel(gate, hold=hold, command=list(command), users=user_list, lock_dir=lock_dir,
                    store=store,
-                   fallback=shlex.split(fallback) if fallback else [],
+                   fallback=fallback_argv,
                    profile_env=_pairs(profile_env, "--profile-env"),
                    cron_env=_pairs(cron_env, "--cron-env"),
                    on_step=None if json_ else render.duel_step)

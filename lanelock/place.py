@@ -84,11 +84,13 @@ class Place:
         }
 
     def busy(self) -> bool:
-        """Is the lane held right now? Asks the lock's own truth (/proc/locks, pg_locks) through
-        the store's survey and never takes the lock, so asking can never make a turn deflect."""
+        """Is the lane held right now -- by a turn, or by the command of a killed one that still
+        runs (store/outlived.py)? Asks the lock's own truth (/proc/locks, pg_locks) through the
+        store's survey and never takes the lock, so asking can never make a turn deflect."""
         if not self.gated:
             return False
         try:
-            return bool(self.store.survey(self.lane)[0].held)
+            facts = self.store.survey(self.lane)[0]
         except GateUnavailable:
             return False
+        return bool(facts.held) or facts.ending is not None

@@ -154,3 +154,19 @@ def _user_exists(name: str) -> bool:
         return True
     except KeyError:
         return False
+
+
+def test_duel_fallback_is_split_as_run_splits_it(lanelock, tmp_path, monkeypatch):
+    """`duel --fallback` reads its command as `run --fallback` does (bash's quoting, $'…'
+    included), and a malformed one is a usage error: one line, exit 2, never a traceback."""
+    monkeypatch.setenv("LANELOCK_DIR", str(tmp_path / "root"))
+    out = tmp_path / "fallback-saw"
+    done = lanelock("duel", "--json", "--hold", "0", "--fallback",
+                    f"sh -c 'printf %s \"$1\" > \"$0\"' {out} $'a\\tb'")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert out.read_text() == "a\tb"
+    bad = lanelock("duel", "--fallback", "echo 'unclosed")
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("lanelock: --fallback \"echo 'unclosed\": ") \
+        and len(bad.stderr.splitlines()) == 1, bad.stderr
+    assert leftover_duelists(str(tmp_path / "root")) == []

@@ -20,6 +20,7 @@ import pytest
 
 from conftest import (LANELOCK, TIMEOUT, ExitWatch, environ, flock_entries, is_queued, is_waiting,
                       needs_flock, pid_gone, read_line, signalled_hold, wait_for, wait_stopped)
+from lanelock import Gate
 
 ENV_DUMP = [sys.executable, "-c",
             "import json, os; print(json.dumps({k: v for k, v in os.environ.items() "
@@ -688,6 +689,7 @@ def test_a_command_that_outlives_its_killed_wrapper_keeps_the_lane_until_it_ends
         assert "which was killed: the lane frees when it ends" in words
         probe = lanelock("probe")
         assert probe.returncode == 1 and f"pid {held.child_pid}" in probe.stdout, probe
+        assert Gate().busy() is True
         busy = lanelock("run", "--", "true")
         assert busy.returncode == 75 and "still ending" in busy.stderr, busy.stderr
         waiter = procs.start([*LANELOCK, "run", "--wait", "--", "echo", "ran"],
