@@ -56,7 +56,7 @@ def setting_option(name: str):
     if kind == "key-by":
         kwargs["type"] = click.Choice(["backend", "model"])
     elif kind == "priority":
-        kwargs["type"] = click.Choice(["interactive", "normal", "batch"])
+        kwargs["type"] = click.Choice(["interactive", "normal", "batch"], case_sensitive=False)
     elif kind == "seconds":
         kwargs["type"] = Seconds(setting.flags[0])
     elif kind == "optional-seconds":
@@ -334,7 +334,8 @@ def metrics(backend, lock_dir, model, key_by, store, all_lanes, textfile):
                    "skipped and the next one tried.")
 @setting_option("wait")
 @setting_option("priority")
-@click.option("--max-priority", type=click.Choice(["interactive", "normal", "batch"]),
+@click.option("--max-priority", type=click.Choice(["interactive", "normal", "batch"],
+                                                  case_sensitive=False),
               default="interactive", show_default=True,
               help="The highest class a request's X-Lanelock-Priority header may claim.")
 @setting_option("proxy_linger")

@@ -22,7 +22,7 @@ from .errors import GateUnavailable, RecordNotWritten, WouldBlock
 from .facts import boot_id, default_session, hostname, own_start_ticks, user_name, utc_now
 from .place import Place
 from .proc import start_ticks
-from .store.queue import CLASSES
+from .store.queue import CLASSES, class_named
 from .settings import Settings
 
 __all__ = ["Gate", "Turn", "describe_holder", "HELD", "DEFLECTED", "UNGATED", "FAIL_OPEN",
@@ -114,8 +114,8 @@ class Turn:
                  priority=None, command_pid=None):
         self.gate = gate
         self.session = session or gate.settings.get("session") or default_session()
-        self.priority = priority or gate.priority
-        if self.priority not in CLASSES:
+        self.priority = class_named(priority or gate.priority)
+        if self.priority is None:
             raise ValueError(f"priority must be one of {', '.join(CLASSES)}, not {priority!r}")
         self.rank = CLASSES.index(self.priority)
         self.model = model

@@ -19,10 +19,11 @@ from .lanes import DEFAULT_BACKEND
 
 
 class Setting:
-    __slots__ = ("name", "flags", "kind", "env", "default", "check", "help", "metavar", "shown")
+    __slots__ = ("name", "flags", "kind", "env", "default", "check", "help", "metavar", "shown",
+                 "read")
 
     def __init__(self, name, *, flags=(), kind="text", env=None, default=None, check=None,
-                 help="", metavar=None, shown=None):
+                 help="", metavar=None, shown=None, read=None):
         self.name = name
         self.flags = flags        # ("--backend", "-b"): the first is the long name
         self.kind = kind          # how a flag's text is read: see run/args.py
@@ -32,6 +33,7 @@ class Setting:
         self.help = help
         self.metavar = metavar
         self.shown = shown        # what `config show` says of a default that is computed
+        self.read = read          # value -> the value it means (one spelling), from any source
 
 
 # -- checks: value -> None when valid, else the reason -------------------------------------------
@@ -158,7 +160,15 @@ def _cheap_paths(value) -> str | None:
     return "a list of paths, each starting with /"
 
 
-from .store.queue import CLASSES, DEFAULT_AGING, DEFAULT_CLASS  # noqa: E402 - a leaf module
+from .store.queue import CLASSES, DEFAULT_AGING, DEFAULT_CLASS, class_named  # noqa: E402 - a leaf
+
+
+def _class(value) -> str | None:
+    return None if class_named(value) else " or ".join(repr(name) for name in CLASSES)
+
+
+def _class_read(value):
+    return class_named(value) or value   # a class in any case; anything else stays, to be refused
 
 DEFAULT_LISTEN = "127.0.0.1:8089"
 DEFAULT_GRACE = 0.05   # seconds: long enough to ride out a probe, short enough to be invisible
@@ -192,7 +202,7 @@ TABLE = (
     Setting("busy_exit_code", flags=("--busy-exit-code", "-E"), kind="exit", default=exitcodes.BUSY,
             check=_exit_code, metavar="N", help="Exit status when busy and no fallback ran."),
     Setting("priority", flags=("--priority",), env="LANELOCK_PRIORITY", kind="priority",
-            default=DEFAULT_CLASS, check=_choice(*CLASSES), metavar="CLASS",
+            default=DEFAULT_CLASS, check=_class, read=_class_read, metavar="CLASS",
             help="Who goes first among waiting turns: interactive, normal (default) or batch."),
     Setting("priority_aging", env="LANELOCK_PRIORITY_AGING", default=DEFAULT_AGING,
             check=_seconds,
@@ -285,9 +295,13 @@ class Settings:
     def lookup(self, name: str) -> tuple:
         """(value, source); source is 'flag', 'env NAME', 'user file PATH', 'system file PATH'
         or 'default'. An empty environment variable counts as unset."""
+        setting = SETTINGS[name]
+        value, source = self._lookup(name, setting)
+        return (setting.read(value) if setting.read else value), source
+
+    def _lookup(self, name: str, setting: Setting) -> tuple:
         if name in self.flags:
             return self.flags[name], "flag"
-        setting = SETTINGS[name]
         if setting.env:
             value = os.environ.get(setting.env)
             if value:

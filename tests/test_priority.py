@@ -245,6 +245,31 @@ def test_a_bad_class_is_a_usage_error(lanelock):
         assert "Traceback" not in done.stderr
 
 
+def test_a_class_is_read_whatever_its_case(lanelock, procs):
+    """Odd spellings of the same class: the flag, the environment, the config file, the proxy's
+    flags and the API all read INTERACTIVE, Batch and ' normal ' as the class they name, and the
+    records say it in one spelling."""
+    spellings = [(("--priority", "INTERACTIVE"), None, "interactive"),
+                 ((), {"LANELOCK_PRIORITY": "Batch"}, "batch")]
+    for args, env, klass in spellings:
+        done = lanelock("run", *args, "-s", klass, "--", "true", env=env)
+        assert done.returncode == 0, done.stderr
+    assert lanelock("config", "set", "priority", "Interactive").returncode == 0
+    done = lanelock("run", "-s", "from-config", "--", "true")
+    assert done.returncode == 0, done.stderr
+    with Gate(BACKEND).turn(session="api", priority=" NORMAL ") as turn:
+        assert turn.held and turn.priority == "normal"
+    events = json.loads(lanelock("history", "--json").stdout)["events"]
+    said = {event["session"]: event["priority"] for event in events
+            if event["event"] == "acquired"}
+    assert said == {"interactive": "interactive", "batch": "batch",
+                    "from-config": "interactive", "api": "normal"}, said
+    from test_proxy import Proxy
+
+    proxy = Proxy(procs, BACKEND, "--priority", "BATCH", "--max-priority", "Normal")
+    assert "Invalid value" not in proxy.stderr()
+
+
 def test_a_broken_queue_fails_open_to_the_kernels_order_with_one_warning(holder, procs,
                                                                         lock_dir):
     first = holder("-b", BACKEND, "-s", "first")

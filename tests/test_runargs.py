@@ -59,10 +59,12 @@ def runargs_kind(option: click.Option) -> str:
         assert isinstance(kind, click.types.StringParamType), option.name
         return "multiple"
     if isinstance(kind, click.Choice):
-        # runargs._convert spells the choices out, so they must be exactly these
-        assert kind.case_sensitive, option.name
+        # runargs._convert spells the choices out, so they must be exactly these: the classes in
+        # any case (queue.class_named), key-by exactly
         if tuple(kind.choices) == ("interactive", "normal", "batch"):
+            assert not kind.case_sensitive, option.name
             return "priority"
+        assert kind.case_sensitive, option.name
         assert tuple(kind.choices) == ("backend", "model"), option.name
         return "key-by"
     if isinstance(kind, click.IntRange):
@@ -151,6 +153,9 @@ COMMON = [
     ["-qvb", "HOST:1", "cmd"],
     ["-qbHOST:1", "cmd"],
     ["-m", "llama", "--key-by", "model", "cmd"],
+    ["--priority", "batch", "cmd"],
+    ["--priority=INTERACTIVE", "cmd"],   # a class in any case, as click reads it
+    ["--priority", "Normal", "--", "cmd"],
     ["--key-by=backend", "cmd"],
     ["-s", "me@tty", "--session", "other", "cmd"],          # last wins
     ["-b", "a:1", "-b", "b:2", "cmd"],
@@ -240,7 +245,8 @@ def test_the_corpus_is_wide_enough():
 # -- 3. the same property on arbitrary token lists -------------------------------------------------
 TOKENS = sorted(runargs.LONG) + sorted(runargs.SHORT) + [
     "-qv", "-qvb", "--", "-", "5", ".5", "0", "255", "256", "abc", "", "-x", "-1", "cmd", "--help",
-    "-h", "--wait=3", "--wait=", "-bX", "-w5", "-E3", "backend", "model", "--quiet=1", "٣"]
+    "-h", "--wait=3", "--wait=", "-bX", "-w5", "-E3", "backend", "model", "--quiet=1", "٣",
+    "batch", "Interactive", "NORMAL", "urgent"]
 
 
 @settings(max_examples=300, deadline=None, database=None)   # database: write nothing in the tree

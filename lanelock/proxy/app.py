@@ -24,6 +24,7 @@ from .. import asyncturn
 from ..gate import (BUSY_WORDS, DEFLECTED, FAIL_OPEN, HELD, REASON_BUSY, UNGATED, Gate,
                     busy_sentence)
 from ..holder import words as holder_words
+from ..store.queue import CLASSES, class_named
 from . import dialects
 from .relay import Unreachable, error_response, relay, request_headers
 from .routes import Routes
@@ -212,9 +213,9 @@ class Proxy:
     def _priority_for(self, request) -> str:
         """The request's class: its X-Lanelock-Priority when it names one, capped by
         --max-priority (a client cannot claim more than the proxy allows); else the proxy's."""
-        classes = ("batch", "normal", "interactive")
-        asked = (request.headers.get(PRIORITY_HEADER) or "").strip().lower()
-        if asked not in classes:
+        classes = CLASSES
+        asked = class_named(request.headers.get(PRIORITY_HEADER))
+        if asked is None:
             return self.gate.priority
         return classes[min(classes.index(asked), classes.index(self.options.max_priority))]
 

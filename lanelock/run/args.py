@@ -17,6 +17,7 @@ checks parse() against click on a corpus of argument lists.
 from __future__ import annotations
 
 from ..settings import RUN_FLAGS, SETTINGS
+from ..store.queue import class_named
 
 # Options of `run` that are not settings: (spellings, parameter, kind, metavar, help).
 RUN_ONLY = (
@@ -171,9 +172,10 @@ def _convert(kind: str, value: str):
             raise _Unsure
         return value
     if kind == "priority":
-        if value not in ("interactive", "normal", "batch"):
+        named = class_named(value)
+        if named is None:
             raise _Unsure   # click says which classes there are
-        return value
+        return named
     if not value.isascii():
         raise _Unsure
     if kind == "exit":

@@ -43,6 +43,15 @@ TOP = len(CLASSES) - 1
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+def class_named(value) -> str | None:
+    """The class a text names, whatever its case and surrounding blanks ('Interactive',
+    ' BATCH '); None when it names none."""
+    if not isinstance(value, str):
+        return None
+    folded = value.strip().lower()
+    return folded if folded in CLASSES else None
+
+
 def rank_of(name: str | None) -> int:
     """The rank of a class name (ValueError for a name that is none)."""
     return CLASSES.index(name or DEFAULT_CLASS)
