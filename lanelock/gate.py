@@ -431,6 +431,18 @@ class Turn:
         outcome of the counts (a wait=0 turn's grace is not a wait)."""
         return self._blocked and self.wait != 0
 
+    def command_started(self, pid: int | None) -> None:
+        """The command runs as pid: if it is not the process the record names (the parked child
+        was killed and forked again), the record names it now -- the next turn waits for it
+        should this one be killed (store/outlived.py)."""
+        if self.state != HELD or self.nested or self._handle is None or pid is None \
+                or (self._command is not None and self._command[0] == pid):
+            return
+        ticks = start_ticks(pid)
+        if ticks is not None:
+            self.command_pid, self._command = pid, (pid, ticks)
+            self._write_sidecar(self._record())
+
     def mark_stopped(self, stopped: bool) -> None:
         """The command was stopped (^Z, SIGSTOP) or continued: the holder record says since when,
         so `status` and deflection lines can tell a paused holder from a busy one."""

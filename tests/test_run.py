@@ -18,8 +18,8 @@ import pexpect
 import psutil
 import pytest
 
-from conftest import (LANELOCK, TIMEOUT, ExitWatch, environ, flock_entries, is_queued, is_waiting,
-                      needs_flock, pid_gone, read_line, signalled_hold, wait_for, wait_stopped)
+from conftest import (HOLD_SCRIPT, LANELOCK, TIMEOUT, ExitWatch, environ, flock_entries, is_queued,
+                      is_waiting, needs_flock, pid_gone, read_line, signalled_hold, wait_for, wait_stopped)
 from lanelock import Gate
 
 ENV_DUMP = [sys.executable, "-c",
@@ -708,6 +708,33 @@ def test_a_command_that_outlives_its_killed_wrapper_keeps_the_lane_until_it_ends
     assert (waiter.returncode, out) == (0, "ran\n"), err
     after = json.loads(lanelock("status", "--json").stdout)["lanes"][0]
     assert after["verdict"] == "released", after
+
+
+def test_the_record_names_the_command_even_when_its_parked_child_was_forked_again(
+        holder, procs, lock_dir):
+    """`run` forks its command before it waits for the lane; if that parked child is killed
+    meanwhile, it forks again once the lane is its. The holder record must name the command that
+    runs (the next turn waits for it should the wrapper be killed), not the one that died."""
+    first = holder()
+    waiter = procs.start([*LANELOCK, "run", "--wait", "--", "sh", "-c", HOLD_SCRIPT],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    lock = lock_dir / "localhost-8080.lock"
+    wait_for(lambda: is_queued(lock, waiter.pid) or waiter.poll() is not None,
+             what="the turn to wait")
+    (parked,) = psutil.Process(waiter.pid).children()
+    parked.kill()   # a zombie until the wrapper, waiting for the lane, reaps it
+    wait_for(lambda: parked.status() == psutil.STATUS_ZOMBIE, what="the parked child to die")
+    assert first.release() == 0
+    line = read_line(waiter.stdout, TIMEOUT)
+    assert line.startswith("ready "), (line, waiter.stderr.read())
+    command = int(line.split()[1])
+    assert command != parked.pid
+    record = json.loads((lock_dir / "localhost-8080.json").read_text())
+    assert record["command_pid"] == command, record
+    waiter.stdin.write("0\n")
+    waiter.stdin.close()
+    assert waiter.wait(TIMEOUT) == 0
 
 
 def test_kill_9_of_the_child_frees_the_lane_and_the_wrapper_exits_137(holder, lanelock, lock_dir):

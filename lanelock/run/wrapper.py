@@ -96,9 +96,15 @@ def _run(argv, changes, options: Options, say: Say, turn: Turn | None,
         if not isinstance(starter, runner.Starter):
             starter = runner.Starter(argv)
         holding = turn is not None and turn.held and not turn.nested
+
+        def spawned(started=starter) -> None:
+            if holding:
+                turn.command_started(started.pid)
+            if watch:
+                watch.start()
+
         outcome = runner.run(starter, changes, kill_after=options.kill_after,
-                             on_spawn=watch.start if watch else None,
-                             on_stop=turn.mark_stopped if holding else None)
+                             on_spawn=spawned, on_stop=turn.mark_stopped if holding else None)
     except OSError as error:
         if starter is not None:
             starter.cancel()
