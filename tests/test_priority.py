@@ -107,6 +107,10 @@ def test_a_turn_arriving_at_a_free_lane_does_not_barge_past_a_waiter(holder, pro
     # lane first, then stops holding it.
     wait_stopped(waiter.pid)
     try:
+        # status says so, and how to let those behind it go
+        assert [entry["stopped"] for entry in queue(NO_AGING)] == [True]
+        said = lanelock("status", env=NO_AGING).stdout
+        assert f"stopped: those behind it wait until kill -CONT {waiter.pid}" in said, said
         assert first.release() == 0
         for klass in ("normal", "batch"):
             barging = lanelock("run", "-b", BACKEND, "--priority", klass, "--", "true",

@@ -135,8 +135,11 @@ def queue_lines(result: dict) -> list[str]:
         if entry["effective_class"] != klass:
             klass = f"{entry['effective_class']} (aged from {klass})"
         where = f" on {entry['host']}" if entry.get("host") and entry["host"] != _here() else ""
+        stopped = (f", stopped: those behind it wait until kill -CONT {entry['pid']} (or it ends)"
+                   if entry.get("stopped") else "")
         lines.append(f"{entry['position']}. {klass} pid {entry['pid']}{where} "
-                     f"(session {entry.get('session') or '?'}), waited {entry['waited']:.1f}s")
+                     f"(session {entry.get('session') or '?'}), waited {entry['waited']:.1f}s"
+                     f"{stopped}")
     return lines
 
 

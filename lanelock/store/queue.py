@@ -33,7 +33,7 @@ import os
 import stat
 import time
 
-from .. import locks
+from .. import locks, proc
 
 CLASSES = ("batch", "normal", "interactive")   # rank = index: higher goes first
 DEFAULT_CLASS = "normal"
@@ -253,7 +253,9 @@ class Queue:
                                                               self.aging)],
                          "pid": entry.pid, "session": facts.get("session"),
                          "host": facts.get("hostname"),
-                         "waited": round((now - entry.arrival) / 1e9, 3)})
+                         "waited": round((now - entry.arrival) / 1e9, 3),
+                         # a waiter stopped (^Z) keeps its place and holds up those behind it
+                         "stopped": proc.state(entry.pid) in (b"T", b"t")})
         return rows
 
     def _facts(self, name: str) -> dict:
