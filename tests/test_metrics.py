@@ -819,3 +819,39 @@ def test_prometheus_scrapes_the_textfile_and_the_proxy(procs, holder, lanelock, 
                   .replace("$lane", ".+"))
         query(server.port, filled)   # status "success", or the assertion shows the error
     assert "level=error" not in server.log(), server.log()
+
+
+def test_pg_counts_that_cannot_be_read_are_left_out_not_reset(postgres, lanelock, promtool,
+                                                              run_cmd, monkeypatch):
+    """On the PostgreSQL store too: counts the scrape cannot read (here a role that may read the
+    lanes but not lanelock_counts) are left out, with lanelock_counts_readable 0 and one warning
+    -- never shown as 0, which Prometheus would take for a reset."""
+    import psycopg
+
+    monkeypatch.setenv("LANELOCK_STORE", postgres.dsn)
+    for _ in range(2):
+        assert lanelock("run", "-q", "--", "true").returncode == 0
+    with psycopg.connect(postgres.dsn, autocommit=True) as conn:
+        conn.execute("DROP ROLE IF EXISTS lanelock_reader")
+        conn.execute("CREATE ROLE lanelock_reader LOGIN")
+        conn.execute("GRANT SELECT ON lanelock_holders, lanelock_events, lanelock_queue "
+                     "TO lanelock_reader")
+    try:
+        reader = postgres.dsn.replace("postgresql://postgres@", "postgresql://lanelock_reader@")
+        done = lanelock("metrics", env={"LANELOCK_STORE": reader})
+        assert done.returncode == 0, done
+        seen = promtool_check(run_cmd, promtool, done.stdout)
+        lane = json.loads(lanelock("status", "--json").stdout)["lanes"][0]["lane"]
+        assert seen.value("lanelock_counts_readable", lane=lane) == 0
+        for prefix in ("lanelock_turns", "lanelock_deflections", "lanelock_lane_hold_seconds"):
+            assert lane_series(seen, lane, prefix) == {}, prefix
+        assert "lanelock_counts" in done.stderr and "not all read" in done.stderr, done.stderr
+        # the owner still reads them
+        owner = promtool_check(run_cmd, promtool, lanelock("metrics").stdout)
+        assert owner.value("lanelock_counts_readable", lane=lane) == 1
+        assert owner.value("lanelock_turns_total", lane=lane, outcome="local") == 2
+    finally:
+        with psycopg.connect(postgres.dsn, autocommit=True) as conn:
+            conn.execute("REVOKE ALL ON lanelock_holders, lanelock_events, lanelock_queue "
+                         "FROM lanelock_reader")
+            conn.execute("DROP ROLE lanelock_reader")

@@ -319,18 +319,20 @@ class PgStore(LaneStore):
     def counts(self, facts) -> dict:
         from . import counts
 
+        # Counts that cannot be read are unknown, never 0: a 0 would read as a reset to Prometheus
+        # (and the next scrape's total as that many new turns).
         try:
             conn = self.connect("lanelock metrics")
-        except GateUnavailable:
-            return counts.empty()
+        except GateUnavailable as error:
+            return dict(counts.unknown(), problem=str(error))
         try:
             row = conn.execute("SELECT counts FROM lanelock_counts WHERE lane = %s",
                                (facts.lane,)).fetchone()
-        except driver().Error:
-            row = None
+        except driver().Error as error:
+            return dict(counts.unknown(), problem=f"lane store counts: {first_line(error)}")
         finally:
             conn.close()
-        return counts.merge(row[0] if row else None, outcome=None)
+        return dict(counts.merge(row[0] if row else None, outcome=None), problem=None)
 
     # -- holder record and events ------------------------------------------------------------
     def write_holder(self, handle: PgHandle, record: dict) -> None:
