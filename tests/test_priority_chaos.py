@@ -19,8 +19,9 @@ The records nobody in the load can fake:
   header each request carries);
 - a token, an flock the curl of a `lanelock run` turn takes before it starts and keeps for as long
   as it lives, and every other generation finds free as it begins (the Python workers look
-  themselves, the engine looks for the proxy's requests): the kernel's word that no turn's command
-  still runs when the next turn generates, whatever the engine noticed;
+  themselves, the engine looks for the proxy's requests, each with a shared lock for a moment,
+  so two looks never collide: two Python turns at once are the engine's to count): the kernel's
+  word that no turn's command still runs when the next turn generates, whatever the engine noticed;
 - the journal (`waited` / `acquired` / `released`, each appended by a holder while it holds the
   lane, so the file's order is the order the lane was granted in);
 - each queue entry's exact arrival: an observer process watches STEM.queue/ with inotify and
@@ -104,8 +105,8 @@ class Handler(server.RequestHandlerClass):
     def do_POST(self):
         local.session = self.headers.get("X-Lanelock-Session", "-")
         if local.session.startswith("proxy"):
-            try:
-                fcntl.flock(token, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:   # shared: a look that never gets in the way of another look
+                fcntl.flock(token, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 fcntl.flock(token, fcntl.LOCK_UN)
             except BlockingIOError:
                 with lock:
@@ -150,8 +151,8 @@ def holders(token):
 
 
 def generate(url, session, token):
-    try:
-        fcntl.flock(token, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:   # shared: the engine's look at a proxy request's start must not collide with this one
+        fcntl.flock(token, fcntl.LOCK_SH | fcntl.LOCK_NB)
         fcntl.flock(token, fcntl.LOCK_UN)
     except BlockingIOError:
         print("overlap", session, *holders(token), flush=True)
@@ -262,8 +263,12 @@ if ! flock -n 9; then
         command=$(cat "/proc/$pid/comm" 2>/dev/null)
         case "$pid:$command" in "$$:"*|*:python*) ;; *) holders="$holders $pid:$command" ;; esac
     done
-    echo "overlap $1 $holders" >&2
-    exit 99
+    # Only a Python worker or the engine in the way: a look (a shared lock for a moment), waited
+    # out. Another command holding it is an overlap.
+    if [ -n "$holders" ] || ! flock -w 1 9; then
+        echo "overlap $1 $holders" >&2
+        exit 99
+    fi
 fi
 shift
 exec "$@"
@@ -482,11 +487,11 @@ class Load:
 
     def report(self, kind: str, words: list[str]) -> None:
         with self.guard:
-            if words[:1] == ["done"]:
+            if words[:1] == ["done"] and len(words) == 2:
                 self.done.append(words[1])
                 if len(self.done) >= TARGET:
                     self.finished.set()
-            elif words[:1] == ["lost"]:
+            elif words[:1] == ["lost"] and len(words) > 1:
                 self.lost.append(words[1])
             elif words[:1] == ["overlap"]:
                 self.overlaps.append(f"{kind} {' '.join(words[1:])}")
