@@ -11,16 +11,21 @@ from __future__ import annotations
 import os
 
 
-def proc_stat(pid: int) -> tuple[int, int] | None:
-    """(ppid, start time in clock ticks since boot) of a live process; None when it is gone or a
-    zombie (a zombie's files, and so its locks, are already closed: it holds nothing)."""
+def _stat_fields(pid: int) -> list[bytes]:
+    """The fields of /proc/PID/stat from the state on ([] when the process is gone). comm may
+    hold spaces and parentheses: the fields start after the last ')'."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             data = handle.read()
     except (OSError, ValueError):
-        return None
-    # comm may hold spaces and parentheses: the fields start after the last ')'.
-    fields = data[data.rfind(b")") + 2:].split()
+        return []
+    return data[data.rfind(b")") + 2:].split()
+
+
+def proc_stat(pid: int) -> tuple[int, int] | None:
+    """(ppid, start time in clock ticks since boot) of a live process; None when it is gone or a
+    zombie (a zombie's files, and so its locks, are already closed: it holds nothing)."""
+    fields = _stat_fields(pid)
     if not fields or fields[0] in (b"Z", b"X"):
         return None
     try:
@@ -36,12 +41,7 @@ def start_ticks(pid: int) -> int | None:
 
 def state(pid: int) -> bytes | None:
     """The process's state letter (b"R", b"S", b"T" stopped, ...), None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            data = handle.read()
-    except OSError:
-        return None
-    fields = data[data.rfind(b")") + 2:].split()
+    fields = _stat_fields(pid)
     return fields[0] if fields else None
 
 
@@ -51,12 +51,7 @@ PF_EXITING = 0x4   # include/linux/sched.h: the process is in do_exit()
 def exiting(pid: int) -> bool:
     """Is the process gone, a zombie, or on its way out (killed: its files, and so its locks, are
     being closed, but it is not a zombie yet)?"""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            data = handle.read()
-    except OSError:
-        return True
-    fields = data[data.rfind(b")") + 2:].split()
+    fields = _stat_fields(pid)
     try:
         return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & PF_EXITING)
     except (IndexError, ValueError):
