@@ -202,7 +202,7 @@ def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
     notes += broken
 
     def fetch():
-        return statuses(gate.store, None if all_lanes else gate.lane)
+        return statuses(gate.store, None if all_lanes else gate.lane, engine=True)
 
     if not all_lanes and gate.gated:
         try:
@@ -313,6 +313,55 @@ def metrics(backend, lock_dir, model, key_by, store, all_lanes, textfile):
     return exitcodes.OK
 
 
+class Interval(Seconds):
+    """A sampling interval: more than 0, at most a minute."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not 0 < number <= 60:
+            self.fail(f"{value} is out of range: SECONDS must be more than 0 and at most 60",
+                      param, ctx)
+        return number
+
+
+def _engine_url(place, engine: str | None) -> str:
+    from .errors import UsageProblem
+    from .witness import engine_url, parse_engine
+
+    try:
+        url = parse_engine(engine) if engine is not None else engine_url(place.lane)
+    except UsageProblem as error:
+        raise click.UsageError(str(error)) from None
+    if url is None:
+        raise click.UsageError(f"{place.lane.name} is on another machine: give --engine URL")
+    return url
+
+
+@cli.command(context_settings=CONTEXT)
+@lane_options
+@click.option("--engine", metavar="URL", default=None,
+              help="The engine's base URL (default: http://HOST:PORT of the backend).")
+@click.option("--interval", metavar="SECONDS", type=Interval("--interval"), default=0.25,
+              show_default=True, help="Seconds between looks at the engine's account.")
+@click.option("--quiet", "-q", is_flag=True, help="No notes from lanelock (errors still print).")
+def watch(backend, lock_dir, model, key_by, store, engine, interval, quiet):
+    """Witness the engine: every generation it runs is a turn the gate saw, or it says so.
+
+    Reads the engine's own account (llama.cpp /slots or /metrics, llama-swap /running, vLLM and
+    SGLang /metrics) and holds it against the lane; an unseen generation is journaled, counted
+    and said on stderr. Runs until SIGTERM or ^C. Exit 0; 69 when the engine cannot be witnessed
+    (Ollama); 2 on a usage error.
+    """
+    from .say import Say
+    from .watch import watch as run_watch
+
+    place = strict_place(backend, lock_dir, model, key_by, store=store)
+    if not place.gated:
+        raise click.UsageError(f"{place.lane.name} is not a local lane: no turn ever holds it, "
+                               "so there is nothing to witness against")
+    return run_watch(place, _engine_url(place, engine), interval, Say(quiet))
+
+
 @cli.command(context_settings=CONTEXT)
 @setting_option("proxy_listen")
 @setting_option("backend")
@@ -345,11 +394,18 @@ def metrics(backend, lock_dir, model, key_by, store, all_lanes, textfile):
                    "beyond loopback).")
 @setting_option("store")
 @setting_option("lock_dir")
+@click.option("--no-witness", "no_witness", is_flag=True,
+              help="Do not witness the engine (by default the proxy reads its account and says "
+                   "when a generation no turn covered runs on it; see `lanelock watch`).")
+@click.option("--engine", metavar="URL", default=None,
+              help="The engine's base URL for the witness (default: the backend's).")
+@click.option("--witness-interval", metavar="SECONDS", type=Interval("--witness-interval"),
+              default=0.25, show_default=True, help="Seconds between the witness's looks.")
 @click.option("--quiet", "-q", is_flag=True, help="No notes or warnings from lanelock.")
 @click.option("--verbose", "-v", is_flag=True, help="One line per request.")
 def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fallback_timeout,
           wait, priority, max_priority, proxy_linger, proxy_session_header, token_env, store,
-          lock_dir, quiet, verbose):
+          lock_dir, no_witness, engine, witness_interval, quiet, verbose):
     """Serve the lane to HTTP clients: a loopback proxy that holds the lane per generation request.
 
     Point a client's base URL at it (http://127.0.0.1:8089/v1). A busy lane sends the request to
@@ -386,7 +442,9 @@ def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fa
                       session_header=settings.get("proxy_session_header"),
                       cheap_paths=settings.get("proxy_cheap_paths"), quiet=quiet,
                       verbose=verbose, fallback_timeout=fallback_timeout,
-                      max_priority=max_priority)
+                      max_priority=max_priority,
+                      witness=None if no_witness or not gate.gated else (
+                          _engine_url(gate, engine), witness_interval))
     try:
         app, host, port = build(gate, options, say, settings.get("proxy_listen"), token_env,
                                 fallback_key_env)

@@ -54,6 +54,29 @@ def argv_fields(argv: list[str]) -> dict:
             "argv_words": len(argv)}
 
 
+def released_ago(record: dict | None) -> float | None:
+    """Seconds since the record's turn released the lane (None: not released, or no record).
+    On this boot the monotonic clock says it; elsewhere the wall clock, from released_at."""
+    if not isinstance(record, dict) or "released_at" not in record:
+        return None
+    since, held = field(record, "acquired_monotonic", float), field(record, "held_seconds", float)
+    if since is not None and held is not None and record.get("boot_id") == boot_id() \
+            and record.get("hostname") in (None, hostname()):
+        return max(0.0, time.monotonic() - since - held)
+    text = record.get("released_at")
+    if not isinstance(text, str):
+        return None
+    from datetime import datetime, timezone
+
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=timezone.utc)
+        return max(0.0, time.time() - moment.timestamp())
+    except (ValueError, OverflowError, OSError):
+        return None
+
+
 # Keys of the holder facts; documented under JSON output in the README.
 RECORD_KEYS = ("pid", "session", "model", "user", "acquired_at", "released_at", "exit_status",
                "held_seconds", "backend", "hostname")

@@ -18,7 +18,7 @@ import re
 import time
 
 
-LOCAL, DEFLECTED, IDLE = "local", "deflected", "idle"
+LOCAL, DEFLECTED, IDLE, UNSEEN = "local", "deflected", "idle", "unseen"
 # How a local turn ended (its `acquired` event's "ended"); see the module docstring.
 RELEASED, DIED, HOLDING, UNKNOWN = "released", "died", "holding", "unknown"
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
@@ -121,7 +121,11 @@ def summarise(events: list[dict]) -> dict:
     last = max([events[-1]["ts"]] + [end for _, end, _ in spans]) if events else 0.0
     window = (last - events[0]["ts"]) if events else 0.0
     turns = local + deflected + fail_open
+    unseen = [e for e in events if e["event"] == "unseen"]
     return {
+        # Generations the engine ran that no turn held the lane for (a witness saw them).
+        "unseen": len(unseen),
+        "unseen_seconds": round(sum(_number(e.get("duration")) or 0.0 for e in unseen), 3),
         "turns": turns, "local": local, "deflected": deflected, "fail_open": fail_open,
         "deflection_rate": round(deflected / turns, 4) if turns else 0.0,
         "busy_fraction": round(min(1.0, busy / window), 4) if window > 0 else (1.0 if spans else 0.0),
@@ -155,6 +159,14 @@ def timeline(events: list[dict]) -> list[tuple[str, list[str]]]:
             if event["event"] == "deflected" and hour <= event["ts"] < hour + 3600:
                 # A deflection happens while someone holds the lane, so it outranks "local".
                 cells[int((event["ts"] - hour) // 60)] = DEFLECTED
+        for event in events:   # what nobody gated outranks everything the gate did
+            if event["event"] != "unseen":
+                continue
+            end = event["ts"] + (_number(event.get("duration")) or 0.0)
+            for minute in range(60):
+                cell_start = hour + minute * 60
+                if event["ts"] < cell_start + 60 and end >= cell_start:
+                    cells[minute] = UNSEEN
         label = time.strftime("%Y-%m-%d %H:00 %Z", time.localtime(hour))
         rows.append((label, cells))
         if len(rows) >= 48:   # two days of bars is a glance; --since narrows it
@@ -174,6 +186,15 @@ def describe(event: dict) -> str:
         return f"waited {_number(event.get('waited')) or 0:.2f}s"
     if kind == "fail-open":
         return str(event.get("reason"))[:120]
+    if kind == "unseen":
+        turns = event.get("turns")
+        beside = (f"beside {turns} turn{'' if turns == 1 else 's'} holding"
+                  if isinstance(turns, int) and turns else "while no turn held the lane")
+        tokens = event.get("tokens")
+        return (f"the engine generated {_number(event.get('duration')) or 0:.1f}s {beside} "
+                f"({event.get('slots')} slots"
+                f"{f', {tokens} tokens' if isinstance(tokens, int) else ''}; seen by "
+                f"{event.get('witness')} at {event.get('engine')})")
     if kind == "acquired":
         parts = ["back on local after deflections"] if event.get("way_back") else []
         return "; ".join(parts + [_ending(event)]).strip("; ")

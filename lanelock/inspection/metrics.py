@@ -22,7 +22,7 @@ def snapshot(store, lane=None) -> list[tuple[dict, dict]]:
     """[(status, counts)] for the lane, or every lane the store knows."""
     from .status import judged
 
-    return [(status, store.counts(facts)) for status, facts in judged(store, lane)]
+    return [(status, store.counts(facts)) for status, facts in judged(store, lane, engine=True)]
 
 
 class LaneCollector:
@@ -75,6 +75,20 @@ class LaneCollector:
         gate = GaugeMetricFamily("lanelock_gate_available",
                                  "1 when a turn can take the lane's gate; 0: turns run ungated "
                                  "(fail open; `lanelock status` says why)", labels=["lane"])
+        unseen = CounterMetricFamily("lanelock_engine_unseen",
+                                     "generations the engine ran that no turn held the lane for "
+                                     "(a client reaches it without lanelock), as its witness saw",
+                                     labels=["lane"])
+        unseen_seconds = CounterMetricFamily("lanelock_engine_unseen_seconds",
+                                             "seconds the engine generated unseen",
+                                             labels=["lane"])
+        held_idle = CounterMetricFamily("lanelock_lane_held_idle_seconds",
+                                        "seconds a turn held the lane while the engine computed "
+                                        "nothing (tool calls, a client thinking)",
+                                        labels=["lane"])
+        generating = GaugeMetricFamily("lanelock_engine_generating",
+                                       "slots the engine says it is computing now (one look per "
+                                       "scrape; absent when it cannot be read)", labels=["lane"])
         lanes, problems = self.fetch()
         store = GaugeMetricFamily("lanelock_store_available",
                                   "1 when a turn on a lane with no lock yet can create one; 0: "
@@ -109,6 +123,14 @@ class LaneCollector:
                     deflections.add_metric([lane, reason], float(value))
             if found is not None and "local_backend_busy" not in found:
                 deflections.add_metric([lane, "local_backend_busy"], 0.0)
+            witnessed = counts.get("witness") or {}
+            for family, name in ((unseen, "unseen"), (unseen_seconds, "unseen_seconds"),
+                                 (held_idle, "held_idle_seconds")):
+                if witnessed.get(name) is not None:   # unknown is left out, never 0
+                    family.add_metric([lane], float(witnessed[name]))
+            engine = status.get("engine") or {}
+            if engine.get("generating") is not None:
+                generating.add_metric([lane], float(engine["generating"]))
             for family, labels, histogram in (
                     (hold, [lane], counts["hold"]), (wait, [lane], counts["wait"]),
                     *((class_wait, [lane, klass], counts.get(f"wait_{klass}"))
@@ -122,7 +144,7 @@ class LaneCollector:
                 cumulative.append(("+Inf", float(histogram["count"])))
                 family.add_metric(labels, cumulative, histogram["sum"])
         yield from (gate, store, held, waiters, queued, since, stopped, turns, deflections, hold,
-                    wait, class_wait, readable)
+                    wait, class_wait, readable, unseen, unseen_seconds, held_idle, generating)
 
 
 def counts_problems(lanes) -> list[str]:

@@ -119,7 +119,34 @@ def _status_line(result: dict) -> str:
     queued = queue_lines(result)
     if queued:   # one line per lane (scripts read it so): the queue goes inside its brackets
         waiting = f" [{count} waiting: " + "; ".join(queued) + "]"
-    return sanitize(f"{result['lane']}: {result['message']}{waiting}{source}", 4000)
+    engine = engine_words(result.get("engine"))
+    engine = f"; {engine}" if engine else ""
+    return sanitize(f"{result['lane']}: {result['message']}{waiting}{source}{engine}", 4000)
+
+
+def engine_words(engine: dict | None) -> str | None:
+    """'engine http://127.0.0.1:8080 (llama.cpp): 1 of 2 slots generating; unseen: ...'"""
+    if not engine:
+        return None
+    url = engine.get("url") or "?"
+    if engine.get("problem"):
+        now = f"engine {url}: {engine['problem']}"
+    else:
+        slots = engine.get("slots")
+        of = f" of {slots} slot{'' if slots == 1 else 's'}" if slots is not None else ""
+        now = f"engine {url} ({engine.get('kind')}): {engine.get('generating')}{of} generating"
+    count, seconds = engine.get("unseen"), engine.get("unseen_seconds")
+    last, witness = engine.get("last_unseen") or {}, engine.get("witness")
+    if count:
+        text = (f"unseen: {count} generation{'' if count == 1 else 's'}"
+                f"{f', {seconds:.1f} s' if isinstance(seconds, (int, float)) else ''}")
+        if last:
+            text += (f", last at {last.get('started')} ({last.get('duration')} s, "
+                     f"{last.get('slots')} slots generating, {last.get('turns')} turns holding)")
+        return f"{now}; {text}"
+    if count == 0 and witness:
+        return f"{now}; unseen: none (witnessed by {witness.get('witness')} pid {witness.get('pid')})"
+    return f"{now}; no witness has watched it (lanelock watch, or the proxy)"
 
 
 def _waiting(result: dict) -> int:
@@ -158,8 +185,10 @@ def status_table(results: list[dict]):
         table.add_column(column)
     for result in results:
         style = STATE_STYLE.get(result["state"], "")
+        engine = engine_words(result.get("engine"))
         message = "\n".join([sanitize(result["message"], 2000)] +
-                            [sanitize(line, 300) for line in queue_lines(result)])
+                            [sanitize(line, 300) for line in queue_lines(result)] +
+                            ([sanitize(engine, 600)] if engine else []))
         table.add_row(escape(sanitize(result["lane"])), f"[{style}]{result['state']}[/{style}]",
                       escape(message), str(_waiting(result) or ""))
     if not results:
@@ -199,7 +228,8 @@ def watch(fetch, interval: float = 0.5, *, as_json: bool = False, notes=()) -> N
             live.update(status_table(fetch()))
 
 
-CELL = {"local": ("█", "green"), "deflected": ("▒", "yellow"), "idle": ("·", "dim")}
+CELL = {"local": ("█", "green"), "deflected": ("▒", "yellow"), "idle": ("·", "dim"),
+        "unseen": ("!", "bold red")}
 
 
 def history(data: dict, lane: str, as_json: bool, rows: list) -> None:
@@ -233,7 +263,8 @@ def history(data: dict, lane: str, as_json: bool, rows: list) -> None:
             bar = "".join(f"[{CELL[c][1]}]{CELL[c][0]}[/{CELL[c][1]}]" for c in cells)
             console.print(f"{label}  {bar}")
         if rows:
-            console.print("           █ local  ▒ deflected  · idle (one cell per minute)")
+            console.print("           █ local  ▒ deflected  · idle  ! unseen (one cell per "
+                          "minute)")
     if data["unreadable_lines"]:
         warn(f"{data['unreadable_lines']} journal line(s) could not be read and were skipped")
     sys.stdout.write(
@@ -243,7 +274,15 @@ def history(data: dict, lane: str, as_json: bool, rows: list) -> None:
         f"{summary['busy_fraction'] * 100:.0f}% of the span; longest hold "
         f"{summary['longest_hold']:.1f}s{_uncounted(summary)}"
         f"{'; ' + str(summary['holding']) + ' still holding' if summary['holding'] else ''}; "
-        f"way back to local {summary['way_back']}x\n")
+        f"way back to local {summary['way_back']}x{_unseen(summary)}\n")
+
+
+def _unseen(summary: dict) -> str:
+    if not summary.get("unseen"):
+        return ""
+    count = summary["unseen"]
+    return (f"; UNSEEN {count} generation{'' if count == 1 else 's'} "
+            f"({summary['unseen_seconds']:.1f}s) the engine ran with no turn holding the lane")
 
 
 def _uncounted(summary: dict) -> str:

@@ -13,15 +13,49 @@ from ..store.availability import gate_problem
 from .judge import judge
 
 
-def statuses(store, lane=None) -> list[dict]:
-    """The status of the lane, or of every lane the store knows when lane is None."""
-    return [status for status, _ in judged(store, lane)]
+def statuses(store, lane=None, engine: bool = False) -> list[dict]:
+    """The status of the lane, or of every lane the store knows when lane is None. engine: look
+    at each lane's engine once too ("engine", see engine_status)."""
+    return [status for status, _ in judged(store, lane, engine)]
 
 
-def judged(store, lane=None) -> list[tuple]:
+def judged(store, lane=None, engine: bool = False) -> list[tuple]:
     """[(status, the facts it was judged from)] (metrics reads the counts beside the facts)."""
-    return [(judge(facts, _gate_problem(store, lane, facts)), facts)
-            for facts in store.survey(lane)]
+    found = [(judge(facts, _gate_problem(store, lane, facts)), facts)
+             for facts in store.survey(lane)]
+    if engine and (lane is None or lane.gated):
+        for status, facts in found:
+            status["engine"] = engine_status(store, facts)
+    return found
+
+
+def engine_status(store, facts) -> dict:
+    """The engine behind a lane, looked at once (engine.look: url, kind, generating, slots,
+    problem), with what witnesses counted on the lane: unseen (generations no turn covered),
+    unseen_seconds, held_idle_seconds, last_unseen, and the witness that last said which engine
+    it watches ({url, kind, witness, pid}) -- its URL is the one looked at."""
+    from .. import engine
+    from ..lanes import BackendError, lane_named
+    from ..witness import engine_url
+
+    counts = store.counts(facts)
+    watched = counts.get("engine") or {}
+    url = watched.get("url") if isinstance(watched.get("url"), str) else None
+    if url is None:
+        try:
+            url = engine_url(lane_named(facts.lane))
+        except BackendError:
+            url = None
+    if url is None:
+        found = {"url": None, "kind": None, "generating": None, "slots": None,
+                 "problem": "on another machine: its witness reports here"}
+    else:
+        found = engine.look(url)
+    witness = counts.get("witness") or {}
+    found.update(unseen=witness.get("unseen"), unseen_seconds=witness.get("unseen_seconds"),
+                 held_idle_seconds=witness.get("held_idle_seconds"),
+                 last_unseen=counts.get("last_unseen"), witness=watched or None)
+    return found
 
 
 def _gate_problem(store, lane, facts) -> str | None:

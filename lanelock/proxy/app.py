@@ -40,7 +40,7 @@ class Options:
     def __init__(self, *, fallbacks=(), fallback_model=None, fallback_key=None, wait=0.0,
                  linger=0.0, session_header="X-Lanelock-Session", token=None, cheap_paths=None,
                  quiet=False, verbose=False, max_body=32 << 20, fallback_timeout=60.0,
-                 max_priority="interactive"):
+                 max_priority="interactive", witness=None):
         self.fallbacks = list(fallbacks)
         # fallback_model and fallback_key: {kind or None (every kind): value}
         self.fallback_model = _per_kind(fallback_model)
@@ -53,6 +53,7 @@ class Options:
         self.quiet, self.verbose = quiet, verbose
         self.max_body = max_body
         self.max_priority = max_priority   # the highest class a request's header may claim
+        self.witness = witness   # (engine URL, interval) to witness the engine, or None
 
 
 class Lingering:
@@ -80,6 +81,7 @@ class Proxy:
         self.ungated = 0              # ungated generation requests (no lane file records them)
         self.gate.warn = self._gate_warning
         self.fallback_gates: dict[str, Gate] = {}
+        self.witness = None           # the engine's witness (witness.py), when it runs
 
     # -- warnings ------------------------------------------------------------------------------
     def _gate_warning(self, message: str) -> None:

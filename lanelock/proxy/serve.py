@@ -134,14 +134,30 @@ async def serve(proxy, host: str, port: int, say) -> int:
     shown = f"[{bound[0]}]" if ":" in str(bound[0]) else bound[0]
     say.note(f"proxy listening on http://{shown}:{bound[1]} for {proxy.backend_url} "
              f"(lane {proxy.gate.lane.name}{'' if proxy.gate.gated else ', ungated'})")
+    witness = _witness(proxy, say)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signo in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signo, stop.set)
     await stop.wait()
     say.note("proxy stopping: no new connections; letting answers in flight finish")
-    await stop_within(runner, proxy, SHUTDOWN)
+    try:
+        await stop_within(runner, proxy, SHUTDOWN)
+    finally:
+        if witness is not None:
+            await asyncio.to_thread(witness.close, 1.0)
     return 0
+
+
+def _witness(proxy, say):
+    """The engine's witness, in a thread of its own (its looks never wait on the event loop)."""
+    if proxy.options.witness is None:
+        return None
+    from ..witness import Witness
+
+    url, interval = proxy.options.witness
+    proxy.witness = Witness(proxy.gate, url, interval=interval, tell=say.note, name="proxy")
+    return proxy.witness.start()
 
 
 async def stop_within(runner, proxy, bound: float) -> None:

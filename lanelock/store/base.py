@@ -31,6 +31,8 @@ The abstract methods:
   counts(facts)                    the lane's cumulative counts
   survey(lane=None, handle=None)   LaneFacts, without taking the lock
   events(lane, since)              the journal, oldest first
+and, with a default from survey() a store may make cheaper, holding(lane): what a witness asks
+several times a second (witness.py).
 The tests hold every store to it (tests/test_store_contract.py), tests/contract_store.py included:
 a store of about a hundred lines made of these twelve alone.
 """
@@ -202,10 +204,12 @@ class LaneStore(ABC):
         return None
 
     @abstractmethod
-    def count(self, lane, outcome: str, *, reason: str | None = None, held: float | None = None,
-              waited: float | None = None, priority: str | None = None) -> None:
+    def count(self, lane, outcome: str | None, *, reason: str | None = None,
+              held: float | None = None, waited: float | None = None,
+              priority: str | None = None, **witness) -> None:
         """Add one turn's outcome to the lane's cumulative counts (a turn that held no lock:
-        deflected, busy); never raises."""
+        deflected, busy); or, with outcome None, a witness's increments and facts (witness=,
+        engine=, last_unseen=: store/counts.py merge()); never raises."""
 
     @abstractmethod
     def counts(self, facts) -> dict:
@@ -222,6 +226,18 @@ class LaneStore(ABC):
         """The names of every lane the store knows (a listing, cheaper than judging them all).
         Default: from survey()."""
         return [facts.lane for facts in self.survey()]
+
+    def holding(self, lane, handle=None) -> tuple:
+        """(a turn holds the lane now: True, False or None when the store cannot tell; seconds
+        since the last turn released it, or None), for a witness that asks several times a
+        second. A store whose survey() costs others something overrides it with something
+        cheaper (the flock store never reads /proc/locks here, PITFALLS 22). Raises
+        GateUnavailable when the store cannot be read. Default: survey()."""
+        from ..holder import released_ago
+
+        facts = self.survey(lane, handle)[0]
+        held = None if facts.held is None else bool(facts.held) or facts.ending is not None
+        return held, released_ago(facts.record) if not facts.held else None
 
     @abstractmethod
     def events(self, lane, since: float | None) -> tuple:

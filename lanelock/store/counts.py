@@ -26,6 +26,9 @@ OUTCOMES = ("local", "waited", "deflected", "busy", "ungated", "fail_open")
 CLASSES = ("batch", "normal", "interactive")   # store/queue.py's classes
 # The histograms: hold and wait times, and the waits of each class (issue 26).
 HISTOGRAMS = ("hold", "wait") + tuple(f"wait_{klass}" for klass in CLASSES)
+# What a witness (witness.py) saw of the engine: generations no turn covered, and the time a turn
+# held the lane while the engine computed nothing. Counters, like the turns.
+WITNESS = ("unseen", "unseen_seconds", "held_idle_seconds")
 BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 MAX_BYTES = 64 * 1024
 _FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -33,6 +36,7 @@ _FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 def empty() -> dict:
     return {"schema": 1, "turns": {outcome: 0 for outcome in OUTCOMES}, "deflections": {},
+            "witness": {name: 0 for name in WITNESS}, "engine": None, "last_unseen": None,
             **{key: _histogram() for key in HISTOGRAMS}}
 
 
@@ -56,21 +60,32 @@ class NotCounted(Exception):
 
 
 def merge(data, outcome: str | None, *, reason: str | None = None, held: float | None = None,
-          waited: float | None = None, priority: str | None = None) -> dict:
+          waited: float | None = None, priority: str | None = None, witness: dict | None = None,
+          engine: dict | None = None, last_unseen: dict | None = None) -> dict:
     """data (stored counts, any shape) checked, plus one turn when outcome is given. What does
     not parse counts from 0 (the PostgreSQL store's rows, which are JSON the server checked)."""
     counts = parse(json.dumps(data).encode() if not isinstance(data, bytes) else data)[0] \
         if data is not None else empty()
-    for family in ("turns", "deflections"):
+    for family in ("turns", "deflections", "witness"):
         counts[family] = {name: value or 0 for name, value in (counts[family] or {}).items()}
     for key in HISTOGRAMS:
         counts[key] = counts[key] or _histogram()
-    return _plus(counts, outcome, reason=reason, held=held, waited=waited, priority=priority)
+    return _plus(counts, outcome, reason=reason, held=held, waited=waited, priority=priority,
+                 witness=witness, engine=engine, last_unseen=last_unseen)
 
 
 def _plus(counts: dict, outcome: str | None, *, reason=None, held=None, waited=None,
-          priority=None) -> dict:
-    """Whole counts (nothing None) plus one turn when outcome is given."""
+          priority=None, witness=None, engine=None, last_unseen=None) -> dict:
+    """Whole counts (nothing None) plus one turn when outcome is given, plus a witness's
+    increments ({name in WITNESS: amount}) and its latest facts (engine, last_unseen), when given."""
+    for name, amount in (witness or {}).items():
+        if name in WITNESS and counts["witness"].get(name) is not None:
+            total = counts["witness"][name] + amount
+            counts["witness"][name] = total if name == "unseen" else round(total, 3)
+    if engine is not None:
+        counts["engine"] = engine
+    if last_unseen is not None:
+        counts["last_unseen"] = last_unseen
     if outcome is not None:
         counts["turns"][outcome] = counts["turns"].get(outcome, 0) + 1
         if reason:
@@ -84,17 +99,16 @@ def _plus(counts: dict, outcome: str | None, *, reason=None, held=None, waited=N
     return counts
 
 
-def add(dir_fd: int, name: str, outcome: str, *, reason: str | None = None,
-        held: float | None = None, waited: float | None = None,
-        priority: str | None = None) -> None:
-    """Count one turn. NotCounted when it could not be (the caller warns once; the turn goes on)."""
+def add(dir_fd: int, name: str, outcome: str | None, **facts) -> None:
+    """Count one turn (outcome), or a witness's increments (outcome None; merge()'s keywords).
+    NotCounted when it could not be (the caller warns once; the turn goes on)."""
     try:
-        _add(dir_fd, name, outcome, reason=reason, held=held, waited=waited, priority=priority)
+        _add(dir_fd, name, outcome, **facts)
     except OSError as error:
         raise NotCounted(_why(error)) from None
 
 
-def _add(dir_fd: int, name: str, outcome: str, **facts) -> None:
+def _add(dir_fd: int, name: str, outcome: str | None, **facts) -> None:
     try:
         fd = os.open(name, os.O_RDWR | _FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -147,6 +161,7 @@ def read(path: str) -> dict:
 def unknown() -> dict:
     """Counts none of which could be read: every counter unknown (None), none 0."""
     return {"schema": 1, "turns": {outcome: None for outcome in OUTCOMES}, "deflections": None,
+            "witness": {name: None for name in WITNESS}, "engine": None, "last_unseen": None,
             **{key: None for key in HISTOGRAMS}}
 
 
@@ -172,6 +187,19 @@ def parse(raw: bytes) -> tuple[dict, str | None]:
             counts[family][name] = value if _count(value) else None
             if not _count(value):
                 bad.append(f"{family}.{name}")
+    witness = data.get("witness")
+    if witness is not None and not isinstance(witness, dict):
+        counts["witness"] = {name: None for name in WITNESS}
+        bad.append("witness")
+    for name, value in (witness.items() if isinstance(witness, dict) else ()):
+        if name not in WITNESS:
+            continue
+        good = _count(value) if name == "unseen" else _seconds(value)
+        counts["witness"][name] = value if good else None
+        if not good:
+            bad.append(f"witness.{name}")
+    for key in ("engine", "last_unseen"):   # facts a witness keeps, not counters
+        counts[key] = data.get(key) if isinstance(data.get(key), dict) else None
     for key in HISTOGRAMS:
         histogram = data.get(key)
         if histogram is None:
@@ -195,6 +223,10 @@ def parse(raw: bytes) -> tuple[dict, str | None]:
 
 def _count(value) -> bool:
     return type(value) is int and 0 <= value < 1 << 62
+
+
+def _seconds(value) -> bool:
+    return type(value) in (int, float) and 0 <= value < 1e15
 
 
 def _why(error: OSError) -> str:

@@ -391,6 +391,11 @@ class FlockStore(LaneStore):
                     flock_survey.lane_stems(self.root.path)]
         return [flock_survey.facts(self.root.path, lane.stem, lane.name, self.aging)]
 
+    def holding(self, lane, handle=None) -> tuple:
+        from . import flock_survey
+
+        return flock_survey.holding(self.path(self.names(lane.stem)["sidecar"]))
+
     def lane_names(self) -> list[str]:
         from . import flock_survey
 

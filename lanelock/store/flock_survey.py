@@ -84,6 +84,29 @@ def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0) -> 
     return found
 
 
+def holding(sidecar_path: str) -> tuple:
+    """(held, seconds since the release) from the holder record and the holder's /proc/PID/stat
+    alone: never /proc/locks, whose every read stalls every flock() on the machine (PITFALLS
+    22), so a witness can ask several times a second. A record not released whose process lives
+    (same start time) holds; so does the command of a killed turn that still runs. A holder that
+    writes no record (a plain flock(1)) is not seen here: a witness asks survey() before it calls
+    a generation unseen."""
+    from ..holder import released_ago
+
+    record, _ = sidecar.read(sidecar_path)
+    if record is None:
+        return False, None
+    if "released_at" in record:
+        return False, released_ago(record)
+    pid = sidecar.field(record, "pid", int)
+    ticks = sidecar.field(record, "start_ticks", int)
+    if pid is not None and ticks is not None and proc.start_ticks(pid) == ticks:
+        return True, None
+    from .outlived import running_command
+
+    return running_command(record) is not None, None
+
+
 def _queue(root: str, stem: str, aging: float) -> list[dict]:
     """The lane's waiting turns in order (store/queue.py); [] when there are none to read."""
     from .queue import Queue

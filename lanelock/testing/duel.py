@@ -5,6 +5,8 @@ Real, separate processes, each started through `lanelock run` exactly as a user 
   B  a second session with another HOME and a profile-like environment: must deflect;
   C  a cron-like turn (env -i, minimal PATH, no XDG variables, another HOME and cwd): must deflect;
   D  a turn that waits (--wait) while A holds: must get the lane the moment A lets go.
+Then the witness (duel_witness.py): a request straight to an engine is reported unseen, a gated
+turn is not.
 Every turn reports the lock path its own process computed; any difference is "two gates".
 Nothing is left running, even on Ctrl-C: every turn runs in its own session and is killed by group.
 """
@@ -134,7 +136,12 @@ class Duel:
                         os.close(fd)
                     except OSError:
                         pass
-        return self._compare(result)
+        return self._compare(result) or self._witness(workdir, result)
+
+    def _witness(self, workdir: str, result: dict) -> str | None:
+        from .duel_witness import witness_step
+
+        return witness_step(self, workdir, result)
 
     def _deflector(self, role, user, workdir, write_fd, reports, result) -> str | None:
         env = self._cron_env(workdir, role) if role == "C" else self._session_env(workdir, role)

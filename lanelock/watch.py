@@ -1,0 +1,43 @@
+"""`lanelock watch`: a witness in the foreground, for a box without the proxy (a systemd unit
+beside the proxy's). Ends within a second of SIGTERM or SIGINT, reporting an unseen generation
+still in progress as far as it was seen."""
+
+from __future__ import annotations
+
+import signal
+
+from . import exitcodes
+from .witness import Witness
+
+
+def watch(place, url: str, interval: float, say) -> int:
+    """Exit 0 when stopped by a signal; 69 when the engine cannot be witnessed (Ollama, slots
+    disabled with no metrics): nothing to compare, so the unit should not be restarted."""
+    witness = Witness(place, url, interval=interval, tell=say.note, name="watch",
+                      timeout=min(0.75, max(4 * interval, 0.5)))
+
+    def stop(signo, frame):
+        witness.stop.set()
+
+    for signo in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signo, stop)
+    kind = _first_look(witness)
+    if witness.cannot is None:
+        shown = f"{kind}, {witness.engine.source}" if kind else "kind not known yet"
+        say.note(f"watching the engine at {url} ({shown}) for lane {place.lane.name} every "
+                 f"{interval:g} s")
+        witness.run()
+    if witness.cannot is not None:
+        say.error(f"cannot witness {url}: {witness.cannot}")
+        return exitcodes.GATE_UNAVAILABLE
+    return exitcodes.OK
+
+
+def _first_look(witness: Witness) -> str | None:
+    from .engine import CannotWitness
+
+    try:
+        return witness.detect()
+    except CannotWitness as error:
+        witness.cannot = str(error)
+        return None

@@ -1,0 +1,347 @@
+"""The witness: the engine's own account of what it computes, held against the lane, sample by
+sample. lanelock vouches only for the clients that use it; the engine knows every generation.
+
+Each sample reads the engine first (engine.py: one GET), then the lane (store.holding: the holder
+record, no /proc/locks). Read in that order, a turn that starts between the two readings can
+never be taken for an unseen generation; one that ends between them is "outlived" (below).
+
+Verdicts, per sample:
+  covered    the engine generates and a turn holds the lane (as many slots as turns holding)
+  unseen     the engine generates with no turn holding the lane, or more slots generate than
+             turns hold it (an engine with --parallel 2): something reaches it without lanelock
+  held idle  a turn holds the lane and the engine computes nothing (tool calls, a client
+             thinking): worth knowing, never an error
+  outlived   a generation goes on after its turn released (a client hung up, the engine ending
+             its batch): covered for OUTLIVED_GRACE seconds after the release, then unseen
+
+An unseen incident is counted when it is first seen (within two intervals of its start: one to
+come, one for the GET), and reported when it ends: a journal event ("unseen": when, how long,
+slots, turns, tokens, which witness), one stderr line, and its seconds in the lane's counts,
+which every process's metrics read. Before it accuses anyone the witness asks the lock's own
+truth once (store.survey: a holder that writes no record, a plain flock(1), is a turn too).
+
+Fail open, cost nothing: an engine that cannot be read is said once, and its recovery once; the
+witness never touches a turn, and never asks the engine anything that makes it work.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from . import engine as engines
+from .errors import GateUnavailable, RecordNotWritten
+
+INTERVAL = 0.25          # seconds between samples (the default; --interval)
+OUTLIVED_GRACE = 2.0     # seconds a generation may outlive its turn's release before it is unseen
+IDLE_FLUSH = 10.0        # seconds of held idle time kept in memory before it is counted
+RETRY = 1.0              # seconds between looks at an engine that cannot be read
+
+
+class Incident:
+    __slots__ = ("started", "started_wall", "slots", "turns", "tasks", "seen")
+
+    def __init__(self, now: float, wall: float, slots: int, turns: int, tasks: dict):
+        self.started, self.started_wall = now, wall
+        self.slots, self.turns = slots, turns
+        self.tasks = dict(tasks)
+        self.seen = now
+
+    def tokens(self) -> int | None:
+        counts = [value for value in self.tasks.values() if value is not None]
+        return sum(counts) if counts else None
+
+
+class Verdicts:
+    """The verdict machine, fed one sample at a time (pure: no I/O, its clock given)."""
+
+    def __init__(self, interval: float = INTERVAL, grace: float = OUTLIVED_GRACE):
+        self.interval, self.grace = interval, grace
+        self.incident: Incident | None = None
+        self.idle = 0.0          # held idle seconds not yet counted
+        self.verdict = None      # the last sample's: covered, unseen, held-idle, outlived, idle
+        self.generating = None   # the last sample's slots generating
+        self._last: float | None = None
+
+    def excess(self, generating: int, held: bool, released_ago: float | None) -> int:
+        """Slots generating beyond the turns that may account for them."""
+        turns = 1 if held else (1 if released_ago is not None and released_ago <= self.grace
+                                else 0)
+        return max(0, generating - turns)
+
+    def observe(self, now: float, wall: float, account, held: bool,
+                released_ago: float | None) -> list[tuple[str, object]]:
+        """[(what, incident)]: ("started", it) when an unseen incident begins, ("ended", it) when
+        it is over. Held idle time accumulates in self.idle."""
+        step = 0.0 if self._last is None else min(now - self._last, 2 * self.interval + 1.0)
+        self._last = now
+        generating = account.generating
+        self.generating = generating
+        if held and generating == 0:
+            self.idle += step
+        excess = self.excess(generating, held, released_ago)
+        self.verdict = ("unseen" if excess else "covered" if generating and held else
+                        "outlived" if generating else "held-idle" if held else "idle")
+        found = []
+        if excess:
+            if self.incident is None:
+                self.incident = Incident(now, wall, generating, 1 if held else 0, account.tasks)
+                found.append(("started", self.incident))
+            else:
+                incident = self.incident
+                incident.slots = max(incident.slots, generating)
+                incident.seen = now
+                for task, tokens in account.tasks.items():
+                    incident.tasks[task] = tokens
+        elif self.incident is not None:
+            found.append(("ended", self.end(now)))
+        return found
+
+    def end(self, now: float) -> Incident | None:
+        """Close the incident in progress (it ended by now)."""
+        incident, self.incident = self.incident, None
+        if incident is not None:
+            incident.seen = now
+        return incident
+
+
+def sentence(lane: str, incident: Incident) -> str:
+    duration = incident.seen - incident.started
+    if incident.turns:
+        held = (f"{incident.slots} slots generating, {incident.turns} turn"
+                f"{'' if incident.turns == 1 else 's'} holds the lane")
+        return (f"unseen generation on {lane}: the engine generated {duration:.1f} s beside the "
+                f"turn that held the lane ({held}) -- a client reaches the engine without "
+                "lanelock")
+    return (f"unseen generation on {lane}: the engine generated {duration:.1f} s while no turn "
+            "held the lane -- a client reaches the engine without lanelock")
+
+
+class Witness:
+    """Watch one engine for one lane (a Place: its store and lane) until stop is set.
+
+    tell(message): a stderr line (`lanelock: ` is added by the caller's say). name: which witness
+    ("proxy", "watch"), in the journal and the counts. Runs in the caller's thread (run()) or a
+    thread of its own (start())."""
+
+    def __init__(self, place, url: str, *, interval: float = INTERVAL, tell=None,
+                 name: str = "watch", grace: float = OUTLIVED_GRACE, timeout: float | None = None):
+        self.place, self.url, self.interval, self.name = place, url, interval, name
+        self.engine = engines.Engine(url, timeout if timeout is not None
+                                     else min(engines.TIMEOUT, max(interval * 4, 0.5)))
+        self.verdicts = Verdicts(interval, grace)
+        self.tell = tell or (lambda message: None)
+        self.stop = threading.Event()
+        self.cannot: str | None = None     # why this engine cannot be witnessed (then run ends)
+        self.failing: str | None = None    # the engine cannot be read now (said once)
+        self.samples = 0
+        self._handle = None
+        self._thread: threading.Thread | None = None
+        self._remembered = False
+        self._flushed = time.monotonic()
+
+    # -- running ---------------------------------------------------------------------------------
+    def start(self) -> "Witness":
+        """Run in a thread of its own; an engine that cannot be witnessed is said once."""
+        def run():
+            why = self.run()
+            if why:
+                self.tell(f"witness: cannot witness {self.url} ({why}); turns are not affected")
+
+        self._thread = threading.Thread(target=run, name="lanelock-witness", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float = 2.0) -> None:
+        self.stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def detect(self) -> str | None:
+        """The engine's kind, or None while it cannot be read (said once); CannotWitness when
+        there is nothing to witness."""
+        try:
+            kind = self.engine.detect()
+        except engines.Unreadable as error:
+            self._failing(str(error))
+            return None
+        self._recovered()
+        self._remembered = False   # said with the next count, once the lane's store can be
+        return kind
+
+    def run(self) -> str | None:
+        """Sample until stop is set; returns why it stopped early (cannot witness) or None."""
+        try:
+            while not self.stop.is_set():
+                if self.engine.kind is None and self.detect() is None:
+                    self.stop.wait(RETRY)
+                    continue
+                started = time.monotonic()
+                self.sample_once()
+                self.stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
+        except engines.CannotWitness as error:   # the caller says it (start(), watch.py)
+            self.cannot = str(error)
+        finally:
+            self.finish()
+        return self.cannot
+
+    def sample_once(self) -> None:
+        try:
+            account = self.engine.sample()
+        except engines.Unreadable as error:
+            self._failing(str(error))
+            return
+        self._recovered()
+        now, wall = time.monotonic(), time.time()
+        try:
+            held, released_ago = self._holding()
+            if not held and self.verdicts.excess(account.generating, held, released_ago):
+                held, released_ago = self._confirm(held, released_ago)
+        except GateUnavailable as error:
+            self._failing(f"the lane's store: {error}")
+            return
+        self.samples += 1
+        if not self._remembered:   # which engine this lane's witness watches, for `status`
+            self._remembered = True
+            self._count()
+        for what, incident in self.verdicts.observe(now, wall, account, bool(held), released_ago):
+            if what == "started":
+                self._count(witness={"unseen": 1})
+            else:
+                self._report(incident)
+        if self.verdicts.idle and (not held or now - self._flushed >= IDLE_FLUSH):
+            self._flush_idle(now)
+
+    def finish(self) -> None:
+        """At the end: an incident in progress is reported as far as it was seen, idle time
+        counted, the store let go."""
+        incident = self.verdicts.end(time.monotonic()) if self.verdicts.incident else None
+        if incident is not None:
+            incident.seen = max(incident.seen, incident.started)
+            self._report(incident)
+        if self.verdicts.idle:
+            self._flush_idle(time.monotonic())
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    # -- the lane ----------------------------------------------------------------------------------
+    def _open(self):
+        if self._handle is None:
+            self._handle = self.place.store.open(self.place.lane)
+        return self._handle
+
+    def _holding(self) -> tuple:
+        try:
+            return self.place.store.holding(self.place.lane, self._open())
+        except GateUnavailable:
+            self._drop_handle()
+            raise
+
+    def _confirm(self, held, released_ago) -> tuple:
+        """Before calling a generation unseen: the lock's own truth (/proc/locks, pg_locks), read
+        only now -- a holder that writes no record is a turn too."""
+        facts = self.place.store.survey(self.place.lane, self._open())[0]
+        if facts.held or facts.ending is not None:
+            return True, None
+        return held, released_ago
+
+    def _drop_handle(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    # -- what it says --------------------------------------------------------------------------------
+    def _failing(self, why: str) -> None:
+        if self.failing is None:
+            self.tell(f"witness: cannot read the engine at {self.url} ({why}); turns are not "
+                      "affected, still trying")
+        self.failing = why
+        # Time without a reading is neither idle nor covered: the next sample starts afresh.
+        self.verdicts._last = None
+
+    def _recovered(self) -> None:
+        if self.failing is not None:
+            self.failing = None
+            self.tell(f"witness: the engine at {self.url} answers again "
+                      f"({self.engine.kind or 'kind not known yet'})")
+
+    def _report(self, incident: Incident) -> None:
+        from .facts import utc_now
+
+        lane = self.place.lane.name
+        duration = round(max(incident.seen - incident.started, 0.0), 3)
+        fields = {"started": utc_now(incident.started_wall), "duration": duration,
+                  "slots": incident.slots, "turns": incident.turns,
+                  "tokens": incident.tokens(), "witness": self.name,
+                  "engine": self.url, "kind": self.engine.kind}
+        self.tell(sentence(lane, incident))
+        event = {"event": "unseen", "time": fields["started"],
+                 "ts": round(incident.started_wall, 6), "monotonic": round(incident.started, 6),
+                 "lane": lane, "pid": os.getpid(), "session": f"witness ({self.name})",
+                 **fields}
+        try:
+            self.place.store.append_event(self._open(), event)
+        except (RecordNotWritten, GateUnavailable) as error:
+            self.tell(f"witness: the unseen generation was not journaled: {error}")
+            self._drop_handle()
+        self._count(witness={"unseen_seconds": duration},
+                    last_unseen={key: fields[key] for key in
+                                 ("started", "duration", "slots", "turns", "tokens", "witness")})
+
+    def _flush_idle(self, now: float) -> None:
+        idle, self.verdicts.idle = round(self.verdicts.idle, 3), 0.0
+        self._flushed = now
+        if idle > 0:
+            self._count(witness={"held_idle_seconds": idle})
+
+    def _count(self, **facts) -> None:
+        """Add to the lane's counts, saying which engine this witness watches (status looks
+        there)."""
+        engine = {"url": self.url, "kind": self.engine.kind, "witness": self.name,
+                  "pid": os.getpid(), "source": self.engine.source}
+        try:
+            self.place.store.count(self.place.lane, None, engine=engine, **facts)
+        except GateUnavailable:
+            pass   # the counts are the metrics' business; the journal line still says it
+
+
+def engine_url(lane, given: str | None = None) -> str | None:
+    """The engine a lane's backend names (scheme://HOST:PORT), or None for a lane on another
+    machine (a PostgreSQL store's localhost@OTHER)."""
+    from .facts import hostname
+    from .lanes import BackendError, origin
+
+    if lane.machine and lane.machine != hostname():
+        return None
+    try:
+        return origin(given or lane.given or f"{lane.host}:{lane.port}")
+    except BackendError:
+        return None
+
+
+def parse_engine(text: str) -> str:
+    """--engine URL: http(s)://HOST[:PORT][/PATH], as given (no trailing slash). UsageProblem
+    names what is wrong."""
+    from urllib.parse import urlsplit
+
+    from .errors import UsageProblem
+
+    shown = repr(text if len(text) <= 200 else text[:200] + "…")
+    try:
+        parts = urlsplit(text.strip())
+        port = parts.port
+    except ValueError as error:
+        raise UsageProblem(f"--engine {shown}: {error}") from None
+    if parts.scheme.lower() not in ("http", "https"):
+        raise UsageProblem(f"--engine {shown}: expected an http:// or https:// URL of the engine "
+                           "(e.g. http://127.0.0.1:8080)")
+    if not parts.hostname:
+        raise UsageProblem(f"--engine {shown}: the URL names no host")
+    if parts.username or parts.password or parts.query or parts.fragment:
+        raise UsageProblem(f"--engine {shown}: give the engine's base URL only (no user, query "
+                           "or fragment)")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return (f"{parts.scheme.lower()}://{host}{f':{port}' if port else ''}"
+            f"{parts.path.rstrip('/')}")
