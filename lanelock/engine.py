@@ -187,7 +187,8 @@ class Engine:
         for model in running["running"]:
             name = model.get("model") or model.get("name") if isinstance(model, dict) else None
             if not isinstance(name, str) or not name:
-                continue
+                raise Unreadable(f"{self.url}/running lists something that is not a model: "
+                                 f"{json.dumps(model)[:80]}")
             # Only a model that is up: asking one that is starting or stopping could load it.
             if model.get("state", "ready") != "ready":
                 continue

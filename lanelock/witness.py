@@ -226,6 +226,15 @@ class Witness:
             self._handle.close()
             self._handle = None
 
+    def now(self) -> dict:
+        """What it sees now, for the proxy's /lanelock/status: {engine, kind, interval, samples,
+        verdict (covered, unseen, held-idle, outlived, idle, or None before a sample),
+        generating, failing, cannot}."""
+        return {"engine": self.url, "kind": self.engine.kind, "interval": self.interval,
+                "samples": self.samples, "verdict": self.verdicts.verdict,
+                "generating": self.verdicts.generating, "failing": self.failing,
+                "cannot": self.cannot}
+
     # -- the lane ----------------------------------------------------------------------------------
     def _open(self):
         if self._handle is None:

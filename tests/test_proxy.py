@@ -314,7 +314,8 @@ def test_real_clients_openai_sdk_llm_and_curl(procs, lanelock, run_cmd, tmp_path
     # llm's --no-stream needs the answer's "usage", which the stand-in does not send: that one
     # goes through a second proxy, in front of the recorder (which answers as OpenAI does).
     recorder = Recorder(procs)
-    recorded = Proxy(procs, f"127.0.0.1:{recorder.port}")
+    # --no-witness: the recorder writes down every request, the witness's looks included.
+    recorded = Proxy(procs, f"127.0.0.1:{recorder.port}", "--no-witness")
     user_path = tmp_path / "llm"
     user_path.mkdir()
     (user_path / "extra-openai-models.yaml").write_text(
@@ -666,7 +667,8 @@ def test_token_is_required_and_never_forwarded(procs, lanelock):
     recorder = Recorder(procs)
     token = secrets.token_hex(16)
     proxy = Proxy(procs, f"127.0.0.1:{recorder.port}", "--token-env", "LANELOCK_TEST_TOKEN",
-                  env={"LANELOCK_TEST_TOKEN": token})
+                  "--no-witness", env={"LANELOCK_TEST_TOKEN": token})   # the recorder records all
+
     missing = request(proxy.port, "POST", CHAT, chat_body())
     wrong = request(proxy.port, "POST", CHAT, chat_body(), {"Authorization": "Bearer nope"})
     ungated = request(proxy.port, "GET", "/v1/models")

@@ -25,11 +25,11 @@ def judged(store, lane=None, engine: bool = False) -> list[tuple]:
              for facts in store.survey(lane)]
     if engine and (lane is None or lane.gated):
         for status, facts in found:
-            status["engine"] = engine_status(store, facts)
+            status["engine"] = engine_status(store, facts, lane)
     return found
 
 
-def engine_status(store, facts) -> dict:
+def engine_status(store, facts, lane=None) -> dict:
     """The engine behind a lane, looked at once (engine.look: url, kind, generating, slots,
     problem), with what witnesses counted on the lane: unseen (generations no turn covered),
     unseen_seconds, held_idle_seconds, last_unseen, and the witness that last said which engine
@@ -41,10 +41,11 @@ def engine_status(store, facts) -> dict:
     counts = store.counts(facts)
     watched = counts.get("engine") or {}
     url = watched.get("url") if isinstance(watched.get("url"), str) else None
-    if url is None:
+    if url is None:   # the backend as the user spelled it, else as the store names the lane
         try:
-            url = engine_url(lane_named(facts.lane))
-        except BackendError:
+            url = engine_url(lane if lane is not None and lane.name == facts.lane
+                             else lane_named(facts.lane))
+        except (BackendError, ValueError):
             url = None
     if url is None:
         found = {"url": None, "kind": None, "generating": None, "slots": None,

@@ -407,8 +407,10 @@ class Proxy:
     async def _status(self) -> web.Response:
         from ..inspection.status import statuses
 
-        lanes = await asyncio.to_thread(statuses, self.gate.store, self.gate.lane)
+        lanes = await asyncio.to_thread(statuses, self.gate.store, self.gate.lane, True)
         here = {"in_flight": self.in_flight - 1, "taking_the_lane": self.waiting}  # less this one
+        if self.witness is not None:   # the witness now: what it saw last, or why it cannot
+            here["witness"] = self.witness.now()
         return web.json_response({"lanes": lanes, "proxy": here}, dumps=lambda data: json.dumps(data, indent=2,
                                                                                  sort_keys=True))
 

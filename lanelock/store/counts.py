@@ -4,8 +4,9 @@ of hold and wait times. STEM.counts beside the lock.
 Counters never go backwards: a count derived from the journal would drop when it rotates, and
 Prometheus would read that as a reset. So every turn adds its outcome here, once, after it let go
 of the lane (never on the hand-off path), under a flock of this file's own: concurrent turns
-(holders, deflected turns, proxies) each add theirs, none is lost. Readers take the shared lock,
-so they never see half an update. Mode 0666, like the journal: every user's turns count.
+(holders, deflected turns, proxies) each add theirs, none is lost. Readers read until two reads
+agree (or take the shared lock), so they never see half an update. Mode 0666, like the journal:
+every user's turns count.
 
 Never reset silently (issue 23): a file that cannot be read whole -- not JSON, not the counts'
 shape, a count that is no count, a directory or symlink in its place -- is never written over (that
@@ -149,13 +150,26 @@ def read(path: str) -> dict:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return dict(unknown(), problem=f"{path}: not a regular file")
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        counts, problem = parse(os.pread(fd, MAX_BYTES + 1, 0))
+        raw = _stable_read(fd)
+        counts, problem = parse(raw)
         return dict(counts, problem=f"{path}: {problem}" if problem else None)
     except OSError as error:
         return dict(unknown(), problem=f"{path}: {_why(error)}")
     finally:
         os.close(fd)
+
+
+def _stable_read(fd: int) -> bytes:
+    """The file's bytes, whole. Read twice until two reads agree and parse (a writer's pwrite
+    caught half way does neither), without a lock: `status` and `metrics` take no lock of any
+    kind, so a look can never delay a turn (status's audit test holds it to that). A file that
+    keeps changing under the reads is read under the shared lock instead."""
+    for _ in range(5):
+        first = os.pread(fd, MAX_BYTES + 1, 0)
+        if first == os.pread(fd, MAX_BYTES + 1, 0) and parse(first)[1] is None:
+            return first
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return os.pread(fd, MAX_BYTES + 1, 0)
 
 
 def unknown() -> dict:

@@ -1,0 +1,349 @@
+"""The witness (issue 29): every generation the engine runs is a turn the gate saw, or lanelock
+says so. Real processes: the stand-in engine (lanelock.testing serve, with llama.cpp's /slots and
+the documented shapes of llama-swap, vLLM, SGLang and Ollama -- servers this machine cannot run),
+`lanelock watch`, `lanelock proxy`, `lanelock run` and the API."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from conftest import LANELOCK, TIMEOUT, environ, json_of, read_line
+
+PYTHON = sys.executable
+INTERVAL = 0.2
+
+
+class StandIn:
+    """`python -m lanelock.testing serve` in its own process, on a free loopback port."""
+
+    def __init__(self, procs, tmp_path, *args, port: int = 0, delay: float = 0.6):
+        port_file = tmp_path / f"engine-{time.monotonic_ns()}.port"
+        self.proc = procs.start([PYTHON, "-m", "lanelock.testing", "serve", "--port", str(port),
+                                 "--delay", str(delay), "--port-file", str(port_file),
+                                 *map(str, args)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + TIMEOUT
+        while not port_file.exists():   # written (renamed into place) once it listens
+            assert self.proc.poll() is None, "the stand-in exited"
+            assert time.monotonic() < deadline, "the stand-in never listened"
+            time.sleep(0.01)
+        self.port = int(port_file.read_text())
+        self.backend = f"127.0.0.1:{self.port}"
+        self.url = f"http://{self.backend}"
+
+    def stats(self) -> dict:
+        with urllib.request.urlopen(self.url + "/stats", timeout=TIMEOUT) as response:
+            return json.load(response)
+
+    def ask(self, prompt: str = "straight to the engine") -> None:
+        body = json.dumps({"messages": [{"role": "user", "content": prompt}]}).encode()
+        request = urllib.request.Request(self.url + "/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
+            response.read()
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(TIMEOUT)
+
+
+class Watch:
+    """`lanelock watch` with its stderr read line by line as it comes."""
+
+    def __init__(self, procs, backend: str, *args, interval: float = INTERVAL, env=None,
+                 started: bool = True):
+        self.proc = procs.start([*LANELOCK, "watch", "-b", backend, "--interval", str(interval),
+                                 *map(str, args)], env=environ(env), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+        self.lines: list[str] = []
+        if started:
+            self.wait_for("watching the engine")
+
+    def next_line(self, timeout: float = TIMEOUT) -> str:
+        line = read_line(self.proc.stderr, timeout)
+        self.lines.append(line)
+        return line
+
+    def wait_for(self, needle: str, timeout: float = TIMEOUT) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.next_line(max(0.1, deadline - time.monotonic()))
+            assert line, f"watch ended before saying {needle!r}: {self.lines}"
+            assert "Traceback" not in line, self.lines
+            if needle in line:
+                return line
+
+    def stop(self, signo=signal.SIGTERM) -> tuple[int, list[str]]:
+        """Signal it; (exit status, every line it said)."""
+        self.proc.send_signal(signo)
+        rest = self.proc.stderr.read().decode(errors="replace").splitlines(keepends=True)
+        self.lines += rest
+        return self.proc.wait(TIMEOUT), self.lines
+
+
+def unseen_lines(lines) -> list[str]:
+    return [line for line in lines if "unseen generation" in line]
+
+
+def engine_of(json_of, backend: str) -> dict:
+    return json_of(["status", "-b", backend, "--json"])["lanes"][0]["engine"]
+
+
+def unseen_events(json_of, backend: str) -> list[dict]:
+    return [event for event in json_of(["history", "-b", backend, "--json"])["events"]
+            if event["event"] == "unseen"]
+
+
+# -- the verdicts -------------------------------------------------------------------------------------
+def test_a_direct_generation_is_unseen_within_two_intervals_and_timed_within_one(procs, tmp_path):
+    engine = StandIn(procs, tmp_path, delay=1.2)
+    watch = Watch(procs, engine.backend)
+    engine.ask()
+    line = watch.wait_for("unseen generation")
+    assert f"unseen generation on localhost:{engine.port}: the engine generated" in line
+    assert "while no turn held the lane -- a client reaches the engine without lanelock" in line
+    status, lines = watch.stop()
+    assert status == 0 and len(unseen_lines(lines)) == 1, lines
+    (event,) = unseen_events(json_of, engine.backend)
+    (generation,) = engine.stats()["generations"]
+    # Detected within two intervals of the engine's own start; its length within one interval.
+    assert 0 <= event["ts"] - generation["started"] <= 2 * INTERVAL, (event, generation)
+    real = generation["ended"] - generation["started"]
+    assert abs(event["duration"] - real) <= INTERVAL, (event, generation)
+    assert (event["slots"], event["turns"], event["witness"], event["kind"]) == \
+        (1, 0, "watch", "llama.cpp")
+    found = engine_of(json_of, engine.backend)
+    assert (found["unseen"], found["kind"], found["generating"], found["slots"]) == \
+        (1, "llama.cpp", 0, 1)
+    assert found["unseen_seconds"] == event["duration"]
+    assert found["witness"]["witness"] == "watch" and found["last_unseen"]["slots"] == 1
+
+
+def test_thirty_gated_turns_from_run_the_api_and_the_proxy_are_never_unseen(procs, lanelock, tmp_path):
+    engine = StandIn(procs, tmp_path, delay=0.15)
+    watch = Watch(procs, engine.backend)
+    client = [PYTHON, "-m", "lanelock.testing", "client", engine.url]
+    for _ in range(10):
+        assert lanelock("run", "-b", engine.backend, "--", *client).returncode == 0
+    api = (
+        "import sys\n"
+        "from lanelock import Gate\n"
+        "from lanelock.testing.standin import complete\n"
+        "gate = Gate(sys.argv[1])\n"
+        "for _ in range(10):\n"
+        "    with gate.turn(session='api', wait=30) as turn:\n"
+        "        assert turn.held, turn.state\n"
+        "        complete(sys.argv[2])\n")
+    assert procs.start([PYTHON, "-c", api, engine.backend, engine.url]).wait(TIMEOUT) == 0
+    from test_proxy import Proxy, chat_body, request
+
+    proxy = Proxy(procs, engine.backend, "--no-witness")
+    for _ in range(10):
+        status, headers, _ = request(proxy.port, "POST", "/v1/chat/completions", chat_body())
+        assert status == 200 and headers.get("X-Lanelock-State") == "held"
+    assert "witness" not in proxy.stderr()
+    status, lines = watch.stop()
+    assert status == 0 and unseen_lines(lines) == [], lines
+    assert engine.stats()["total"] == 30
+    assert engine_of(json_of, engine.backend)["unseen"] == 0
+    assert unseen_events(json_of, engine.backend) == []
+
+
+def test_a_turn_that_holds_before_it_generates_counts_held_idle(procs, lanelock, tmp_path):
+    engine = StandIn(procs, tmp_path, delay=0.2)
+    watch = Watch(procs, engine.backend)
+    command = (f"import time; time.sleep(1.0); from lanelock.testing.standin import complete; "
+               f"complete({engine.url!r})")
+    assert lanelock("run", "-b", engine.backend, "--", PYTHON, "-c", command).returncode == 0
+    status, lines = watch.stop()   # a stopping witness counts what it held in memory
+    assert status == 0 and unseen_lines(lines) == [], lines
+    idle = engine_of(json_of, engine.backend)["held_idle_seconds"]
+    assert 0.8 <= idle <= 3.0, idle
+    metrics = lanelock("metrics", "-b", engine.backend).stdout
+    assert f'lanelock_lane_held_idle_seconds_total{{lane="localhost:{engine.port}"}} {idle}' \
+        in metrics
+
+
+def test_a_generation_that_outlives_its_turn_briefly_is_not_unseen(procs, lanelock, tmp_path):
+    """The turn's command leaves its request running and ends: the engine finishes it 1 s after
+    the release, inside the outlived grace (2 s)."""
+    engine = StandIn(procs, tmp_path, delay=1.0)
+    watch = Watch(procs, engine.backend)
+    leave = (f"import subprocess, sys; subprocess.Popen([sys.executable, '-m', "
+             f"'lanelock.testing', 'client', {engine.url!r}], start_new_session=True)")
+    assert lanelock("run", "-b", engine.backend, "--", PYTHON, "-c", leave).returncode == 0
+    deadline = time.monotonic() + TIMEOUT
+    while not engine.stats()["generations"] or engine.stats()["in_flight"]:
+        assert time.monotonic() < deadline   # the left-behind request runs, then ends
+        time.sleep(0.05)
+    status, lines = watch.stop()
+    assert status == 0 and unseen_lines(lines) == [], lines
+
+
+def test_two_slots_generating_beside_one_held_turn_is_unseen(procs, holder, tmp_path):
+    engine = StandIn(procs, tmp_path, "--parallel", 2, delay=1.0)
+    watch = Watch(procs, engine.backend)
+    held = holder("-b", engine.backend, command=[
+        PYTHON, "-c", "import sys, threading\n"
+        "from lanelock.testing.standin import complete\n"
+        "threading.Thread(target=complete, args=(sys.argv[1],), daemon=True).start()\n"
+        "print('ready', __import__('os').getpid(), flush=True)\n"
+        "sys.stdin.readline()\n", engine.url])
+    engine.ask()   # beside the holder's own generation
+    line = watch.wait_for("unseen generation")
+    assert "2 slots generating, 1 turn holds the lane" in line, line
+    held.release()
+    status, lines = watch.stop()
+    assert len(unseen_lines(lines)) == 1, lines
+    (event,) = unseen_events(json_of, engine.backend)
+    assert (event["slots"], event["turns"]) == (2, 1)
+
+
+# -- where it runs ------------------------------------------------------------------------------------
+def test_the_proxy_witnesses_its_engine_by_default(procs, tmp_path):
+    from test_proxy import Proxy
+
+    engine = StandIn(procs, tmp_path, delay=0.8)
+    proxy = Proxy(procs, engine.backend, "--witness-interval", INTERVAL)
+    engine.ask()
+    deadline = time.monotonic() + TIMEOUT
+    while "unseen generation" not in proxy.stderr():   # the proxy's stderr is drained for us
+        assert time.monotonic() < deadline, proxy.stderr()
+        time.sleep(0.05)
+    with urllib.request.urlopen(proxy.url + "/metrics", timeout=TIMEOUT) as response:
+        metrics = response.read().decode()
+    assert f'lanelock_engine_unseen_total{{lane="localhost:{engine.port}"}} 1.0' in metrics
+    assert f'lanelock_engine_generating{{lane="localhost:{engine.port}"}} 0.0' in metrics
+    (event,) = unseen_events(json_of, engine.backend)
+    assert event["witness"] == "proxy"
+    assert proxy.stop() == 0
+    assert len(unseen_lines(proxy.stderr().splitlines())) == 1
+
+
+@pytest.mark.parametrize("signo", [signal.SIGTERM, signal.SIGINT])
+def test_watch_ends_within_a_second_of_a_signal(procs, tmp_path, signo):
+    engine = StandIn(procs, tmp_path)
+    watch = Watch(procs, engine.backend, interval=5)   # asleep between looks
+    began = time.monotonic()
+    status, lines = watch.stop(signo)
+    assert status == 0 and time.monotonic() - began < 1.0, lines
+    assert not any("Traceback" in line for line in lines)
+
+
+@pytest.mark.parametrize("kind", ["llama-swap", "vllm", "sglang"])
+def test_documented_shapes_of_other_engines_are_witnessed(procs, tmp_path, kind):
+    """llama-swap, vLLM and SGLang cannot run here: the stand-in answers in their documented
+    shapes (lanelock/testing/standin.py), and the witness reads them like any other."""
+    engine = StandIn(procs, tmp_path, "--kind", kind, "--metrics", delay=1.0)
+    watch = Watch(procs, engine.backend)
+    shown = {"llama-swap": "llama-swap", "vllm": "vLLM", "sglang": "SGLang"}[kind]
+    assert f"({shown}, " in watch.lines[-1], watch.lines
+    engine.ask()
+    watch.wait_for("unseen generation")
+    status, lines = watch.stop()
+    assert status == 0 and len(unseen_lines(lines)) == 1, lines
+    assert engine_of(json_of, engine.backend)["kind"] == shown
+    # llama-swap: only models /running lists were asked (asking another would load it).
+    assert engine.stats().get("loads", []) == []
+
+
+# -- what cannot be witnessed, and bad input ------------------------------------------------------------
+@pytest.mark.parametrize("args, words", [
+    (["--no-slots"], "slots disabled (501)"),
+    (["--kind", "ollama"], "Ollama reports no work in flight"),
+])
+def test_engines_that_cannot_be_witnessed_say_so(procs, lanelock, tmp_path, args, words):
+    engine = StandIn(procs, tmp_path, *args)
+    done = lanelock("watch", "-b", engine.backend)
+    assert done.returncode == 69, done
+    assert done.stderr.startswith("lanelock: cannot witness") and words in done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    plain = lanelock("status", "-b", engine.backend).stdout
+    assert f"cannot witness: {words}" in plain, plain
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("garbage", "not JSON"),
+    ("odd", "lists something that is not a model"),
+    ("redirect", "not followed"),
+])
+def test_an_engine_that_answers_nonsense_is_said_once(procs, tmp_path, kind, words):
+    engine = StandIn(procs, tmp_path, "--kind", kind)
+    watch = Watch(procs, engine.backend, started=False)
+    line = watch.wait_for("witness: cannot read the engine")
+    assert words in line and "turns are not affected" in line, line
+    status, lines = watch.stop()
+    assert status == 0
+    assert sum("cannot read the engine" in line for line in lines) == 1, lines
+    assert not any("Traceback" in line for line in lines)
+
+
+def test_an_engine_down_then_up_is_said_once_each_way(procs, tmp_path, lanelock):
+    from test_proxy import free_port
+
+    port = free_port()
+    watch = Watch(procs, f"127.0.0.1:{port}", started=False)
+    line = watch.wait_for("witness: cannot read the engine")
+    assert "Connection refused" in line and "still trying" in line, line
+    engine = StandIn(procs, tmp_path, port=port)
+    assert "(llama.cpp)" in watch.wait_for("answers again")
+    assert any("(kind not known yet)" in line for line in watch.lines), watch.lines
+    engine.stop()
+    watch.wait_for("witness: cannot read the engine")
+    status, lines = watch.stop()
+    assert status == 0 and sum("cannot read" in line for line in lines) == 2, lines
+
+
+def test_a_slow_engine_is_not_answering(procs, tmp_path):
+    engine = StandIn(procs, tmp_path, "--slow", 3)
+    watch = Watch(procs, engine.backend, started=False)
+    line = watch.wait_for("witness: cannot read the engine")
+    assert "did not answer within" in line, line
+    watch.stop()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--engine", "ftp://127.0.0.1:8080"], "expected an http:// or https:// URL"),
+    (["--engine", "http://"], "names no host"),
+    (["--engine", "http://127.0.0.1:99999"], "--engine"),
+    (["--engine", "http://u:p@127.0.0.1:8080"], "base URL only"),
+    (["--engine", "x" * 100_000], "--engine"),
+    (["--interval", "0"], "more than 0"),
+    (["--interval", "-1"], "negative"),
+    (["--interval", "soon"], "not a number of seconds"),
+    (["-b", "api.openai.com:443"], "not a local lane"),
+])
+def test_bad_input_is_one_line_and_exit_2(lanelock, args, words):
+    done = lanelock("watch", *(["-b", "127.0.0.1:1"] if "-b" not in args else []), *args)
+    assert done.returncode == 2, done
+    assert done.stderr.startswith("lanelock: ") and words in done.stderr, done.stderr
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+def test_status_history_and_metrics_show_an_unseen_generation(procs, lanelock, tmp_path):
+    engine = StandIn(procs, tmp_path, delay=0.6)
+    watch = Watch(procs, engine.backend)
+    engine.ask()
+    watch.wait_for("unseen generation")
+    watch.stop()
+    plain = lanelock("status", "-b", engine.backend).stdout
+    assert f"engine http://127.0.0.1:{engine.port} (llama.cpp): 0 of 1 slot generating; " \
+           "unseen: 1 generation" in plain, plain
+    history = lanelock("history", "-b", engine.backend).stdout
+    assert "unseen" in history and "the engine generated" in history, history
+    assert "UNSEEN 1 generation" in history.splitlines()[-1], history
+    metrics = lanelock("metrics", "-b", engine.backend).stdout
+    assert f'lanelock_engine_unseen_total{{lane="localhost:{engine.port}"}} 1.0' in metrics
+    assert "lanelock_engine_unseen_seconds_total" in metrics
+
+
+def test_status_says_when_no_engine_answers(lanelock):
+    plain = lanelock("status", "-b", "127.0.0.1:1").stdout
+    assert "engine http://127.0.0.1:1: not answering" in plain, plain
