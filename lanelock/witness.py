@@ -37,6 +37,7 @@ INTERVAL = 0.25          # seconds between samples (the default; --interval)
 OUTLIVED_GRACE = 2.0     # seconds a generation may outlive its turn's release before it is unseen
 IDLE_FLUSH = 10.0        # seconds of held idle time kept in memory before it is counted
 RETRY = 1.0              # seconds between looks at an engine that cannot be read
+STANDBY = 2.0            # seconds between a standing-by witness's tries to take over
 
 
 class Incident:
@@ -139,6 +140,8 @@ class Witness:
         self._handle = None
         self._thread: threading.Thread | None = None
         self._remembered = False
+        self._claim = None
+        self.standing_by: str | None = None   # the other witness this one waits behind
         self._flushed = time.monotonic()
 
     # -- running ---------------------------------------------------------------------------------
@@ -174,6 +177,9 @@ class Witness:
         """Sample until stop is set; returns why it stopped early (cannot witness) or None."""
         try:
             while not self.stop.is_set():
+                if self._claim is None and not self.claim():
+                    self.stop.wait(STANDBY)
+                    continue
                 if self.engine.kind is None and self.detect() is None:
                     self.stop.wait(RETRY)
                     continue
@@ -213,6 +219,29 @@ class Witness:
         if self.verdicts.idle and (not held or now - self._flushed >= IDLE_FLUSH):
             self._flush_idle(now)
 
+    def claim(self) -> bool:
+        """Become the lane's one witness (store.claim_witness), or stand by, said once: two
+        witnesses of one engine would count each unseen generation twice."""
+        from .facts import hostname
+
+        lane = self.place.lane.name
+        try:
+            self._claim, other = self.place.store.claim_witness(
+                self.place.lane, f"{self.name} pid {os.getpid()} on {hostname()}")
+        except GateUnavailable as error:
+            self._failing(f"the lane's store: {error}")
+            return False
+        if self._claim is None:
+            if self.standing_by is None:
+                self.tell(f"witness: {lane} is witnessed already ({other}); standing by, to take "
+                          "over when that witness ends")
+            self.standing_by = other
+            return False
+        if self.standing_by is not None:
+            self.tell(f"witness: taking over on {lane} ({self.standing_by} ended)")
+            self.standing_by = None
+        return True
+
     def finish(self) -> None:
         """At the end: an incident in progress is reported as far as it was seen, idle time
         counted, the store let go."""
@@ -222,18 +251,19 @@ class Witness:
             self._report(incident)
         if self.verdicts.idle:
             self._flush_idle(time.monotonic())
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+        self._drop_handle()
+        if self._claim is not None:
+            self._claim.close()
+            self._claim = None
 
     def now(self) -> dict:
         """What it sees now, for the proxy's /lanelock/status: {engine, kind, interval, samples,
         verdict (covered, unseen, held-idle, outlived, idle, or None before a sample),
-        generating, failing, cannot}."""
+        generating, failing, cannot, standing_by (the witness it waits behind, or None)}."""
         return {"engine": self.url, "kind": self.engine.kind, "interval": self.interval,
                 "samples": self.samples, "verdict": self.verdicts.verdict,
                 "generating": self.verdicts.generating, "failing": self.failing,
-                "cannot": self.cannot}
+                "cannot": self.cannot, "standing_by": self.standing_by}
 
     # -- the lane ----------------------------------------------------------------------------------
     def _open(self):
@@ -285,7 +315,6 @@ class Witness:
                   "slots": incident.slots, "turns": incident.turns,
                   "tokens": incident.tokens(), "witness": self.name,
                   "engine": self.url, "kind": self.engine.kind}
-        self.tell(sentence(lane, incident))
         event = {"event": "unseen", "time": fields["started"],
                  "ts": round(incident.started_wall, 6), "monotonic": round(incident.started, 6),
                  "lane": lane, "pid": os.getpid(), "session": f"witness ({self.name})",
@@ -298,6 +327,7 @@ class Witness:
         self._count(witness={"unseen_seconds": duration},
                     last_unseen={key: fields[key] for key in
                                  ("started", "duration", "slots", "turns", "tokens", "witness")})
+        self.tell(sentence(lane, incident))   # last: once said, it is journaled and counted
 
     def _flush_idle(self, now: float) -> None:
         idle, self.verdicts.idle = round(self.verdicts.idle, 3), 0.0

@@ -137,7 +137,7 @@ def test_a_group_without_its_command_prints_its_help_on_several_lines(group, lan
     names = [line.split()[0] for line in commands]
     assert names == (["path", "set", "show"] if group else
                      ["completion", "config", "duel", "history", "metrics", "probe", "proxy",
-                      "run", "status", "where"]), commands
+                      "run", "status", "watch", "where"]), commands
 
 
 @pytest.mark.parametrize("args", [["nosuchcmd"], ["config", "nosuchcmd"]])

@@ -345,5 +345,30 @@ def test_status_history_and_metrics_show_an_unseen_generation(procs, lanelock, t
 
 
 def test_status_says_when_no_engine_answers(lanelock):
+    """In the JSON; the plain line leaves out an engine nobody runs or ever witnessed."""
+    engine = engine_of(json_of, "127.0.0.1:1")
+    assert engine["problem"].startswith("not answering: http://127.0.0.1:1/running: ")
+    assert (engine["url"], engine["generating"], engine["unseen"], engine["witness"]) == \
+        ("http://127.0.0.1:1", None, 0, None)
     plain = lanelock("status", "-b", "127.0.0.1:1").stdout
-    assert "engine http://127.0.0.1:1: not answering" in plain, plain
+    assert "engine" not in plain, plain
+
+
+def test_one_witness_per_lane_the_other_stands_by_and_takes_over(procs, tmp_path):
+    """A proxy and a watch (or two hosts' proxies) on one engine: one counts, the other stands
+    by; kill -9 of the first and the second takes over (the kernel lets go of the claim)."""
+    engine = StandIn(procs, tmp_path, delay=0.6)
+    first = Watch(procs, engine.backend)
+    second = Watch(procs, engine.backend)
+    line = second.wait_for("standing by")
+    assert f"is witnessed already (watch pid {first.proc.pid} on " in line, line
+    engine.ask()
+    first.wait_for("unseen generation")
+    first.proc.kill()
+    first.proc.wait(TIMEOUT)
+    assert f"watch pid {first.proc.pid}" in second.wait_for("taking over")
+    engine.ask()
+    second.wait_for("unseen generation")
+    status, lines = second.stop()
+    assert status == 0 and len(unseen_lines(lines)) == 1, lines   # the first one was not its
+    assert len(unseen_events(json_of, engine.backend)) == 2

@@ -119,14 +119,19 @@ def _status_line(result: dict) -> str:
     queued = queue_lines(result)
     if queued:   # one line per lane (scripts read it so): the queue goes inside its brackets
         waiting = f" [{count} waiting: " + "; ".join(queued) + "]"
-    engine = engine_words(result.get("engine"))
+    engine = engine_words(result.get("engine"), quiet=True)
     engine = f"; {engine}" if engine else ""
     return sanitize(f"{result['lane']}: {result['message']}{waiting}{source}{engine}", 4000)
 
 
-def engine_words(engine: dict | None) -> str | None:
-    """'engine http://127.0.0.1:8080 (llama.cpp): 1 of 2 slots generating; unseen: ...'"""
+def engine_words(engine: dict | None, quiet: bool = False) -> str | None:
+    """'engine http://127.0.0.1:8080 (llama.cpp): 1 of 2 slots generating; unseen: ...'. quiet
+    (the plain line): nothing for an engine that does not answer and that no witness ever
+    watched -- a lane with no server behind it, which the JSON still says."""
     if not engine:
+        return None
+    if quiet and not engine.get("witness") and not engine.get("unseen") \
+            and (engine.get("problem") or "").startswith("not answering"):
         return None
     url = engine.get("url") or "?"
     if engine.get("problem"):

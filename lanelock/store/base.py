@@ -31,8 +31,8 @@ The abstract methods:
   counts(facts)                    the lane's cumulative counts
   survey(lane=None, handle=None)   LaneFacts, without taking the lock
   events(lane, since)              the journal, oldest first
-and, with a default from survey() a store may make cheaper, holding(lane): what a witness asks
-several times a second (witness.py).
+and, with defaults a store may improve, what a witness (witness.py) needs: holding(lane), asked
+several times a second, and claim_witness(lane), so that one witness counts a lane's engine.
 The tests hold every store to it (tests/test_store_contract.py), tests/contract_store.py included:
 a store of about a hundred lines made of these twelve alone.
 """
@@ -238,6 +238,14 @@ class LaneStore(ABC):
         facts = self.survey(lane, handle)[0]
         held = None if facts.held is None else bool(facts.held) or facts.ending is not None
         return held, released_ago(facts.record) if not facts.held else None
+
+    def claim_witness(self, lane, who: str | None = None) -> tuple:
+        """(a claim, None) when this process may witness the lane's engine -- the claim lasts
+        until claim.close() or this process's end, like a lock --, or (None, who) while another
+        witness holds it (who: words for people, as the holder gave them). One witness per lane, whichever process and
+        host, so an unseen generation is counted once. Default: every witness may (a store that
+        cannot tell)."""
+        return LockHandle(), None
 
     @abstractmethod
     def events(self, lane, since: float | None) -> tuple:

@@ -396,6 +396,23 @@ class FlockStore(LaneStore):
 
         return flock_survey.holding(self.path(self.names(lane.stem)["sidecar"]))
 
+    def claim_witness(self, lane, who: str | None = None) -> tuple:
+        """A flock on STEM.witness beside the lock (never removed, like the lock): the kernel lets
+        go of it when the witness ends, and a witness standing by takes over."""
+        from .witness_file import claim
+
+        try:
+            dir_fd = open_root(self.root, create=True)
+        except OSError as error:
+            raise GateUnavailable(f"lock root {self.root.path}: {error.strerror}") from None
+        try:
+            return claim(dir_fd, f"{lane.stem}.witness", who)
+        except OSError as error:
+            raise GateUnavailable(f"{self.path(lane.stem + '.witness')}: "
+                                  f"{error.strerror or error}") from None
+        finally:
+            os.close(dir_fd)
+
     def lane_names(self) -> list[str]:
         from . import flock_survey
 

@@ -29,6 +29,7 @@ from .queue import DEFAULT_AGING
 from .pg_session import BOUND, NAMESPACE, SCHEMA_SQL, connect, driver, ensure_schema, first_line, redact
 
 NO_ROW = "no holder row yet"
+WITNESS_NAMESPACE = 0x4C4E5754   # "LNWT": the lane's one witness, never a lane's or a queue's key
 COLLISION = "advisory key collision"
 
 
@@ -472,6 +473,32 @@ class PgStore(LaneStore):
 
             facts.stopped = stopped(pid, record)
         return facts
+
+    def claim_witness(self, lane, who: str | None = None) -> tuple:
+        """A session advisory lock on (WITNESS_NAMESPACE, the lane's key) in a connection of its
+        own, held while the witness runs: one witness per lane across every host."""
+        from ..facts import hostname
+
+        psycopg = driver()
+        key = (WITNESS_NAMESPACE, lane_key(lane.name)[1])
+        conn = self.connect(f"lanelock witness {who or f'pid {os.getpid()} on {hostname()}'}"[:63])
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute("SELECT pg_try_advisory_lock(%s, %s)", key)
+                if cursor.fetchone()[0]:
+                    return PgHandle(conn, lane.name, key, 0), None
+                cursor.execute(
+                    "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a "
+                    "ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted AND "
+                    "l.classid = %s AND l.objid = %s AND l.objsubid = 2",
+                    (key[0] & 0xFFFFFFFF, key[1] & 0xFFFFFFFF))
+                row = cursor.fetchone()
+            conn.close()
+            return None, (row[0].removeprefix("lanelock witness ") if row and row[0]
+                          else "another session")
+        except psycopg.Error as error:
+            conn.close()
+            raise GateUnavailable(f"lane store {redact(self.dsn)}: {first_line(error)}") from None
 
     def lost(self, handle: PgHandle) -> bool:
         """Has the server ended our session (pg_terminate_backend, restart)? Then the lane is gone."""

@@ -1,0 +1,63 @@
+"""The flock store's witness claim: STEM.witness beside the lock, flocked by the one witness of
+the lane and naming it (pid, host, which witness) for the others. Like the lock file it is never
+removed; the kernel lets go of the flock when its witness ends, however it ends."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+
+_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+class Claim:
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)   # drops the flock
+            self.fd = -1
+
+
+def claim(dir_fd: int, name: str, who: str | None = None) -> tuple:
+    """(Claim, None), or (None, the words the holder left) while another witness has it."""
+    try:
+        fd = os.open(name, _FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        try:
+            fd = os.open(name, _FLAGS | os.O_CREAT | os.O_EXCL, 0o666, dir_fd=dir_fd)
+            os.fchmod(fd, 0o666)   # every user's witness may take over
+        except FileExistsError:
+            fd = os.open(name, _FLAGS, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EPERM, "not a regular file")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held_by = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            return None, held_by
+    except BaseException:
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        raise
+    text = (who or default_words()).encode()[:500]
+    try:
+        os.pwrite(fd, text, 0)
+        os.ftruncate(fd, len(text))
+    except OSError:
+        pass   # the words only label the claim
+    return Claim(fd), None
+
+
+def default_words() -> str:
+    from ..facts import hostname
+
+    return f"pid {os.getpid()} on {hostname()}"
