@@ -133,6 +133,12 @@ KNOWN = [
           test="test_systemd_units_verify",
           not_run="starting it as a service (no systemd here); the proxy itself runs in "
                   "test_proxy_recipe"),
+    Known("unseen-line", "README.md", r"^lanelock: unseen generation on ",
+          test="test_watch_unit_and_its_unseen_line"),   # the line a witness prints, compared there
+    Known("watch-unit", "README.md", r"^\[Unit\]\nDescription=lanelock watch",
+          test="test_watch_unit_and_its_unseen_line",
+          not_run="starting it as a service (no systemd here); systemd-analyze verifies the file "
+                  "and its ExecStart runs as systemd would run it"),
     Known("metrics-cron", "README.md", r"^\* \* \* \* \* \S+ metrics ",
           test="test_metrics_textfile_cron_line"),
     Known("scrape-config", "README.md", r"^scrape_configs:\n  - job_name: lanelock-proxy",
@@ -516,7 +522,7 @@ def unit_file(name: str, standins: StandIns, directory: Path) -> Path:
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not found")
-@pytest.mark.parametrize("name", ["systemd-run", "proxy-unit", "man-systemd"])
+@pytest.mark.parametrize("name", ["systemd-run", "proxy-unit", "man-systemd", "watch-unit"])
 def test_systemd_units_verify(name, standins, run_cmd, tmp_path):
     """systemd-analyze verify: no error and no warning (an unknown key or section is a warning,
     a command that is not executable an error)."""
@@ -739,6 +745,50 @@ def test_proxy_recipe(procs, tmp_path):
     assert [lane["lane"] for lane in lanes] == ["localhost:8080"]
     proxy.send_signal(signal.SIGTERM)
     assert proxy.wait(timeout=TIMEOUT) == 0
+
+
+def _stand_in_on(port: int, procs, tmp_path, kind: str) -> subprocess.Popen:
+    port_file = tmp_path / f"engine-{kind}.port"
+    engine = procs.start([sys.executable, "-m", "lanelock.testing", "serve", "--port", str(port),
+                          "--delay", "0.5", "--kind", kind, "--port-file", str(port_file)],
+                         stderr=subprocess.PIPE)
+    wait_for(lambda: port_file.exists() or engine.poll() is not None, "the stand-in to listen")
+    if engine.poll() is not None:
+        pytest.skip(f"127.0.0.1:{port} is in use here")
+    return engine
+
+
+def test_watch_unit_and_its_unseen_line(standins, procs, tmp_path):
+    """The unit's ExecStart, run as systemd runs it, watches the engine on 127.0.0.1:8080 (a
+    stand-in there), says the README's line for a request sent straight to it, and ends at
+    once on SIGTERM (KillSignal) with 0; an engine it cannot witness is exit 69, which
+    RestartPreventExitStatus names."""
+    unit = unit_file("watch-unit", standins, tmp_path).read_text()
+    argv = shlex.split(re.search(r"^ExecStart=(.*)$", unit, re.M).group(1))
+    assert re.search(r"^RestartPreventExitStatus=69$", unit, re.M)
+    assert re.search(r"^KillSignal=SIGTERM$", unit, re.M)
+    engine = _stand_in_on(8080, procs, tmp_path, "llama.cpp")
+    watch = procs.start(argv, stderr=subprocess.PIPE)
+    assert read_line(watch.stderr).strip() == ("lanelock: watching the engine at "
+                                               "http://127.0.0.1:8080 (llama.cpp, /slots) for "
+                                               "lane localhost:8080 every 0.25 s")
+    request = urllib.request.Request("http://127.0.0.1:8080/v1/chat/completions",
+                                     data=b'{"messages": []}')
+    with urllib.request.urlopen(request, timeout=TIMEOUT) as answer:
+        answer.read()
+    said = read_line(watch.stderr).strip()
+    shown = block("unseen-line").text.strip()
+    pattern = re.escape(shown).replace(re.escape("2.3 s"), r"\d+\.\d s")
+    assert re.fullmatch(pattern, said), (said, shown)
+    began = time.monotonic()
+    watch.send_signal(signal.SIGTERM)
+    assert watch.wait(timeout=TIMEOUT) == 0 and time.monotonic() - began < 1.0
+    engine.kill()
+    engine.wait(TIMEOUT)
+    _stand_in_on(8080, procs, tmp_path, "ollama")
+    done = subprocess.run(argv, stderr=subprocess.PIPE, text=True, timeout=TIMEOUT,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 69 and "Ollama reports no work in flight" in done.stderr
 
 
 # -- inline recipes -----------------------------------------------------------------------------
