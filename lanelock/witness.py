@@ -12,7 +12,9 @@ Verdicts, per sample:
   held idle  a turn holds the lane and the engine computes nothing (tool calls, a client
              thinking): worth knowing, never an error
   outlived   a generation goes on after its turn released (a client hung up, the engine ending
-             its batch): covered for OUTLIVED_GRACE seconds after the release, then unseen
+             its batch): covered for OUTLIVED_GRACE seconds after the release, then unseen. Where
+             the engine names its tasks (llama.cpp) and the turn's own were seen, only those
+             outlive it: another that starts after the release is unseen at once
 
 An unseen incident is counted when it is first seen (within two intervals of its start: one to
 come, one for the GET), and reported when it ends: a journal event ("unseen": when, how long,
@@ -63,13 +65,24 @@ class Verdicts:
         self.idle = 0.0          # held idle seconds not yet counted
         self.verdict = None      # the last sample's: covered, unseen, held-idle, outlived, idle
         self.generating = None   # the last sample's slots generating
+        self.turn_tasks: set = set()   # tasks seen generating during the last hold
+        self._was_held = False
         self._last: float | None = None
 
-    def excess(self, generating: int, held: bool, released_ago: float | None) -> int:
-        """Slots generating beyond the turns that may account for them."""
-        turns = 1 if held else (1 if released_ago is not None and released_ago <= self.grace
-                                else 0)
-        return max(0, generating - turns)
+    def excess(self, account, held: bool, released_ago: float | None) -> int:
+        """Slots generating beyond the turns that may account for them. Within the grace after
+        a release, the released turn's generation may go on (outlived). Where the engine names
+        its tasks (llama.cpp's id_task) and the witness saw the turn's own: only those outlive
+        it, so a generation that begins after they ended is unseen at once; otherwise (a
+        /metrics count, a turn too short to be sampled) one generation may be the turn's."""
+        generating = account.generating
+        if held:
+            return max(0, generating - 1)
+        if released_ago is None or released_ago > self.grace:
+            return generating
+        if self.turn_tasks and len(account.tasks) == generating:
+            return sum(1 for task in account.tasks if task not in self.turn_tasks)
+        return max(0, generating - 1)
 
     def observe(self, now: float, wall: float, account, held: bool,
                 released_ago: float | None) -> list[tuple[str, object]]:
@@ -81,7 +94,12 @@ class Verdicts:
         self.generating = generating
         if held and generating == 0:
             self.idle += step
-        excess = self.excess(generating, held, released_ago)
+        if held and not self._was_held:
+            self.turn_tasks = set()   # a new hold: its own tasks from now on
+        self._was_held = held
+        if held:
+            self.turn_tasks.update(account.tasks)
+        excess = self.excess(account, held, released_ago)
         self.verdict = ("unseen" if excess else "covered" if generating and held else
                         "outlived" if generating else "held-idle" if held else "idle")
         found = []
@@ -202,7 +220,7 @@ class Witness:
         now, wall = time.monotonic(), time.time()
         try:
             held, released_ago = self._holding()
-            if not held and self.verdicts.excess(account.generating, held, released_ago):
+            if not held and self.verdicts.excess(account, held, released_ago):
                 held, released_ago = self._confirm(held, released_ago)
         except GateUnavailable as error:
             self._failing(f"the lane's store: {error}")

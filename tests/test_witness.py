@@ -172,19 +172,53 @@ def test_a_turn_that_holds_before_it_generates_counts_held_idle(procs, lanelock,
 
 
 def test_a_generation_that_outlives_its_turn_briefly_is_not_unseen(procs, lanelock, tmp_path):
-    """The turn's command leaves its request running and ends: the engine finishes it 1 s after
-    the release, inside the outlived grace (2 s)."""
-    engine = StandIn(procs, tmp_path, delay=1.0)
+    """The turn's command starts a streamed request, waits until the engine streams, and ends,
+    leaving a child to read the rest: the engine generates on for ~1 s after the release,
+    inside the outlived grace (2 s)."""
+    engine = StandIn(procs, tmp_path, "--tokens", 10, "--token-interval", 0.12)
     watch = Watch(procs, engine.backend)
-    leave = (f"import subprocess, sys; subprocess.Popen([sys.executable, '-m', "
-             f"'lanelock.testing', 'client', {engine.url!r}], start_new_session=True)")
-    assert lanelock("run", "-b", engine.backend, "--", PYTHON, "-c", leave).returncode == 0
+    leave = (
+        "import os, subprocess, sys\n"
+        "read, write = os.pipe()\n"
+        "reader = ('import json, os, sys, urllib.request\\n'\n"
+        "          'body = json.dumps({\"stream\": True, \"messages\": []}).encode()\\n'\n"
+        "          'answer = urllib.request.urlopen(sys.argv[1] + \"/v1/chat/completions\", body)\\n'\n"
+        "          'answer.readline()\\n'\n"
+        "          'os.write(int(sys.argv[2]), b\"streaming\\\\n\")\\n'\n"
+        "          'answer.read()\\n')\n"
+        "subprocess.Popen([sys.executable, '-c', reader, sys.argv[1], str(write)],\n"
+        "                 pass_fds=(write,), start_new_session=True)\n"
+        "os.close(write)\n"
+        "assert os.read(read, 100) == b'streaming\\n'\n")
+    assert lanelock("run", "-b", engine.backend, "--", PYTHON, "-c", leave,
+                    engine.url).returncode == 0
     deadline = time.monotonic() + TIMEOUT
-    while not engine.stats()["generations"] or engine.stats()["in_flight"]:
-        assert time.monotonic() < deadline   # the left-behind request runs, then ends
+    while engine.stats()["in_flight"]:   # the left-behind stream ends on its own
+        assert time.monotonic() < deadline
         time.sleep(0.05)
     status, lines = watch.stop()
     assert status == 0 and unseen_lines(lines) == [], lines
+    (generation,) = engine.stats()["generations"]
+    released = [event for event in json_of(["history", "-b", engine.backend, "--json"])["events"]
+                if event["event"] == "released"][-1]
+    assert generation["ended"] > released["ts"] + 0.5   # it did outlive its turn
+
+
+def test_a_generation_that_begins_after_the_turns_own_ended_is_unseen_at_once(
+        procs, lanelock, tmp_path):
+    """Inside the grace too: the engine names its tasks, the witness saw the turn's own end,
+    so the next one is nobody's."""
+    engine = StandIn(procs, tmp_path, delay=0.8)
+    watch = Watch(procs, engine.backend)
+    client = [PYTHON, "-m", "lanelock.testing", "client", engine.url]
+    assert lanelock("run", "-b", engine.backend, "--", *client).returncode == 0
+    engine.ask()   # right after the release: well inside the 2 s grace
+    line = watch.wait_for("unseen generation")
+    status, lines = watch.stop()
+    assert len(unseen_lines(lines)) == 1, lines
+    (event,) = unseen_events(json_of, engine.backend)
+    generation = engine.stats()["generations"][-1]
+    assert abs(event["duration"] - (generation["ended"] - generation["started"])) <= INTERVAL
 
 
 def test_two_slots_generating_beside_one_held_turn_is_unseen(procs, holder, tmp_path):
