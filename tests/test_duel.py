@@ -50,6 +50,23 @@ def test_duel_passes_and_reports_one_lock_path(lanelock, tmp_path, monkeypatch):
     assert leftover_duelists(str(tmp_path / "root")) == []
 
 
+def test_duel_witness_sees_a_direct_request_and_not_a_gated_turn(lanelock, tmp_path, monkeypatch):
+    """The step the seed never had: `lanelock watch` over a stand-in engine (llama.cpp's /slots)
+    reports a request sent straight to it while the lane is free, and not a turn through run;
+    on a root of its own, so the duel's lane and the user's engine are never touched."""
+    monkeypatch.setenv("LANELOCK_DIR", str(tmp_path / "root"))
+    done = lanelock("duel", "--json", "--hold", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    steps = {step["step"]: step for step in report["steps"]}
+    assert steps["witness: unseen"]["ok"] and steps["witness: covered"]["ok"], steps
+    assert "unseen generation on localhost:" in report["witness"]["unseen_reported"]
+    assert "while no turn held the lane" in report["witness"]["unseen_reported"]
+    assert report["witness"]["gated_reported"] == []
+    names = {path.name.partition(".")[0] for path in (tmp_path / "root").iterdir()}
+    assert names == {"localhost-8080"}   # the witness's lane lived in the duel's own work dir
+
+
 def test_duel_human_report_ends_with_pass(lanelock, tmp_path, monkeypatch):
     monkeypatch.setenv("LANELOCK_DIR", str(tmp_path))
     done = lanelock("duel", "--hold", "0")
