@@ -39,7 +39,9 @@ class Seconds(click.FloatRange):
             hint = (f"; {self.flag}'s value is optional: write {self.flag}=SECONDS, or end "
                     f"lanelock's options with -- before the command") if self.optional else ""
             self.fail(f"{value!r} is not a number of seconds{hint}", param, ctx)
-        if number != number or number < 0:
+        if number != number:   # nan: no amount of time at all
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if number < 0:
             self.fail(f"{value} is negative: SECONDS must be 0 or more", param, ctx)
         return number
 

@@ -113,7 +113,13 @@ class Engine:
         """The kind, found by what answers; sets self.kind and self.source."""
         status, running = self._json("/running")
         if status == 200 and isinstance(running, dict) and isinstance(running.get("running"), list):
-            return self._found(LLAMA_SWAP, "/running and /upstream/MODEL/slots")
+            self._found(LLAMA_SWAP, "/running and /upstream/MODEL/slots")
+            try:
+                self._swap()   # its answer read whole once: an odd one is said now
+            except Unreadable:
+                self.kind = None
+                raise
+            return LLAMA_SWAP
         status, body, _ = self.get("/slots")
         if status == 200:
             slots = _parse_json(body, self.url + "/slots")

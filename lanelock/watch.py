@@ -21,11 +21,12 @@ def watch(place, url: str, interval: float, say) -> int:
 
     for signo in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signo, stop)
-    kind = _first_look(witness)
+    kind, why = _first_look(witness)
     if witness.cannot is None:
-        shown = f"{kind}, {witness.engine.source}" if kind else "kind not known yet"
+        shown = f"{kind}, {witness.engine.source}" if kind else f"not answering yet: {why}"
         say.note(f"watching the engine at {url} ({shown}) for lane {place.lane.name} every "
                  f"{interval:g} s")
+        witness.failing = why   # said just now: the next line about it is its recovery
         witness.run()
     if witness.cannot is not None:
         say.error(f"cannot witness {url}: {witness.cannot}")
@@ -33,11 +34,15 @@ def watch(place, url: str, interval: float, say) -> int:
     return exitcodes.OK
 
 
-def _first_look(witness: Witness) -> str | None:
-    from .engine import CannotWitness
+def _first_look(witness: Witness) -> tuple:
+    """(the engine's kind, None), or (None, why it cannot be read yet); an engine that cannot
+    be witnessed at all sets witness.cannot."""
+    from .engine import CannotWitness, Unreadable
 
     try:
-        return witness.detect()
+        return witness.engine.detect(), None
+    except Unreadable as error:
+        return None, str(error)
     except CannotWitness as error:
         witness.cannot = str(error)
-        return None
+        return None, None

@@ -223,7 +223,7 @@ class Witness:
             if not held and self.verdicts.excess(account, held, released_ago):
                 held, released_ago = self._confirm(held, released_ago)
         except GateUnavailable as error:
-            self._failing(f"the lane's store: {error}")
+            self._failing(str(error), "the lane's store")
             return
         self.samples += 1
         if not self._remembered:   # which engine this lane's witness watches, for `status`
@@ -247,7 +247,7 @@ class Witness:
             self._claim, other = self.place.store.claim_witness(
                 self.place.lane, f"{self.name} pid {os.getpid()} on {hostname()}")
         except GateUnavailable as error:
-            self._failing(f"the lane's store: {error}")
+            self._failing(str(error), f"the lane's store")
             return False
         if self._claim is None:
             if self.standing_by is None:
@@ -310,10 +310,10 @@ class Witness:
             self._handle = None
 
     # -- what it says --------------------------------------------------------------------------------
-    def _failing(self, why: str) -> None:
+    def _failing(self, why: str, what: str | None = None) -> None:
         if self.failing is None:
-            self.tell(f"witness: cannot read the engine at {self.url} ({why}); turns are not "
-                      "affected, still trying")
+            self.tell(f"witness: cannot read {what or f'the engine at {self.url}'} ({why}); "
+                      "turns are not affected, still trying")
         self.failing = why
         # Time without a reading is neither idle nor covered: the next sample starts afresh.
         self.verdicts._last = None
@@ -321,7 +321,7 @@ class Witness:
     def _recovered(self) -> None:
         if self.failing is not None:
             self.failing = None
-            self.tell(f"witness: the engine at {self.url} answers again "
+            self.tell(f"witness: the engine at {self.url} and the lane's store answer again "
                       f"({self.engine.kind or 'kind not known yet'})")
 
     def _report(self, incident: Incident) -> None:
@@ -386,8 +386,11 @@ def parse_engine(text: str) -> str:
     from .errors import UsageProblem
 
     shown = repr(text if len(text) <= 200 else text[:200] + "…")
+    text = text.strip()
+    if "://" not in text and text:   # HOST:PORT, as -b takes it: the engine speaks http
+        text = f"http://{text}"
     try:
-        parts = urlsplit(text.strip())
+        parts = urlsplit(text)
         port = parts.port
     except ValueError as error:
         raise UsageProblem(f"--engine {shown}: {error}") from None
@@ -396,6 +399,8 @@ def parse_engine(text: str) -> str:
                            "(e.g. http://127.0.0.1:8080)")
     if not parts.hostname:
         raise UsageProblem(f"--engine {shown}: the URL names no host")
+    if len(parts.hostname) > 253 or any(len(label) > 63 for label in parts.hostname.split(".")):
+        raise UsageProblem(f"--engine {shown}: not a host name (longer than DNS allows)")
     if parts.username or parts.password or parts.query or parts.fragment:
         raise UsageProblem(f"--engine {shown}: give the engine's base URL only (no user, query "
                            "or fragment)")

@@ -31,6 +31,7 @@ def test_a_path_without_a_scheme_says_so(lanelock):
     (["run", "--wait=-1", "--", "true"], "-1 is a negative number"),
     (["run", "--grace", "-1", "--", "true"], "-1 is negative: SECONDS must be 0 or more"),
     (["run", "--kill-after", "soon", "--", "true"], "'soon' is not a number of seconds"),
+    (["run", "--grace", "nan", "--", "true"], "'nan' is not a number of seconds"),
     (["config", "set", "grace", "-1"], "-1 is a negative number, not an option"),
 ])
 def test_option_values_are_explained(args, words, lanelock):
