@@ -129,7 +129,7 @@ def sentence(lane: str, incident: Incident) -> str:
     duration = incident.seen - incident.started
     if incident.turns:
         held = (f"{incident.slots} slots generating, {incident.turns} turn"
-                f"{'' if incident.turns == 1 else 's'} holds the lane")
+                f"{' holds' if incident.turns == 1 else 's hold'} the lane")
         return (f"unseen generation on {lane}: the engine generated {duration:.1f} s beside the "
                 f"turn that held the lane ({held}) -- a client reaches the engine without "
                 "lanelock")
@@ -285,8 +285,12 @@ class Witness:
 
     # -- the lane ----------------------------------------------------------------------------------
     def _open(self):
+        """Somewhere to journal (and for a network store, a connection to read the lane
+        through): the store's event handle where it has one, which creates no lock file -- a
+        lane no turn ever used stays one -- else an unlocked handle on the lane."""
         if self._handle is None:
-            self._handle = self.place.store.open(self.place.lane)
+            store = self.place.store
+            self._handle = store.event_handle(self.place.lane) or store.open(self.place.lane)
         return self._handle
 
     def _holding(self) -> tuple:

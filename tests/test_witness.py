@@ -124,6 +124,9 @@ def test_a_direct_generation_is_unseen_within_two_intervals_and_timed_within_one
         (1, "llama.cpp", 0, 1)
     assert found["unseen_seconds"] == event["duration"]
     assert found["witness"]["witness"] == "watch" and found["last_unseen"]["slots"] == 1
+    # Watching made no lock: a lane no turn used is still never-used.
+    assert json_of(["status", "-b", engine.backend, "--json"])["lanes"][0]["verdict"] == \
+        "never-used"
 
 
 def test_thirty_gated_turns_from_run_the_api_and_the_proxy_are_never_unseen(procs, lanelock, tmp_path):

@@ -191,8 +191,9 @@ def describe(event: dict) -> str:
         beside = (f"beside {turns} turn{'' if turns == 1 else 's'} holding"
                   if isinstance(turns, int) and turns else "while no turn held the lane")
         tokens = event.get("tokens")
+        slots = event.get("slots")
         return (f"the engine generated {_number(event.get('duration')) or 0:.1f}s {beside} "
-                f"({event.get('slots')} slots"
+                f"({slots} slot{'' if slots == 1 else 's'} generating"
                 f"{f', {tokens} tokens' if isinstance(tokens, int) else ''}; seen by "
                 f"{event.get('witness')} at {event.get('engine')})")
     if kind == "acquired":

@@ -146,8 +146,10 @@ def engine_words(engine: dict | None, quiet: bool = False) -> str | None:
         text = (f"unseen: {count} generation{'' if count == 1 else 's'}"
                 f"{f', {seconds:.1f} s' if isinstance(seconds, (int, float)) else ''}")
         if last:
-            text += (f", last at {last.get('started')} ({last.get('duration')} s, "
-                     f"{last.get('slots')} slots generating, {last.get('turns')} turns holding)")
+            slots, turns = last.get("slots"), last.get("turns")
+            text += (f", last at {last.get('started')} ({last.get('duration')} s, {slots} "
+                     f"slot{'' if slots == 1 else 's'} generating, {turns} "
+                     f"turn{'' if turns == 1 else 's'} holding)")
         return f"{now}; {text}"
     if count == 0 and witness:
         return f"{now}; unseen: none (witnessed by {witness.get('witness')} pid {witness.get('pid')})"
