@@ -42,3 +42,16 @@ def real_engine_ready() -> bool:
     print("real engine not built: scripts/real-backend build && scripts/real-backend model",
           file=sys.stderr)
     return False
+
+
+def start_real_engine(parallel: int = 2) -> tuple[int, int]:
+    """(port, pid) of a llama-server on a free loopback port, once its /health is 200."""
+    port = free_port()
+    pid = int(subprocess.run(REAL_BACKEND + ["start", "--port", str(port), "--parallel",
+                                             str(parallel)],
+                             capture_output=True, text=True, check=True).stdout)
+    return port, pid
+
+
+def stop_real_engine(pid: int) -> None:
+    subprocess.run(REAL_BACKEND + ["stop", str(pid)], capture_output=True)

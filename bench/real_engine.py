@@ -22,11 +22,10 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import free_port, real_engine_ready  # noqa: E402
+from common import real_engine_ready, start_real_engine, stop_real_engine  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOP = os.path.dirname(HERE)
-SCRIPT = [sys.executable, os.path.join(TOP, "scripts", "real-backend")]
 LANELOCK = [sys.executable, "-m", "lanelock"]
 
 
@@ -82,9 +81,7 @@ def main() -> int:
     args = parser.parse_args()
     if not real_engine_ready():
         return 2
-    port = free_port()
-    pid = int(subprocess.run(SCRIPT + ["start", "--port", str(port), "--parallel", "2"],
-                             capture_output=True, text=True, check=True).stdout)
+    port, pid = start_real_engine(parallel=2)
     sys.path.insert(0, TOP)
     from lanelock import testing
 
@@ -95,7 +92,7 @@ def main() -> int:
         table = measure(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{cloud.server_address[1]}",
                         args.tokens, args.reps, env)
     finally:
-        subprocess.run(SCRIPT + ["stop", str(pid)], capture_output=True)
+        stop_real_engine(pid)
         cloud.shutdown()
     if args.json:
         flat = {}

@@ -24,11 +24,10 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import free_port, real_engine_ready  # noqa: E402
+from common import real_engine_ready, start_real_engine, stop_real_engine  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOP = os.path.dirname(HERE)
-SCRIPT = [sys.executable, os.path.join(TOP, "scripts", "real-backend")]
 LANELOCK = [sys.executable, "-m", "lanelock"]
 TARGET = 0.99
 
@@ -67,9 +66,7 @@ def main() -> int:
     args = parser.parse_args()
     if not real_engine_ready():
         return 2
-    port = free_port()
-    pid = int(subprocess.run(SCRIPT + ["start", "--port", str(port), "--parallel", "2"],
-                             capture_output=True, text=True, check=True).stdout)
+    port, pid = start_real_engine(parallel=2)
     backend, url = f"127.0.0.1:{port}", f"http://127.0.0.1:{port}"
     env = dict(os.environ, LANELOCK_DIR=tempfile.mkdtemp(prefix="lanelock-witness-bench-"),
                PYTHONPATH=TOP)
@@ -86,7 +83,7 @@ def main() -> int:
                     if watch is not None:
                         said += stop_watch(watch)
     finally:
-        subprocess.run(SCRIPT + ["stop", str(pid)], capture_output=True)
+        stop_real_engine(pid)
     off, on = statistics.median(speeds["off"]), statistics.median(speeds["on"])
     ratio = on / off
     print(f"\n{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, llama-server --parallel 2, "

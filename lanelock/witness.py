@@ -247,7 +247,7 @@ class Witness:
             self._claim, other = self.place.store.claim_witness(
                 self.place.lane, f"{self.name} pid {os.getpid()} on {hostname()}")
         except GateUnavailable as error:
-            self._failing(str(error), f"the lane's store")
+            self._failing(str(error), "the lane's store")
             return False
         if self._claim is None:
             if self.standing_by is None:

@@ -162,6 +162,8 @@ KNOWN = [
 # --wait, the fallback chain). Each must still be in README.md, so this list cannot go stale.
 NOT_RUN_INLINE = {
     "`docker run -v /run/lock/lanelock:/run/lock/lanelock": "no Docker here",
+    "| on / off | 1.024 | >= 0.99 | PASS |": "a table of minutes of the real engine "
+        "(bench/witness.py)",
     "| (b) a 2nd session generates ungated on the same server |":
         "the real-engine table: llama.cpp and a model (pytest -m real, bench/real_engine.py)",
     "| 1. `lanelock run -- true` / `python -c 'import click'`":

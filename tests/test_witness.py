@@ -216,7 +216,7 @@ def test_a_generation_that_begins_after_the_turns_own_ended_is_unseen_at_once(
     client = [PYTHON, "-m", "lanelock.testing", "client", engine.url]
     assert lanelock("run", "-b", engine.backend, "--", *client).returncode == 0
     engine.ask()   # right after the release: well inside the 2 s grace
-    line = watch.wait_for("unseen generation")
+    watch.wait_for("unseen generation")
     status, lines = watch.stop()
     assert len(unseen_lines(lines)) == 1, lines
     (event,) = unseen_events(json_of, engine.backend)
@@ -315,7 +315,7 @@ def test_an_engine_that_answers_nonsense_is_said_once(procs, tmp_path, kind, wor
     engine = StandIn(procs, tmp_path, "--kind", kind)
     watch = Watch(procs, engine.backend, started=False)
     line = watch.wait_for("watching the engine")
-    assert f"(not answering yet: " in line and words in line, line
+    assert "(not answering yet: " in line and words in line, line
     status, lines = watch.stop()
     assert status == 0 and len(lines) == 1, lines   # said once
     assert not any("Traceback" in line for line in lines)

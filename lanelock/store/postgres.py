@@ -433,12 +433,7 @@ class PgStore(LaneStore):
         facts.kernel_source = "pg_locks"
         facts.bound = BOUND
         with conn.cursor() as cursor:
-            cursor.execute(
-                "SELECT l.pid, l.granted, a.application_name, host(a.client_addr) FROM pg_locks l "
-                "LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
-                "AND l.classid = %s AND l.objid = %s AND l.objsubid = 2",
-                (key[0] & 0xFFFFFFFF, key[1] & 0xFFFFFFFF))
-            rows = cursor.fetchall()
+            rows = _lockers(cursor, key)
         for pid, granted, app, addr in rows:
             entry = {"pid": pid, "command": f"{app or '?'} from {addr or 'local socket'}",
                      "lanelock": bool(app and app.startswith("lanelock"))}
@@ -487,14 +482,9 @@ class PgStore(LaneStore):
                 cursor.execute("SELECT pg_try_advisory_lock(%s, %s)", key)
                 if cursor.fetchone()[0]:
                     return PgHandle(conn, lane.name, key, 0), None
-                cursor.execute(
-                    "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a "
-                    "ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted AND "
-                    "l.classid = %s AND l.objid = %s AND l.objsubid = 2",
-                    (key[0] & 0xFFFFFFFF, key[1] & 0xFFFFFFFF))
-                row = cursor.fetchone()
+                names = [app for _, granted, app, _ in _lockers(cursor, key) if granted and app]
             conn.close()
-            return None, (row[0].removeprefix("lanelock witness ") if row and row[0]
+            return None, (names[0].removeprefix("lanelock witness ") if names
                           else "another session")
         except psycopg.Error as error:
             conn.close()
@@ -517,6 +507,17 @@ class PgStore(LaneStore):
                 return cursor.fetchone()[0] if fetch else None
         except psycopg.Error as error:
             raise GateUnavailable(f"lane store: {first_line(error)}") from None
+
+
+def _lockers(cursor, key: tuple[int, int]) -> list[tuple]:
+    """[(backend pid, granted, application_name, client address)] of the sessions holding or
+    waiting for an advisory key (two-int form)."""
+    cursor.execute(
+        "SELECT l.pid, l.granted, a.application_name, host(a.client_addr) FROM pg_locks l "
+        "LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
+        "AND l.classid = %s AND l.objid = %s AND l.objsubid = 2",
+        (key[0] & 0xFFFFFFFF, key[1] & 0xFFFFFFFF))
+    return cursor.fetchall()
 
 
 def _socket(conn) -> int | None:
