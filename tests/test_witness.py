@@ -433,3 +433,22 @@ def test_engine_spellings(procs, tmp_path):
         watch = Watch(procs, engine.backend, "--engine", spelled)
         assert "(llama.cpp, /slots)" in watch.lines[-1], watch.lines
         assert watch.stop()[0] == 0
+
+
+def test_a_plain_flock_holder_covers_the_engine_too(procs, tmp_path, lock_dir):
+    """A holder that writes no record -- `flock(1)` on the lane's lock file -- is a turn: the
+    witness asks the kernel before it calls a generation unseen."""
+    import shutil
+
+    if shutil.which("flock") is None:
+        pytest.skip("flock(1) not found")
+    engine = StandIn(procs, tmp_path, delay=0.8)
+    watch = Watch(procs, engine.backend)
+    lock_dir.mkdir(exist_ok=True)
+    lock = lock_dir / f"localhost-{engine.port}.lock"
+    done = procs.start(["flock", str(lock), PYTHON, "-m", "lanelock.testing", "client",
+                        engine.url], stdout=subprocess.DEVNULL).wait(TIMEOUT)
+    assert done == 0
+    status, lines = watch.stop()
+    assert status == 0 and unseen_lines(lines) == [], lines
+    assert engine.stats()["total"] == 1
