@@ -20,7 +20,7 @@ from .queue import CLASSES, TOP, effective
 QUEUE_NAMESPACE = 0x4C4E5155   # "LNQU": never a lane's key (store/postgres.py NAMESPACE)
 _LIVE = """
 SELECT q.ticket, q.rank, extract(epoch FROM q.arrival)::float8,
-       extract(epoch FROM clock_timestamp() - q.arrival)::float8, q.facts, l.pid IS NOT NULL
+       extract(epoch FROM statement_timestamp() - q.arrival)::float8, q.facts, l.pid IS NOT NULL
 FROM lanelock_queue q
 LEFT JOIN pg_locks l ON l.locktype = 'advisory' AND l.granted AND l.classid = %s
      AND l.objid = (q.ticket %% 2147483647)::oid AND l.objsubid = 2
@@ -77,21 +77,22 @@ def live(conn, lane: str) -> list[Entry]:
     return [Entry(*row[:5]) for row in rows if row[5]]
 
 
-def ahead(conn, lane: str, ticket: int, aging: float) -> Entry | None:
-    """The live entry just ahead of this ticket's, or None when it is first."""
+def ahead_and_step(conn, lane: str, ticket: int, aging: float) -> tuple:
+    """(the live entry just ahead of this ticket's, or None when it is first; seconds until this
+    ticket's class rises a step, or None), both from ONE reading: one query, in which every
+    row's wait is measured from the one statement_timestamp() (PITFALLS 24). Asked in two
+    queries, a step taken between them left a waiter waiting with no timeout on an entry by
+    then behind it, while that entry waited on it: the server's deadlock detector ended one of
+    the waits, and its turn failed open beside the holder."""
     entries = live(conn, lane)
     mine = next((entry for entry in entries if entry.ticket == ticket), None)
     if mine is None:
-        return None
+        return None, None
     before = [entry for entry in entries if entry.order(aging) < mine.order(aging)]
-    return max(before, key=lambda entry: entry.order(aging), default=None)
-
-
-def next_step(conn, lane: str, ticket: int, aging: float) -> float | None:
-    mine = next((entry for entry in live(conn, lane) if entry.ticket == ticket), None)
-    if mine is None or aging <= 0 or mine.effective(aging) >= TOP:
-        return None
-    return aging - mine.waited % aging + 0.001
+    ahead = max(before, key=lambda entry: entry.order(aging), default=None)
+    if aging <= 0 or mine.effective(aging) >= TOP:
+        return ahead, None
+    return ahead, aging - mine.waited % aging + 0.001
 
 
 def queued_at_or_above(conn, lane: str, rank: int, aging: float) -> bool:

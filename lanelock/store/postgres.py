@@ -177,19 +177,18 @@ class PgStore(LaneStore):
     def _wait_in_queue(self, handle: PgHandle, ticket: int, deadline, cancel, psycopg) -> bool:
         while not handle.cancelled and not (cancel is not None and cancel.is_set()):
             left = None if deadline is None else deadline - time.monotonic()
-            ahead = self._queue_call(handle, pg_queue.ahead, handle.lane, ticket, self.aging)
+            ahead, step = self._queue_call(handle, pg_queue.ahead_and_step, handle.lane, ticket,
+                                           self.aging)
             if ahead is None:
                 if not self._wait_lane(handle, left):
                     return False
-                if self._queue_call(handle, pg_queue.ahead, handle.lane, ticket,
-                                    self.aging) is None:
+                if self._queue_call(handle, pg_queue.ahead_and_step, handle.lane, ticket,
+                                    self.aging)[0] is None:
                     return True
                 self._unlock_lane(handle)   # a higher class came first meanwhile
                 continue
             if left is not None and left <= 0:
                 return False
-            step = self._queue_call(handle, pg_queue.next_step, handle.lane, ticket,
-                                    self.aging)
             bounds = [bound for bound in (left, step) if bound is not None]
             self._queue_call(handle, pg_queue.wait_behind, ahead,
                              max(0.001, min(bounds)) if bounds else None, psycopg)

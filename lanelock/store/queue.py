@@ -116,11 +116,14 @@ class Ticket:
 
     def ahead(self, now: int | None = None) -> Entry | None:
         """The live entry just ahead of this one in the order at `now` (CLOCK_MONOTONIC ns;
-        default: now), or None when first."""
+        default: now), or None when first. Only the entries ahead are asked whether they live,
+        nearest first, and only until one does: a waiter alone asks nothing."""
         now = time.monotonic_ns() if now is None else now
-        mine = self.entry.key(now, self.queue.aging)
-        before = [entry for entry in self.queue.live() if entry.key(now, self.queue.aging) < mine]
-        return max(before, key=lambda entry: entry.key(now, self.queue.aging), default=None)
+        aging = self.queue.aging
+        mine = self.entry.key(now, aging)
+        before = [entry for entry in self.queue.listed() if entry.key(now, aging) < mine]
+        return self.queue.first_alive(sorted(before, key=lambda entry: entry.key(now, aging),
+                                             reverse=True))
 
     def next_step(self, now: int | None = None) -> float | None:
         """Seconds from `now` until this turn's class rises a step (None: at the top, or no
@@ -189,23 +192,33 @@ class Queue:
             raise
         return Ticket(self, entry, fd)
 
-    def live(self, *, tidy: bool = True) -> list[Entry]:
-        """The entries whose turn still waits (its lock held). tidy: remove the files of waiters
-        gone (a reader such as `status` leaves them: it never changes what it looks at)."""
+    def listed(self) -> list[Entry]:
+        """Every entry in the directory, its waiter alive or gone (no question asked yet)."""
         if not self.open(create=False):
             return []
-        names = [name for name in os.listdir(self.dir_fd) if Entry.parse(name) is not None]
-        # /proc/locks read after the listing: a file listed was locked before it appeared, so a
-        # waiter still there shows in it. Without /proc/locks, each file is asked with a lock.
-        held = locks.held_files() if names else None
-        found = []
-        for name in names:
-            alive = self._held(name, held) if held is not None else self._alive(name)
-            if alive:
-                found.append(Entry.parse(name))
-            elif tidy:
-                self._remove(name)
-        return found
+        return [entry for entry in map(Entry.parse, os.listdir(self.dir_fd))
+                if entry is not None]
+
+    def first_alive(self, entries) -> Entry | None:
+        """The first of entries whose waiter still waits, each asked itself (a non-blocking lock
+        attempt on its file: never /proc/locks on a turn's path, PITFALLS 22); the files of
+        waiters found gone on the way are removed."""
+        for entry in entries:
+            if self._alive(entry.name):
+                return entry
+            self._remove(entry.name)
+        return None
+
+    def live_for_status(self) -> list[Entry]:
+        """The entries whose turn still waits, for `status`: /proc/locks read once, after the
+        listing (a file listed was locked before it appeared, so a waiter still there shows in
+        it) -- `status` takes no lock of any kind, and reads what it looks at without changing
+        it. Without /proc/locks, each file is asked."""
+        entries = self.listed()
+        held = locks.held_files() if entries else None
+        if held is None:
+            return [entry for entry in entries if self._alive(entry.name)]
+        return [entry for entry in entries if self._held(entry.name, held)]
 
     def _held(self, name: str, held: set) -> bool:
         try:
@@ -235,17 +248,19 @@ class Queue:
         return False
 
     def queued_at_or_above(self, rank: int) -> bool:
-        """Does a live waiter of this class or higher (as it counts now) wait?"""
+        """Does a live waiter of this class or higher (as it counts now) wait? Asked of the
+        entries themselves, until one answers (no barging: try_lock asks it of a free lane)."""
         now = time.monotonic_ns()
-        return any(effective(entry.rank, entry.arrival, now, self.aging) >= rank
-                   for entry in self.live())
+        return self.first_alive(entry for entry in self.listed()
+                                if effective(entry.rank, entry.arrival, now, self.aging) >= rank) \
+            is not None
 
     def describe(self) -> list[dict]:
         """The live entries in order, for `status`: position, class, effective class, pid,
         session, waited (seconds)."""
         now = time.monotonic_ns()
         rows = []
-        for position, entry in enumerate(sorted(self.live(tidy=False),
+        for position, entry in enumerate(sorted(self.live_for_status(),
                                                 key=lambda entry: entry.key(now, self.aging)), 1):
             facts = self._facts(entry.name)
             rows.append({"position": position, "class": CLASSES[entry.rank],
