@@ -355,7 +355,7 @@ class Turn:
         _debug_pause("after-acquire")
         # The record is written before the caller runs anything: whoever sees the command
         # running must also find who runs it.
-        self._write_sidecar(self._record())
+        self._write_record(self._record())
         # Who holds, precisely enough for `history` to tell a live turn from a killed one.
         events = [self._event("acquired", at=(now, self._acquired_at),
                               start_ticks=own_start_ticks(), boot_id=boot_id(),
@@ -395,7 +395,8 @@ class Turn:
 
     # -- releasing -------------------------------------------------------------------------------
     def release(self, exit_status: int | None = None) -> None:
-        """Let the lane go (idempotent). exit_status is recorded in the sidecar and journal."""
+        """Let the lane go (idempotent). exit_status is recorded in the holder record and the
+        journal."""
         if self.state != HELD:
             return
         if self.nested:
@@ -411,7 +412,7 @@ class Turn:
             try:
                 self.gate.store.write_release(self._handle, self._record, fields)
             except RecordNotWritten as error:
-                self.gate.warn(f"the sidecar's release was not written: {error}")
+                self.gate.warn(f"the holder record's release was not written: {error}")
             self._log(self._event("released", at=(now, fields["released_at"]),
                                   duration=duration, exit_status=exit_status))
         _debug_pause("during-release")
@@ -441,7 +442,7 @@ class Turn:
         ticks = start_ticks(pid)
         if ticks is not None:
             self.command_pid, self._command = pid, (pid, ticks)
-            self._write_sidecar(self._record())
+            self._write_record(self._record())
 
     def mark_stopped(self, stopped: bool) -> None:
         """The command was stopped (^Z, SIGSTOP) or continued: the holder record says since when,
@@ -451,7 +452,7 @@ class Turn:
         if stopped == (self._stopped_at is not None):
             return
         self._stopped_at = utc_now() if stopped else None
-        self._write_sidecar(self._record())
+        self._write_record(self._record())
 
     @property
     def unsettled(self) -> bool:
@@ -488,11 +489,11 @@ class Turn:
                 "model": self.model, **({"turn": self.token} if self.token else {}),
                 **self.labels, **extra}
 
-    def _write_sidecar(self, record: dict) -> None:
+    def _write_record(self, record: dict) -> None:
         try:
             self.gate.store.write_holder(self._handle, record)
         except RecordNotWritten as error:
-            self.gate.warn(f"lane held, but the sidecar was not written: {error}")
+            self.gate.warn(f"lane held, but the holder record was not written: {error}")
 
     def _log(self, *events: dict) -> None:
         """Events as one append (one write() on a flock store's journal)."""

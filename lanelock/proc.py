@@ -81,13 +81,6 @@ def command_words(pid: int) -> list[str] | None:
     return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
 
 
-def command_line(pid: int, limit: int = 200) -> str:
-    """The command of a process for display, '?' when it is gone or hidden."""
-    from .say import argv_text
-
-    return argv_text(command_words(pid) or [], limit) or "?"
-
-
 def describe_process(pid: int) -> dict:
     """{pid, command, lanelock}: whether it is a lanelock wrapper; '?' for what cannot be seen.
     Plain /proc reads: a deflection on the run path describes its holder with this."""

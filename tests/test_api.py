@@ -290,7 +290,7 @@ def test_a_sidecar_that_cannot_be_written_is_only_a_warning(lock_dir, tmp_path, 
     with Gate("127.0.0.1:8080", warn=warnings.append).turn() as turn:
         assert turn.held
         assert probe(lanelock).returncode == 1
-    assert warnings and all("sidecar" in warning for warning in warnings)
+    assert warnings and all("holder record" in warning for warning in warnings)
     assert victim.read_text() == "precious\n"
 
 

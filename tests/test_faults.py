@@ -145,7 +145,7 @@ def test_full_filesystem_keeps_the_lane_and_warns(lanelock, monkeypatch, tmpfs):
     assert done.returncode == 0
     assert done.stdout.strip() in ("held", "fail-open")
     if done.stdout.strip() == "held":
-        assert "sidecar was not written" in done.stderr or "journal not written" in done.stderr
+        assert "holder record was not written" in done.stderr or "journal not written" in done.stderr
     else:
         assert done.stderr.count("gate unavailable") == 1
 
@@ -338,7 +338,7 @@ def test_symlinked_root_fails_open(lanelock, tmp_path, monkeypatch, victim):
     assert list(real.iterdir()) == []
 
 
-@pytest.mark.parametrize("name,words", [("localhost-8080.json", "sidecar was not written"),
+@pytest.mark.parametrize("name,words", [("localhost-8080.json", "holder record was not written"),
                                         ("localhost-8080.journal", "journal not written")])
 def test_symlinked_sidecar_or_journal_stays_gated_and_warns(lanelock, lock_dir, victim, name, words):
     lock_dir.mkdir(parents=True)

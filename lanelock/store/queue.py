@@ -52,11 +52,6 @@ def class_named(value) -> str | None:
     return folded if folded in CLASSES else None
 
 
-def rank_of(name: str | None) -> int:
-    """The rank of a class name (ValueError for a name that is none)."""
-    return CLASSES.index(name or DEFAULT_CLASS)
-
-
 def effective(rank: int, arrival_ns: int, now_ns: int, aging: float) -> int:
     """The class a waiter counts as now: one step up per `aging` seconds waited."""
     if aging <= 0:

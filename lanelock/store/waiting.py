@@ -166,17 +166,6 @@ class _LoopEvent:
             self.future.set_result(None)
 
 
-def waiting_turns() -> int:
-    """How many turns of this process wait for a lane now, queued behind the lanes' waiter
-    threads (for `status`-like views and tests: what /proc/locks cannot say, as it shows one
-    waiter per lane and process)."""
-    guard = _Waiter._all_guard
-    if guard is None:
-        return 0
-    with guard:
-        return sum(len(waiter.queue) for waiter in _Waiter._all.values())
-
-
 class _Slot:
     __slots__ = ("event", "fd", "abandoned", "error")
 
