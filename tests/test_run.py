@@ -431,7 +431,7 @@ def test_a_sidecar_that_cannot_be_written_keeps_the_lock(lanelock, lock_dir, tmp
     result = lanelock("run", "--", "sh", "-c", inner)
     assert result.returncode == 0
     assert result.stdout.split() == ["probe=1", "held"]
-    assert "sidecar" in result.stderr and "gate unavailable" not in result.stderr
+    assert "holder record was not written" in result.stderr and "gate unavailable" not in result.stderr
     assert victim.read_text() == "precious\n"
 
 
