@@ -17,7 +17,7 @@ import threading
 import time
 
 INTERVAL = 0.1        # the watch's interval here: detection within two of them
-GENERATION = 0.6      # seconds a stand-in generation takes
+GENERATION = 0.3      # seconds a stand-in generation takes (three looks at INTERVAL)
 TIMEOUT = 15.0
 
 
