@@ -477,6 +477,23 @@ def test_local_fallback_takes_its_own_lane_and_is_skipped_when_busy(procs, lanel
     assert engine.stats()["total"] == 0 and small.stats()["total"] == 1
 
 
+def test_a_fallback_on_the_busy_lane_itself_is_skipped_in_runs_words(procs, lanelock, holder):
+    """One rule for @HOST:PORT fallbacks (lanelock/fallback_lane.py): the proxy says what `run`
+    says of an entry that names the busy lane itself (it skipped it silently), and the busy
+    answer names it."""
+    engine = Engine(procs, delay=0.01)
+    spelled = f"localhost:{engine.port}"   # another spelling of the same lane
+    proxy = Proxy(procs, engine.backend, "--fallback", f"@{spelled}", "--no-witness")
+    held = holder("-b", engine.backend)
+    status, headers, body = request(proxy.port, "POST", CHAT, chat_body())
+    assert (status, headers["X-Lanelock-State"]) == (503, "busy")
+    words = f"fallback 1 skipped: @{spelled} is the busy lane itself"
+    assert words in proxy.stderr() and words in json.loads(body)["error"]["message"], body
+    ran = lanelock("run", "-b", engine.backend, "-f", f"@{spelled} true", "--", "true")
+    assert ran.returncode == 75 and words in ran.stderr, ran.stderr
+    assert held.release() == 0
+
+
 def test_busy_answers_leave_no_waits_behind(procs, lanelock, holder, lock_dir):
     engine = Engine(procs, delay=0.01)
     proxy = Proxy(procs, engine.backend)

@@ -80,7 +80,7 @@ class Proxy:
         self._idle: asyncio.Event | None = None
         self.ungated = 0              # ungated generation requests (no lane file records them)
         self.gate.warn = self._gate_warning
-        self.fallback_gates: dict[str, Gate] = {}
+        self.fallback_gates: dict[str, tuple] = {}   # backend -> fallback_lane.fallback_gate()
         self.witness = None           # the engine's witness (witness.py), when it runs
 
     # -- warnings ------------------------------------------------------------------------------
@@ -334,10 +334,17 @@ class Proxy:
             return None
 
     async def _local_fallback(self, request, path_qs, body, fallback, index, who, failures):
-        gate = self.fallback_gates.get(fallback.backend)
-        if gate is None:
-            gate = self.fallback_gates[fallback.backend] = self.gate.sibling(fallback.backend)
-        if gate.gated and gate.lock_path == self.gate.lock_path:
+        from ..fallback_lane import busy_fallback, fallback_gate
+
+        if fallback.backend not in self.fallback_gates:
+            gate, skip = fallback_gate(self.gate, fallback.backend)
+            if gate is None and skip is None:   # not a local lane: its turns are ungated
+                gate = self.gate.sibling(fallback.backend)
+            self.fallback_gates[fallback.backend] = gate, skip
+        gate, skip = self.fallback_gates[fallback.backend]
+        if skip:   # run's rule and words (fallback_lane.py)
+            self.say.note(f"fallback {index} skipped: {skip}")
+            failures.append(f"fallback {index} skipped: {skip}")
             return None
         path = path_qs.partition("?")[0][:200]
         turn = gate.turn(session=f"proxy:{request.remote or '?'}", argv=[request.method, path],
@@ -346,8 +353,8 @@ class Proxy:
         status = None
         try:
             if turn.state == DEFLECTED:
-                self.say.note(f"fallback {index} skipped: @{fallback.backend} is a busy local "
-                              f"lane ({holder_words(turn.holder)})")
+                skip = busy_fallback(fallback.backend, turn.holder)
+                self.say.note(f"fallback {index} skipped: {skip}")
                 failures.append(f"fallback {index} @{fallback.backend} is busy")
                 return None
             self.say.note(busy_sentence(who, f"deflecting to fallback {index}: "

@@ -194,23 +194,19 @@ def _deflect(gate: Gate, turn: Turn, options: Options, say: Say) -> int:
 
 
 def _fallback_gate(primary: Gate, entry: Entry, options: Options) -> tuple[Turn | None, str | None]:
-    """(turn held on the entry's own lane or None, reason to skip or None)."""
+    """(turn held on the entry's own lane or None, reason to skip or None): fallback_lane.py's
+    rule, the proxy's too."""
     if entry.backend is None:
         return None, None
-    from ..lanes import BackendError
+    from ..fallback_lane import busy_fallback, fallback_gate
 
-    try:
-        gate = primary.sibling(entry.backend, model=options.model)
-    except (BackendError, UsageProblem) as error:   # parse() checks entries; a config chain could still slip by
-        return None, str(error)
-    if not gate.gated:
-        return None, None
-    if gate.lock_path == primary.lock_path:
-        return None, f"@{entry.backend} is the busy lane itself"
+    gate, skip = fallback_gate(primary, entry.backend, options.model)
+    if gate is None:
+        return None, skip
     turn = gate.turn(session=options.session, model=options.model, argv=list(entry.argv),
                      wait=0.0).acquire()
     if turn.state == DEFLECTED:
-        return None, f"@{entry.backend} is a busy local lane ({holder_words(turn.holder)})"
+        return None, busy_fallback(entry.backend, turn.holder)
     return turn, None
 
 
