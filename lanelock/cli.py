@@ -58,7 +58,9 @@ def setting_option(name: str):
     if kind == "key-by":
         kwargs["type"] = click.Choice(["backend", "model"])
     elif kind == "priority":
-        kwargs["type"] = click.Choice(["interactive", "normal", "batch"], case_sensitive=False)
+        from .priority import SPELLED
+
+        kwargs["type"] = click.Choice(list(SPELLED), case_sensitive=False)
     elif kind == "seconds":
         kwargs["type"] = Seconds(setting.flags[0])
     elif kind == "optional-seconds":
@@ -386,7 +388,7 @@ def watch(backend, lock_dir, model, key_by, store, engine, interval, quiet):
 @setting_option("wait")
 @setting_option("priority")
 @click.option("--max-priority", type=click.Choice(["interactive", "normal", "batch"],
-                                                  case_sensitive=False),
+                                                  case_sensitive=False),   # priority.SPELLED
               default="interactive", show_default=True,
               help="The highest class a request's X-Lanelock-Priority header may claim.")
 @setting_option("proxy_linger")

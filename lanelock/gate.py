@@ -22,7 +22,7 @@ from .errors import GateUnavailable, RecordNotWritten, WouldBlock
 from .facts import boot_id, default_session, hostname, own_start_ticks, user_name, utc_now
 from .place import Place
 from .proc import start_ticks
-from .store.queue import CLASSES, class_named
+from .priority import CLASSES, class_named
 from .settings import Settings
 
 __all__ = ["Gate", "Turn", "describe_holder", "HELD", "DEFLECTED", "UNGATED", "FAIL_OPEN",

@@ -160,7 +160,7 @@ def _cheap_paths(value) -> str | None:
     return "a list of paths, each starting with /"
 
 
-from .store.queue import CLASSES, DEFAULT_AGING, DEFAULT_CLASS, class_named  # noqa: E402 - a leaf
+from .priority import CLASSES, DEFAULT_AGING, DEFAULT_CLASS, class_named  # noqa: E402 - a leaf
 
 
 def _class(value) -> str | None:

@@ -24,7 +24,7 @@ from .. import asyncturn
 from ..gate import (BUSY_WORDS, DEFLECTED, FAIL_OPEN, HELD, REASON_BUSY, UNGATED, Gate,
                     busy_sentence)
 from ..holder import words as holder_words
-from ..store.queue import CLASSES, class_named
+from ..priority import CLASSES, class_named
 from . import dialects
 from .relay import Unreachable, error_response, relay, request_headers
 from .routes import Routes
@@ -394,7 +394,7 @@ class Proxy:
 
     def _queued_before(self, priority: str) -> int:
         """Waiters queued now that go before a request of this class (status's queue)."""
-        classes = ("batch", "normal", "interactive")
+        classes = CLASSES
         try:
             [facts] = self.gate.store.survey(self.gate.lane)
         except Exception:  # noqa: BLE001 - an estimate is a nicety

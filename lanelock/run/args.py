@@ -17,7 +17,7 @@ checks parse() against click on a corpus of argument lists.
 from __future__ import annotations
 
 from ..settings import RUN_FLAGS, SETTINGS
-from ..store.queue import class_named
+from ..priority import class_named
 
 # Options of `run` that are not settings: (spellings, parameter, kind, metavar, help).
 RUN_ONLY = (

@@ -143,7 +143,7 @@ class LaneStore(ABC):
         """Take the lock if it is free, at once. True only when the lane is now this turn's: a
         store whose lock can be taken on something no longer the lane's (a replaced lock file, a
         pooled session) checks that here and retries or raises GateUnavailable. rank: the turn's
-        class (store/queue.py CLASSES: 0 batch, 1 normal, 2 interactive); a store that keeps its
+        class (priority.py CLASSES: 0 batch, 1 normal, 2 interactive); a store that keeps its
         waiters in order answers False while one of this class or higher waits (no barging), a
         store that keeps no order ignores it."""
 

@@ -23,8 +23,9 @@ import json
 import os
 import stat
 
+from ..priority import CLASSES
+
 OUTCOMES = ("local", "waited", "deflected", "busy", "ungated", "fail_open")
-CLASSES = ("batch", "normal", "interactive")   # store/queue.py's classes
 # The histograms: hold and wait times, and the waits of each class (issue 26).
 HISTOGRAMS = ("hold", "wait") + tuple(f"wait_{klass}" for klass in CLASSES)
 # What a witness (witness.py) saw of the engine: generations no turn covered, and the time a turn

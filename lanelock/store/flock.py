@@ -23,6 +23,7 @@ import stat
 from .. import locks, proc, say
 from ..errors import GateUnavailable, RecordNotWritten
 from ..paths import UNGATED, Root, creation_problem, open_root
+from ..priority import CLASSES, DEFAULT_AGING, DEFAULT_RANK
 from . import flock_wait, journal, outlived, queue, sidecar, waiting
 from .base import LaneStore, LockHandle
 
@@ -79,7 +80,7 @@ class FlockStore(LaneStore):
     warn = staticmethod(say.warn)   # a count not added (the Gate gives its own: -q, the proxy's)
 
     def __init__(self, root: Root, journal_max_bytes: int | None = None,
-                 priority_aging: float = queue.DEFAULT_AGING):
+                 priority_aging: float = DEFAULT_AGING):
         self.root = root
         self.journal_max_bytes = journal_max_bytes or journal.DEFAULT_MAX_BYTES
         self.aging = priority_aging
@@ -141,7 +142,7 @@ class FlockStore(LaneStore):
     # would open the new file, two gates. So every lock taken is checked, and on a replaced file
     # the new one is locked instead; a live turn still holding an old inode (its file replaced
     # under it) keeps the lane: we let go and say busy.
-    def try_lock(self, handle: Handle, rank: int = queue.DEFAULT_RANK) -> bool:
+    def try_lock(self, handle: Handle, rank: int = DEFAULT_RANK) -> bool:
         for _ in range(flock_wait.REPLACED_TRIES):
             ours = self._ours(handle, self._flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB))
             if ours is not None:
@@ -157,7 +158,7 @@ class FlockStore(LaneStore):
 
     # -- waiting in order (store/queue.py; the steps are flock_wait.py's) ------------------------
     def wait_lock(self, handle: Handle, timeout: float | None, cancel=None,
-                  rank: int = queue.DEFAULT_RANK) -> bool:
+                  rank: int = DEFAULT_RANK) -> bool:
         """Block in the kernel, in the lane's queue, until the lane is ours or timeout seconds
         pass (None: forever), or cancel (a threading.Event) is set."""
         ticket = self._join(handle, rank)
@@ -171,7 +172,7 @@ class FlockStore(LaneStore):
             ticket.leave()
 
     async def wait_lock_async(self, handle: Handle, timeout: float | None,
-                              rank: int = queue.DEFAULT_RANK) -> bool:
+                              rank: int = DEFAULT_RANK) -> bool:
         """wait_lock for an asyncio task: no thread per waiter."""
         import asyncio
 
@@ -202,7 +203,7 @@ class FlockStore(LaneStore):
         if found is None:
             return None
         try:
-            return found.join(rank, {**(handle.asker or {}), "class": queue.CLASSES[rank],
+            return found.join(rank, {**(handle.asker or {}), "class": CLASSES[rank],
                                      "pid": os.getpid()})
         except OSError as error:
             self._queue_broken(found, error)

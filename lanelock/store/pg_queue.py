@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from .queue import CLASSES, TOP, effective
+from ..priority import CLASSES, TOP, effective
 
 QUEUE_NAMESPACE = 0x4C4E5155   # "LNQU": never a lane's key (store/postgres.py NAMESPACE)
 _LIVE = """

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from ..errors import GateUnavailable, RecordNotWritten
 from . import outlived, pg_queue
 from .base import LaneFacts, LaneStore, LockHandle
-from .queue import DEFAULT_AGING
+from ..priority import DEFAULT_AGING
 from .pg_session import BOUND, NAMESPACE, SCHEMA_SQL, connect, driver, ensure_schema, first_line, redact
 
 NO_ROW = "no holder row yet"

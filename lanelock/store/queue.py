@@ -35,28 +35,8 @@ import time
 
 from .. import locks, proc
 
-CLASSES = ("batch", "normal", "interactive")   # rank = index: higher goes first
-DEFAULT_CLASS = "normal"
-DEFAULT_RANK = 1
-DEFAULT_AGING = 30.0   # seconds a waiting turn's class takes to rise one step
-TOP = len(CLASSES) - 1
+from ..priority import CLASSES, DEFAULT_AGING, DEFAULT_RANK, TOP, effective  # noqa: F401
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def class_named(value) -> str | None:
-    """The class a text names, whatever its case and surrounding blanks ('Interactive',
-    ' BATCH '); None when it names none."""
-    if not isinstance(value, str):
-        return None
-    folded = value.strip().lower()
-    return folded if folded in CLASSES else None
-
-
-def effective(rank: int, arrival_ns: int, now_ns: int, aging: float) -> int:
-    """The class a waiter counts as now: one step up per `aging` seconds waited."""
-    if aging <= 0:
-        return rank
-    return min(TOP, rank + int((now_ns - arrival_ns) / 1e9 // aging))
 
 
 class Entry:
