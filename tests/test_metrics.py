@@ -477,8 +477,12 @@ def test_counters_never_go_backwards_across_journal_rotations(lanelock, holder, 
     assert json_of(["history", "--json"])["summary"]["turns"] < 90
 
 
-def test_concurrent_turns_lose_no_count_and_readers_see_whole_updates(procs, lanelock):
-    writers, turns = 8, 50   # ~12 s on two cores: the default tier
+@pytest.mark.parametrize("writers, turns", [
+    (4, 25),                                             # ~4 s on two cores: the default tier
+    pytest.param(8, 50, marks=pytest.mark.slow),         # the full stress, ~12 s: the slow tier
+])
+def test_concurrent_turns_lose_no_count_and_readers_see_whole_updates(procs, lanelock, writers,
+                                                                      turns):
     backend, lane = "localhost:7302", "localhost:7302"
     scraper = procs.start([PYTHON, "-c", SCRAPER_SCRIPT, *LANELOCK, "metrics", "-b", backend],
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)

@@ -774,6 +774,7 @@ def test_sigterm_lets_the_answer_in_flight_finish(procs, lanelock):
     assert engine.stats()["hangups"] == 0
 
 
+@pytest.mark.slow   # it waits out the whole 10 s bound, which is what it proves: CI's slow tier
 def test_sigterm_with_a_longer_stream_in_flight_ends_within_the_documented_bound(procs, lanelock):
     """README: SIGTERM lets answers in flight finish for up to 10 s, then closes (issue 24: 21-22 s,
     past the systemd unit's TimeoutStopSec=15). A 20 s stream is cut, the lane is let go."""
