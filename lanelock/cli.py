@@ -318,7 +318,11 @@ def metrics(backend, lock_dir, model, key_by, store, all_lanes, textfile):
 
 
 class Interval(Seconds):
-    """A sampling interval: more than 0, at most a minute."""
+    """A sampling interval: more than 0, at most a minute (as --help shows it)."""
+
+    def __init__(self, flag: str):
+        super().__init__(flag)
+        self.min_open, self.max = True, 60.0
 
     def convert(self, value, param, ctx):
         number = super().convert(value, param, ctx)
