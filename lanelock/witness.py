@@ -117,6 +117,11 @@ class Verdicts:
             found.append(("ended", self.end(now)))
         return found
 
+    def gap(self) -> None:
+        """A sample could not be read: time without a reading is neither idle nor covered, so the
+        next sample starts afresh."""
+        self._last = None
+
     def end(self, now: float) -> Incident | None:
         """Close the incident in progress (it ended by now)."""
         incident, self.incident = self.incident, None
@@ -319,8 +324,7 @@ class Witness:
             self.tell(f"witness: cannot read {what or f'the engine at {self.url}'} ({why}); "
                       "turns are not affected, still trying")
         self.failing = why
-        # Time without a reading is neither idle nor covered: the next sample starts afresh.
-        self.verdicts._last = None
+        self.verdicts.gap()
 
     def _recovered(self) -> None:
         if self.failing is not None:
