@@ -20,9 +20,14 @@ NEEDS = "metrics need prometheus-client: pip install 'lanelock[metrics]'"
 
 def snapshot(store, lane=None) -> list[tuple[dict, dict]]:
     """[(status, counts)] for the lane, or every lane the store knows."""
-    from .status import judged
+    from .status import add_engine, judged
 
-    return [(status, store.counts(facts)) for status, facts in judged(store, lane, engine=True)]
+    found = []
+    for status, facts in judged(store, lane):
+        counts = store.counts(facts)   # once: the counters and the witness's engine both
+        add_engine(status, facts, counts, lane)
+        found.append((status, counts))
+    return found
 
 
 class LaneCollector:

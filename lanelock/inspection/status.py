@@ -23,22 +23,29 @@ def judged(store, lane=None, engine: bool = False) -> list[tuple]:
     """[(status, the facts it was judged from)] (metrics reads the counts beside the facts)."""
     found = [(judge(facts, _gate_problem(store, lane, facts)), facts)
              for facts in store.survey(lane)]
-    if engine and (lane is None or lane.gated):
+    if engine:
         for status, facts in found:
-            status["engine"] = engine_status(store, facts, lane)
+            add_engine(status, facts, store.counts(facts), lane)
     return found
 
 
-def engine_status(store, facts, lane=None) -> dict:
+def add_engine(status: dict, facts, counts: dict, lane=None) -> None:
+    """status["engine"] (engine_status) for a gated lane; counts: the lane's, read once by the
+    caller (metrics reads them for its counters too)."""
+    if lane is None or lane.gated:
+        status["engine"] = engine_status(facts, counts, lane)
+
+
+def engine_status(facts, counts: dict, lane=None) -> dict:
     """The engine behind a lane, looked at once (engine.look: url, kind, generating, slots,
-    problem), with what witnesses counted on the lane: unseen (generations no turn covered),
-    unseen_seconds, held_idle_seconds, last_unseen, and the witness that last said which engine
-    it watches ({url, kind, witness, pid}) -- its URL is the one looked at."""
+    problem), with what witnesses counted on the lane (counts: store.counts): unseen
+    (generations no turn covered), unseen_seconds, held_idle_seconds, last_unseen, and the
+    witness that last said which engine it watches ({url, kind, witness, pid}) -- its URL is
+    the one looked at."""
     from .. import engine
     from ..lanes import BackendError, lane_named
     from ..witness import engine_url
 
-    counts = store.counts(facts)
     watched = counts.get("engine") or {}
     url = watched.get("url") if isinstance(watched.get("url"), str) else None
     if url is None:   # the backend as the user spelled it, else as the store names the lane
