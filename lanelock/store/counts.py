@@ -24,6 +24,7 @@ import os
 import stat
 
 from ..priority import CLASSES
+from .shared_file import open_shared
 
 OUTCOMES = ("local", "waited", "deflected", "busy", "ungated", "fail_open")
 # The histograms: hold and wait times, and the waits of each class (issue 26).
@@ -111,14 +112,7 @@ def add(dir_fd: int, name: str, outcome: str | None, **facts) -> None:
 
 
 def _add(dir_fd: int, name: str, outcome: str | None, **facts) -> None:
-    try:
-        fd = os.open(name, os.O_RDWR | _FLAGS, dir_fd=dir_fd)
-    except FileNotFoundError:
-        try:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _FLAGS, 0o666, dir_fd=dir_fd)
-            os.fchmod(fd, 0o666)
-        except FileExistsError:
-            fd = os.open(name, os.O_RDWR | _FLAGS, dir_fd=dir_fd)
+    fd = open_shared(dir_fd, name)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise NotCounted("not a regular file")

@@ -402,10 +402,7 @@ class FlockStore(LaneStore):
         go of it when the witness ends, and a witness standing by takes over."""
         from .witness_file import claim
 
-        try:
-            dir_fd = open_root(self.root, create=True)
-        except OSError as error:
-            raise GateUnavailable(f"lock root {self.root.path}: {error.strerror}") from None
+        dir_fd = open_root(self.root, create=True)   # GateUnavailable when it cannot be had
         try:
             return claim(dir_fd, f"{lane.stem}.witness", who)
         except OSError as error:

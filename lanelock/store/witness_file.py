@@ -9,7 +9,7 @@ import fcntl
 import os
 import stat
 
-_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+from .shared_file import open_shared
 
 
 class Claim:
@@ -24,29 +24,19 @@ class Claim:
 
 def claim(dir_fd: int, name: str, who: str | None = None) -> tuple:
     """(Claim, None), or (None, the words the holder left) while another witness has it."""
-    try:
-        fd = os.open(name, _FLAGS, dir_fd=dir_fd)
-    except FileNotFoundError:
-        try:
-            fd = os.open(name, _FLAGS | os.O_CREAT | os.O_EXCL, 0o666, dir_fd=dir_fd)
-            os.fchmod(fd, 0o666)   # every user's witness may take over
-        except FileExistsError:
-            fd = os.open(name, _FLAGS, dir_fd=dir_fd)
+    fd = open_shared(dir_fd, name)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EPERM, "not a regular file")
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            held_by = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "another process"
+            held_by = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
+        finally:
             os.close(fd)
-            return None, held_by
+        return None, held_by or "another process"
     except BaseException:
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        os.close(fd)
         raise
     text = (who or default_words()).encode()[:500]
     try:
