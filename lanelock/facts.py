@@ -18,6 +18,23 @@ def utc_now(now: float | None = None) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
 
 
+def parse_utc(text: str) -> float | None:
+    """utc_now()'s text (or any ISO 8601 time; UTC when it names no zone) as seconds since the
+    epoch, None when it is no time."""
+    from datetime import datetime, timezone
+
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    try:
+        return moment.timestamp()
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
 def boot_id() -> str | None:
     if "boot_id" not in _CACHE:
         try:

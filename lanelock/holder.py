@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from .facts import boot_id, hostname, own_start_ticks, user_name
+from .facts import boot_id, hostname, own_start_ticks, parse_utc, user_name
 from .say import argv_text, sanitize
 
 SCHEMA = 1   # the holder record's version: a reader refuses a newer one
@@ -64,17 +64,8 @@ def released_ago(record: dict | None) -> float | None:
             and record.get("hostname") in (None, hostname()):
         return max(0.0, time.monotonic() - since - held)
     text = record.get("released_at")
-    if not isinstance(text, str):
-        return None
-    from datetime import datetime, timezone
-
-    try:
-        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
-        if moment.tzinfo is None:
-            moment = moment.replace(tzinfo=timezone.utc)
-        return max(0.0, time.time() - moment.timestamp())
-    except (ValueError, OverflowError, OSError):
-        return None
+    released = parse_utc(text) if isinstance(text, str) else None
+    return None if released is None else max(0.0, time.time() - released)
 
 
 # Keys of the holder facts; documented under JSON output in the README.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 
 from .. import holder as holder_facts
-from ..facts import boot_id, hostname
+from ..facts import boot_id, hostname, parse_utc
 from ..holder import field
 
 FUTURE_SLACK = 300.0   # seconds a record's clock may run ahead before it counts as "from the future"
@@ -147,7 +147,7 @@ def _stale(facts) -> str | None:
     if lane and lane != facts.lane and not facts.lane.startswith("?"):
         return f"it is for another lane ({lane})"
     acquired = field(record, "acquired_at", str)
-    when = _parse_time(acquired) if acquired else None
+    when = parse_utc(acquired) if acquired else None
     if acquired and when is None:
         return f"its acquired_at {acquired[:40]!r} is not a time"
     if when is not None and when > time.time() + FUTURE_SLACK:
@@ -181,18 +181,3 @@ def _who(record: dict) -> str:
 def _verdict(result: dict, state: str, verdict: str, message: str) -> dict:
     result.update(state=state, verdict=verdict, message=message)
     return result
-
-
-def _parse_time(text: str) -> float | None:
-    from datetime import datetime, timezone
-
-    try:
-        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    try:
-        return moment.timestamp()
-    except (OverflowError, OSError, ValueError):
-        return None
