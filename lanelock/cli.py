@@ -9,6 +9,7 @@ import click
 
 from . import __version__, exitcodes
 from .completion import complete_backend
+from .priority import SPELLED
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -58,8 +59,6 @@ def setting_option(name: str):
     if kind == "key-by":
         kwargs["type"] = click.Choice(["backend", "model"])
     elif kind == "priority":
-        from .priority import SPELLED
-
         kwargs["type"] = click.Choice(list(SPELLED), case_sensitive=False)
     elif kind == "seconds":
         kwargs["type"] = Seconds(setting.flags[0])
@@ -391,8 +390,7 @@ def watch(backend, lock_dir, model, key_by, store, engine, interval, quiet):
                    "skipped and the next one tried.")
 @setting_option("wait")
 @setting_option("priority")
-@click.option("--max-priority", type=click.Choice(["interactive", "normal", "batch"],
-                                                  case_sensitive=False),   # priority.SPELLED
+@click.option("--max-priority", type=click.Choice(list(SPELLED), case_sensitive=False),
               default="interactive", show_default=True,
               help="The highest class a request's X-Lanelock-Priority header may claim.")
 @setting_option("proxy_linger")

@@ -13,8 +13,7 @@ from .witness import Witness
 def watch(place, url: str, interval: float, say) -> int:
     """Exit 0 when stopped by a signal; 69 when the engine cannot be witnessed (Ollama, slots
     disabled with no metrics): nothing to compare, so the unit should not be restarted."""
-    witness = Witness(place, url, interval=interval, tell=say.note, name="watch",
-                      timeout=min(0.75, max(4 * interval, 0.5)))
+    witness = Witness(place, url, interval=interval, tell=say.note, name="watch")
 
     def stop(signo, frame):
         witness.stop.set()

@@ -40,6 +40,9 @@ OUTLIVED_GRACE = 2.0     # seconds a generation may outlive its turn's release b
 IDLE_FLUSH = 10.0        # seconds of held idle time kept in memory before it is counted
 RETRY = 1.0              # seconds between looks at an engine that cannot be read
 STANDBY = 2.0            # seconds between a standing-by witness's tries to take over
+# Seconds one look may take (a slower engine is "not answering"): short enough that a look in
+# flight never keeps `watch` past a second after SIGTERM.
+LOOK_TIMEOUT = 0.75
 
 
 class Incident:
@@ -150,10 +153,9 @@ class Witness:
     thread of its own (start())."""
 
     def __init__(self, place, url: str, *, interval: float = INTERVAL, tell=None,
-                 name: str = "watch", grace: float = OUTLIVED_GRACE, timeout: float | None = None):
+                 name: str = "watch", grace: float = OUTLIVED_GRACE):
         self.place, self.url, self.interval, self.name = place, url, interval, name
-        self.engine = engines.Engine(url, timeout if timeout is not None
-                                     else min(engines.TIMEOUT, max(interval * 4, 0.5)))
+        self.engine = engines.Engine(url, min(LOOK_TIMEOUT, max(interval * 4, 0.5)))
         self.verdicts = Verdicts(interval, grace)
         self.tell = tell or (lambda message: None)
         self.stop = threading.Event()
