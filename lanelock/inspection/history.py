@@ -145,33 +145,33 @@ def timeline(events: list[dict]) -> list[tuple[str, list[str]]]:
         return []
     spans = holds(events) + [(e["ts"], e["ts"], e) for e in events
                              if e["event"] == "acquired" and e.get("held") is None]
+    unseen = [(e["ts"], e["ts"] + (_number(e.get("duration")) or 0.0)) for e in events
+              if e["event"] == "unseen"]
     first_hour = int(events[0]["ts"] // 3600) * 3600
     last_hour = int(events[-1]["ts"] // 3600) * 3600
     rows = []
     for hour in range(first_hour, last_hour + 3600, 3600):
         cells = [IDLE] * 60
-        for start, end, _ in spans:
-            for minute in range(60):
-                cell_start = hour + minute * 60
-                if start < cell_start + 60 and end >= cell_start:
-                    cells[minute] = LOCAL
+        _mark(cells, hour, [(start, end) for start, end, _ in spans], LOCAL)
         for event in events:
             if event["event"] == "deflected" and hour <= event["ts"] < hour + 3600:
                 # A deflection happens while someone holds the lane, so it outranks "local".
                 cells[int((event["ts"] - hour) // 60)] = DEFLECTED
-        for event in events:   # what nobody gated outranks everything the gate did
-            if event["event"] != "unseen":
-                continue
-            end = event["ts"] + (_number(event.get("duration")) or 0.0)
-            for minute in range(60):
-                cell_start = hour + minute * 60
-                if event["ts"] < cell_start + 60 and end >= cell_start:
-                    cells[minute] = UNSEEN
+        _mark(cells, hour, unseen, UNSEEN)   # what nobody gated outranks all the gate did
         label = time.strftime("%Y-%m-%d %H:00 %Z", time.localtime(hour))
         rows.append((label, cells))
         if len(rows) >= 48:   # two days of bars is a glance; --since narrows it
             break
     return rows
+
+
+def _mark(cells: list[str], hour: float, spans, kind: str) -> None:
+    """Every minute cell of the hour that a (start, end) span touches becomes kind."""
+    for start, end in spans:
+        for minute in range(60):
+            cell_start = hour + minute * 60
+            if start < cell_start + 60 and end >= cell_start:
+                cells[minute] = kind
 
 
 def describe(event: dict) -> str:
