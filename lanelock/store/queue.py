@@ -34,8 +34,8 @@ import stat
 import time
 
 from .. import locks, proc
+from ..priority import CLASSES, TOP, effective
 
-from ..priority import CLASSES, DEFAULT_AGING, DEFAULT_RANK, TOP, effective  # noqa: F401
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
