@@ -174,6 +174,9 @@ def _check_host(host: str, text: str) -> str:
     if address is not None:
         return str(address)
     name = host.lower().rstrip(".")
+    address = _address(name) if looks_numeric and name != host.lower() else None
+    if address is not None:   # "1.", "127.0.0.1.": the address without its dot, as its lane's
+        return str(address)   # name re-reads (a name "1" would re-read as the address 0.0.0.1)
     labels = name.split(".")
     if len(name) > 253 or not all(_LABEL.match(label) for label in labels):
         raise BackendError(f"backend {text!r}: {host!r} is not a host name or address")

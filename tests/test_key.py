@@ -355,6 +355,16 @@ def test_what_parses_reparses_to_the_same_lane(text):
     assert (again, again.stem) == (lane, lane.stem)
 
 
+@pytest.mark.parametrize("dotted, plain", [("1.:1", "1:1"), ("127.0.0.1.:8080", "127.0.0.1:8080"),
+                                           ("10.0.0.5.:80", "10.0.0.5:80")])
+def test_an_address_with_a_trailing_dot_is_that_address(dotted, plain):
+    """Found by the property above: '1.' was kept as the name '1', whose lane re-read as the
+    address 0.0.0.1 -- a lane whose own name keyed another lane."""
+    lane = lane_for(dotted)
+    assert (lane, lane.stem) == (lane_for(plain), lane_for(plain).stem)
+    assert lane_for(lane.name) == lane
+
+
 @PROPERTY
 @given(port=ports)
 def test_local_spellings_give_one_key_per_port(port):
