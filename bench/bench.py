@@ -257,7 +257,7 @@ def in_process(env: dict, turns: int) -> None:
 # 5 --------------------------------------------------------------------------------------------
 def stress(env: dict, processes: int, turns: int) -> None:
     from lanelock import testing
-    from lanelock.store import journal
+    from lanelock.store.flock import journal
 
     local = testing.make_server(0, 0.005, "local")
     threading.Thread(target=local.serve_forever, daemon=True).start()

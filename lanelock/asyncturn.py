@@ -2,7 +2,7 @@
 
 On the flock store a free lane is taken on the loop (a few local system calls); a busy one waits
 without a thread of its own: the short steps before and after the wait run in the loop's thread
-pool, and the lane's one waiter thread (store/waiting.py) wakes the task through the loop, so 200
+pool, and the lane's one waiter thread (store/flock/waiting.py) wakes the task through the loop, so 200
 waiting requests cost no more threads than one. On a store whose every step may block on the
 network (PostgreSQL), the turn runs in a thread of its own. Either way other tasks go on.
 

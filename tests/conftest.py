@@ -151,7 +151,7 @@ def is_waiting(lock_path, pid: int) -> bool:
 
 
 def is_queued(lock_path, pid: int) -> bool:
-    """Does pid wait in the lane's queue (store/queue.py: a file ARRIVAL.RANK.PID.RANDOM in
+    """Does pid wait in the lane's queue (store/flock/queue.py: a file ARRIVAL.RANK.PID.RANDOM in
     STEM.queue/ beside the lock, there only while its turn waits)? The first in the queue blocks
     in flock() on the lock itself (is_waiting); the others on the entry ahead of them."""
     try:

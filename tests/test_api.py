@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from lanelock.store import flock as lock_store
+from lanelock.store.flock import store as lock_store
 from conftest import TIMEOUT, is_waiting, needs_flock, wait_for
 from lanelock import BUSY_WORDS, REASON_BUSY, Gate
 from lanelock.lanes import BackendError

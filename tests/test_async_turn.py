@@ -43,7 +43,7 @@ def kernel(lock_dir) -> locks.KernelView:
 def none_of_ours(lock_dir) -> bool:
     """No lock or wait of this process left on the lane. A deflected or cancelled turn's helper
     thread stays blocked in flock() until the lane frees, then takes and drops it at once (see
-    store/waiting.py): wait for that before asking whether the lane is free."""
+    store/flock/waiting.py): wait for that before asking whether the lane is free."""
     view = kernel(lock_dir)
     return os.getpid() not in view.holders and os.getpid() not in view.waiters
 

@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import HOLD_SCRIPT, LANELOCK, STEM, ExitWatch, signalled_hold, wait_for, wait_stopped
 from lanelock import testing
-from lanelock.store import journal, sidecar
+from lanelock.store.flock import journal, sidecar
 
 LOCK = f"{STEM}.lock"
 

@@ -252,7 +252,7 @@ class waited_request:
     """A generation request the proxy makes wait (its --wait), in a thread, returned once the
     proxy's pid is blocked in flock() on the lane (/proc/locks, polled with a deadline). Start it
     before any request of this proxy gave up on the busy lane: the one thread that waits for the
-    lane in the proxy would already be there (see store/waiting.py's _Waiter)."""
+    lane in the proxy would already be there (see store/flock/waiting.py's _Waiter)."""
 
     def __init__(self, port: int, lock: Path, pid: int):
         assert not is_waiting(lock, pid), "the proxy already waits for this lane"

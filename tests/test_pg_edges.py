@@ -80,7 +80,7 @@ def test_the_first_turns_on_a_fresh_database_agree_on_one_holder(round_, postgre
 
 
 def test_every_session_sets_the_servers_keepalives(postgres):
-    from lanelock.store.pg_session import SERVER_KEEPALIVES, connect
+    from lanelock.store.pg.session import SERVER_KEEPALIVES, connect
 
     conn = connect(postgres.dsn, "lanelock test")
     try:
@@ -100,7 +100,7 @@ def test_where_states_the_bound_for_a_vanished_host(postgres, run_cmd):
 @pytest.mark.slow
 def test_a_holder_whose_host_vanishes_loses_the_lane_within_the_bound(namespace, reachable_server,
                                                                       holder, run_cmd):
-    from lanelock.store.pg_session import BOUND_SECONDS
+    from lanelock.store.pg.session import BOUND_SECONDS
 
     port = reachable_server.port
     remote = f"postgresql://postgres@{namespace.host_ip}:{port}/postgres"

@@ -249,7 +249,7 @@ def test_two_proxies_on_two_hosts_never_let_the_engine_see_two_generations(hosts
 @pytest.mark.parametrize("killed", [0, 1], ids=HOST_NAMES)
 def test_kill_9_of_the_proxy_holding_the_lane_frees_it_for_the_other_host(killed, hosts, procs,
                                                                            run_cmd):
-    from lanelock.store.pg_session import BOUND_SECONDS
+    from lanelock.store.pg.session import BOUND_SECONDS
 
     engine = Engine(procs, tokens=1200, interval=0.05)   # a minute-long stream unless cut
     assert_one_lane(hosts, run_cmd, engine.backend)

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import LANELOCK, TIMEOUT, environ, read_line, wait_for
-from lanelock.store.postgres import lane_key
+from lanelock.store.pg.store import lane_key
 
 
 @pytest.fixture(autouse=True)

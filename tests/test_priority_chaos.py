@@ -56,10 +56,10 @@ import pytest
 
 from conftest import LANELOCK, TIMEOUT, flock_entries, json_of, read_line
 from lanelock import Gate
-from lanelock.store import journal
+from lanelock.store.flock import journal
 from test_proxy import CHAT, Proxy, chat_body, request
 
-CLASSES = ("batch", "normal", "interactive")        # rank = index, as in lanelock/store/queue.py
+CLASSES = ("batch", "normal", "interactive")        # rank = index, as in lanelock/store/flock/queue.py
 AGING = 1.0                  # seconds per aging step (LANELOCK_PRIORITY_AGING)
 GENERATION = 0.03            # seconds the stand-in takes per answer
 THINK = 1.2                  # a loop thinks uniform(0, THINK) seconds between its turns
@@ -70,7 +70,7 @@ SLACK = 1.5                  # seconds of slack on the batch bound (a loaded 2-c
 STALL = 5.0                  # no gap between two grants may be this long (holds are ~0.05 s)
 GONE_WITHIN = 1.0            # a killed waiter's entry no longer counts this long after its death
 HANGUP_SEEN_WITHIN = 1.0     # the engine notices a killed client's hang-up within this long
-SENTINEL = "zz-sentinel"     # not an entry name (store/queue.py's Entry.parse skips it)
+SENTINEL = "zz-sentinel"     # not an entry name (store/flock/queue.py's Entry.parse skips it)
 
 # The stand-in, writing down on stdout every change of its in-flight count as it makes it (under
 # one lock, so the lines are in the order of the changes), with the request's session; a line
@@ -353,7 +353,7 @@ class Engine:
 
 
 def effective(rank: int, arrival: float, now: float) -> int:
-    """The class a waiter counts as at `now` (store/queue.py's rule, in seconds)."""
+    """The class a waiter counts as at `now` (store/flock/queue.py's rule, in seconds)."""
     return min(len(CLASSES) - 1, rank + max(0, int((now - arrival) // AGING)))
 
 
@@ -836,7 +836,7 @@ def test_priority_chaos_keeps_the_order_and_never_overlaps(procs, lock_dir, tmp_
     engine = Engine(procs, token)
     where = json_of(["where", "-b", engine.backend, "--json"])
     lock, journal_path = Path(where["lock_path"]), Path(where["journal_path"])
-    # The lane's files and its queue directory, made as a first waiter would (store/queue.py),
+    # The lane's files and its queue directory, made as a first waiter would (store/flock/queue.py),
     # so the observer watches it from the first entry on.
     with Gate(engine.backend).turn(session="setup"):
         pass

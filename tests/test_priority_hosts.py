@@ -352,7 +352,7 @@ def test_a_waiter_behind_another_users_private_entry_waits_in_the_kernel(user_si
     holder record, journal, counts -- are chmodded past the umask for the same reason); then both
     are served in order, with no warning.
 
-    Fails on the code this was written against: store/queue.py Queue.join creates the entry with
+    Fails on the code this was written against: store/flock/queue.py Queue.join creates the entry with
     mode 0644 and no fchmod, so under umask 077 it is 0600; daemon's EntryWait open() of it fails
     with EACCES, and FlockStore.wait_lock's `except OSError: continue` looks again at once -- a
     busy loop (ahead(), a listing and /proc/locks each time) until nobody's turn leaves."""

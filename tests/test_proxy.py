@@ -504,7 +504,7 @@ def test_busy_answers_leave_no_waits_behind(procs, lanelock, holder, lock_dir):
     threads = len(os.listdir(f"/proc/{proxy.proc.pid}/task"))
     descriptors = len(os.listdir(f"/proc/{proxy.proc.pid}/fd"))
     assert busy.release() == 0
-    # One waiter per lane and process (store/waiting.py), whatever the number of busy answers.
+    # One waiter per lane and process (store/flock/waiting.py), whatever the number of busy answers.
     left = view.waiters.count(proxy.proc.pid)
     assert left <= 1 and threads < 10 and descriptors < 20, (view, threads, descriptors)
 
@@ -542,7 +542,7 @@ def test_client_hang_up_while_waiting_abandons_the_wait(procs, lanelock, holder,
              what="the proxied request to wait for the lane")
     sock.close()
     # A barrier: the proxy has seen the hang-up (queued before this request) once it answers.
-    # The abandoned wait stays queued in the kernel (store/waiting.py), so /proc/locks can't say.
+    # The abandoned wait stays queued in the kernel (store/flock/waiting.py), so /proc/locks can't say.
     assert request(proxy.port, "GET", "/lanelock/status")[0] == 200
     assert busy.release() == 0
     assert turn_state(lanelock, engine.backend, "--wait", "5") == (0, "held")

@@ -188,7 +188,7 @@ def test_the_same_thread_nests_another_thread_deflects(store, backend):
         thread.join(TIMEOUT)
     assert seen["other"] == "deflected"
     # The flock store's waiter thread, left blocked by the deflected turn, takes the lock at the
-    # release and lets go at once (store/waiting.py): done before the teardown looks at the lane.
+    # release and lets go at once (store/flock/waiting.py): done before the teardown looks at the lane.
     for waiter in [t for t in threading.enumerate() if t.name == "lanelock-wait"]:
         waiter.join(TIMEOUT)
 

@@ -28,7 +28,7 @@ import click, psutil, shlex, datetime, ipaddress, hashlib, ctypes, tomllib, json
 import urllib.parse
 import lanelock.cli, lanelock.run.wrapper, lanelock.run.chain, lanelock.run.runner
 import lanelock.inspection.status, lanelock.inspection.render, lanelock.inspection.history
-import lanelock.holder, lanelock.store.flock_survey, lanelock.store.waiting
+import lanelock.holder, lanelock.store.flock.survey, lanelock.store.flock.waiting
 from lanelock.__main__ import entry
 user = pwd.getpwnam(sys.argv[1])
 os.setgroups([])

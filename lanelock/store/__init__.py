@@ -1,9 +1,13 @@
 """Lane stores: where a lane's lock, holder record and events live.
 
+Shared by every store:
 - base.py       the contract every store implements (LaneStore), and LaneFacts for `status`;
-- flock.py      flock(2) on a lock file under the lock root (waiting.py: the timed wait;
-                flock_survey.py: what `status` sees); sidecar.py and journal.py beside the lock;
-- postgres.py   PostgreSQL advisory locks, for agents on several hosts.
+- order.py      who goes next: the waiting walk, once; a store gives it a medium (a Line);
+- counts.py     the cumulative counts' shape (and their file, for stores that keep files);
+- outlived.py   a killed turn's command that still runs; availability.py: an ungated root.
+Each store, in a directory of its own:
+- flock/        flock(2) on a lock file under the lock root: the machine's one gate;
+- pg/           PostgreSQL advisory locks, for agents on several hosts.
 """
 
 
@@ -11,10 +15,10 @@ def for_settings(settings, root):
     """The store the settings name: PostgreSQL for a store URL, else flock under root."""
     dsn = settings.get("store")
     if dsn:
-        from .postgres import PgStore
+        from .pg.store import PgStore
 
         return PgStore(dsn, float(settings.get("priority_aging")))
-    from .flock import FlockStore
+    from .flock.store import FlockStore
 
     return FlockStore(root, settings.get("journal_max_bytes"),
                       float(settings.get("priority_aging")))

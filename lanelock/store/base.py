@@ -153,7 +153,7 @@ class LaneStore(ABC):
         forever) until try_lock's answer would be True. cancel: a threading.Event; once it is set
         (and cancel_wait called) the wait gives up and returns False. rank: as for try_lock; a
         store that orders its waiters serves the highest class first, by arrival within a class,
-        a waiter's class rising with its wait (store/queue.py); another takes the kernel's or
+        a waiter's class rising with its wait (store/flock/queue.py); another takes the kernel's or
         the server's order."""
 
     async def wait_lock_async(self, handle, timeout: float | None, rank: int = 1) -> bool:

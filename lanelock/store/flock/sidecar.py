@@ -18,7 +18,7 @@ import json
 import os
 import stat
 
-from ..holder import SCHEMA, field   # noqa: F401 - sidecar.field, as the stores read it
+from ...holder import SCHEMA, field   # noqa: F401 - sidecar.field, as the stores read it
 
 MAX_BYTES = 64 * 1024
 # Every user of a lane writes its turns here (one root is shared by all users, and in a sticky

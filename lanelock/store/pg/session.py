@@ -12,7 +12,7 @@ tables, set up once per database without racing.
 
 from __future__ import annotations
 
-from ..errors import GateUnavailable
+from ...errors import GateUnavailable
 
 NAMESPACE = 0x4C4E4C4B
 SCHEMA_LOCK = NAMESPACE << 32   # one-bigint advisory key space: never a lane's two-int key

@@ -12,9 +12,9 @@ import fcntl
 import os
 import stat
 
-from .. import locks, proc
+from ... import locks, proc
 from . import sidecar
-from .base import LaneFacts
+from ..base import LaneFacts
 
 
 def lane_stems(root: str) -> list[str]:
@@ -73,12 +73,12 @@ def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0) -> 
             found.store_stale = (f"it was written for lock inode {inode}, the file here is inode "
                                  f"{st.st_ino}")
     if not found.alive:   # free, or held by the next turn while it waits for the command
-        from .outlived import running_command
+        from ..outlived import running_command
 
         command = running_command(record)
         found.ending = command[0] if command else None
     if found.held and found.matches and pid is not None:
-        from ..holder import stopped
+        from ...holder import stopped
 
         found.stopped = stopped(pid, record)
     return found
@@ -91,7 +91,7 @@ def holding(sidecar_path: str) -> tuple:
     (same start time) holds; so does the command of a killed turn that still runs. A holder that
     writes no record (a plain flock(1)) is not seen here: a witness asks survey() before it calls
     a generation unseen."""
-    from ..holder import released_ago
+    from ...holder import released_ago
 
     record, _ = sidecar.read(sidecar_path)
     if record is None:
@@ -102,13 +102,13 @@ def holding(sidecar_path: str) -> tuple:
     ticks = sidecar.field(record, "start_ticks", int)
     if pid is not None and ticks is not None and proc.start_ticks(pid) == ticks:
         return True, None
-    from .outlived import running_command
+    from ..outlived import running_command
 
     return running_command(record) is not None, None
 
 
 def _queue(root: str, stem: str, aging: float) -> list[dict]:
-    """The lane's waiting turns in order (store/queue.py); [] when there are none to read."""
+    """The lane's waiting turns in order (store/flock/queue.py); [] when there are none to read."""
     from .queue import Queue
 
     try:
@@ -143,6 +143,6 @@ def _probe_held(lock_path: str) -> bool | None:
 
 def lane_name(stem: str) -> str:
     """The lane a lock file's stem names (a stem no lane makes: '?STEM')."""
-    from ..lanes import name_from_stem
+    from ...lanes import name_from_stem
 
     return name_from_stem(stem) or f"?{stem}"

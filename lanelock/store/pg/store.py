@@ -10,7 +10,7 @@ bytes of sha256(lane name) as a signed int. The holder row records the full lane
 collision between two lanes is reported, never silent.
 
 A vanished holder host: the server holds the lock until its own socket gives up, so every lanelock
-session sets the server's keepalives (pg_session.py): the lane frees within about 11 s of the
+session sets the server's keepalives (session.py): the lane frees within about 11 s of the
 host's disappearance (PITFALLS 12).
 """
 
@@ -22,11 +22,13 @@ import os
 import time
 from dataclasses import dataclass
 
-from ..errors import GateUnavailable, RecordNotWritten
-from . import outlived, pg_queue
-from .base import LaneFacts, LaneStore, LockHandle
-from ..priority import DEFAULT_AGING
-from .pg_session import BOUND, NAMESPACE, SCHEMA_SQL, connect, driver, ensure_schema, first_line, redact
+from ...errors import GateUnavailable, RecordNotWritten
+from .. import order, outlived
+from . import queue as pg_queue
+from ..base import LaneFacts, LaneStore, LockHandle
+from ...priority import DEFAULT_AGING
+from .line import PgLine
+from .session import BOUND, NAMESPACE, SCHEMA_SQL, connect, driver, ensure_schema, first_line, redact
 
 NO_ROW = "no holder row yet"
 WITNESS_NAMESPACE = 0x4C4E5754   # "LNWT": the lane's one witness, never a lane's or a queue's key
@@ -72,14 +74,14 @@ class PgStore(LaneStore):
         return []   # `where` does not connect; an unreachable store fails open at the turn
 
     def qualify(self, lane):
-        from ..lanes import as_seen_elsewhere
+        from ...lanes import as_seen_elsewhere
 
         # This machine's own LAN address or name, keyed as every other host keys it.
         lane = as_seen_elsewhere(lane)
         if lane.scope != "local":
             return lane
-        from ..facts import hostname
-        from ..lanes import qualified
+        from ...facts import hostname
+        from ...lanes import qualified
 
         return qualified(lane, hostname())   # "localhost" is another machine on every host
 
@@ -151,48 +153,17 @@ class PgStore(LaneStore):
         except Exception:  # noqa: BLE001 - a connection already gone has nothing to cancel
             pass
 
-    # -- waiting in order (pg_queue.py) -------------------------------------------------------------
+    # -- waiting in order (store/order.py walks it; line.py is this store's medium) ----------------
     def wait_lock(self, handle: PgHandle, timeout: float | None, cancel=None,
                   rank: int = 1) -> bool:
         """In the lane's queue, blocking in the server (never polling) until the lane is ours,
         timeout seconds pass (None: forever) or the wait is cancelled (cancel_wait)."""
-        ticket = self._join(handle, rank)
-        if ticket is None:
-            return self._wait_lane(handle, timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        psycopg = driver()
         try:
-            return self._wait_in_queue(handle, ticket, deadline, cancel, psycopg)
+            return order.wait(PgLine(self, handle, self._join(handle, rank)), timeout, cancel)
         except GateUnavailable:
             if handle.cancelled:
                 return False
             raise
-        finally:
-            if not handle.cancelled:
-                try:
-                    self._queue_call(handle, pg_queue.leave, ticket)
-                except GateUnavailable:
-                    pass   # the session is gone: its ticket lock with it
-
-    def _wait_in_queue(self, handle: PgHandle, ticket: int, deadline, cancel, psycopg) -> bool:
-        while not handle.cancelled and not (cancel is not None and cancel.is_set()):
-            left = None if deadline is None else deadline - time.monotonic()
-            ahead, step = self._queue_call(handle, pg_queue.ahead_and_step, handle.lane, ticket,
-                                           self.aging)
-            if ahead is None:
-                if not self._wait_lane(handle, left):
-                    return False
-                if self._queue_call(handle, pg_queue.ahead_and_step, handle.lane, ticket,
-                                    self.aging)[0] is None:
-                    return True
-                self._unlock_lane(handle)   # a higher class came first meanwhile
-                continue
-            if left is not None and left <= 0:
-                return False
-            bounds = [bound for bound in (left, step) if bound is not None]
-            self._queue_call(handle, pg_queue.wait_behind, ahead,
-                             max(0.001, min(bounds)) if bounds else None, psycopg)
-        return False
 
     def _join(self, handle: PgHandle, rank: int) -> int | None:
         """This turn's ticket; None when the queue cannot be used (said once: the wait then
@@ -203,10 +174,7 @@ class PgStore(LaneStore):
         except GateUnavailable as error:
             if handle.cancelled:
                 raise
-            if not PgStore._queue_warned:
-                PgStore._queue_warned = True
-                self.warn(f"lane store queue unavailable ({error}); waiting in the server's "
-                          "order")
+            self._queue_unusable(error)
             return None
 
     def _queue_or(self, handle: PgHandle, default, function, *args):
@@ -215,11 +183,14 @@ class PgStore(LaneStore):
         try:
             return self._queue_call(handle, function, *args)
         except GateUnavailable as error:
-            if not PgStore._queue_warned:
-                PgStore._queue_warned = True
-                self.warn(f"lane store queue unavailable ({error}); waiting in the server's "
-                          "order")
+            self._queue_unusable(error)
             return default
+
+    def _queue_unusable(self, error) -> None:
+        """Said once per process: the waits then take the server's order, as before the queue."""
+        if not PgStore._queue_warned:
+            PgStore._queue_warned = True
+            self.warn(f"lane store queue unavailable ({error}); waiting in the server's order")
 
     def _queue_call(self, handle: PgHandle, function, *args):
         psycopg = driver()
@@ -227,14 +198,6 @@ class PgStore(LaneStore):
             return function(handle.conn, *args)
         except psycopg.Error as error:
             raise GateUnavailable(f"lane store: {first_line(error)}") from None
-
-    def _wait_lane(self, handle: PgHandle, timeout: float | None) -> bool:
-        """A blocking lock with a server-side timeout: the server wakes us, no polling."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._lock_lane(handle, timeout):
-            return False
-        return self._outlived_gone(handle, None if deadline is None
-                                   else max(0.0, deadline - time.monotonic()))
 
     def _lock_lane(self, handle: PgHandle, timeout: float | None) -> bool:
         psycopg = driver()
@@ -267,7 +230,7 @@ class PgStore(LaneStore):
     def _unreleased_here(self, handle: PgHandle) -> dict | None:
         """The record of a turn of this machine that never released (it was killed), if the
         lane's is one; a row only then, so the usual hand-off reads nothing back."""
-        from ..facts import hostname
+        from ...facts import hostname
 
         try:
             with handle.conn.cursor() as cursor:
@@ -300,7 +263,7 @@ class PgStore(LaneStore):
 
     def _add_count(self, conn, lane: str, count: dict) -> None:
         """Read, add, write in one transaction with the row locked: concurrent turns add up."""
-        from . import counts
+        from .. import counts
 
         psycopg = driver()
         try:
@@ -317,7 +280,7 @@ class PgStore(LaneStore):
             pass   # metrics only: a turn never warns about a count
 
     def counts(self, facts) -> dict:
-        from . import counts
+        from .. import counts
 
         # Counts that cannot be read are unknown, never 0: a 0 would read as a reset to Prometheus
         # (and the next scrape's total as that many new turns).
@@ -424,8 +387,8 @@ class PgStore(LaneStore):
             return [row[0] for row in cursor.fetchall()]
 
     def _facts(self, conn, lane: str) -> LaneFacts:
-        from ..facts import hostname
-        from ..proc import start_ticks
+        from ...facts import hostname
+        from ...proc import start_ticks
 
         key = lane_key(lane)
         facts = LaneFacts(lane, self.locator(lane))
@@ -463,7 +426,7 @@ class PgStore(LaneStore):
             command = outlived.running_command(record)
             facts.ending = command[0] if command else None
         if facts.matches and record.get("hostname") == hostname() and isinstance(pid, int):
-            from ..holder import stopped
+            from ...holder import stopped
 
             facts.stopped = stopped(pid, record)
         return facts
@@ -471,7 +434,7 @@ class PgStore(LaneStore):
     def claim_witness(self, lane, who: str | None = None) -> tuple:
         """A session advisory lock on (WITNESS_NAMESPACE, the lane's key) in a connection of its
         own, held while the witness runs: one witness per lane across every host."""
-        from ..facts import hostname
+        from ...facts import hostname
 
         psycopg = driver()
         key = (WITNESS_NAMESPACE, lane_key(lane.name)[1])

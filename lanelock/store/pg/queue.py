@@ -1,4 +1,4 @@
-"""Who goes next on a PostgreSQL lane: the order of store/queue.py -- class, aging, arrival --
+"""Who goes next on a PostgreSQL lane: the order of store/flock/queue.py -- class, aging, arrival --
 kept by the server for every host's waiters (issue 26).
 
 A waiting turn is a row of lanelock_queue (lane, a ticket from a sequence, class, the server's
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 
-from ..priority import CLASSES, TOP, effective
+from ...priority import CLASSES, TOP, effective
 
-QUEUE_NAMESPACE = 0x4C4E5155   # "LNQU": never a lane's key (store/postgres.py NAMESPACE)
+QUEUE_NAMESPACE = 0x4C4E5155   # "LNQU": never a lane's key (store/pg/store.py NAMESPACE)
 _LIVE = """
 SELECT q.ticket, q.rank, extract(epoch FROM q.arrival)::float8,
        extract(epoch FROM statement_timestamp() - q.arrival)::float8, q.facts, l.pid IS NOT NULL
@@ -100,7 +100,7 @@ def queued_at_or_above(conn, lane: str, rank: int, aging: float) -> bool:
 
 
 def describe(conn, lane: str, aging: float) -> list[dict]:
-    """The live entries in order, as store/queue.py describes them for `status`."""
+    """The live entries in order, as store/flock/queue.py describes them for `status`."""
     entries = sorted(live(conn, lane), key=lambda entry: entry.order(aging))
     return [{"position": position, "class": CLASSES[entry.rank],
              "effective_class": CLASSES[entry.effective(aging)], "pid": entry.facts.get("pid"),

@@ -9,7 +9,7 @@ import fcntl
 import os
 import stat
 
-from .shared_file import open_shared
+from ..shared_file import open_shared
 
 
 class Claim:
@@ -48,6 +48,6 @@ def claim(dir_fd: int, name: str, who: str | None = None) -> tuple:
 
 
 def default_words() -> str:
-    from ..facts import hostname
+    from ...facts import hostname
 
     return f"pid {os.getpid()} on {hostname()}"

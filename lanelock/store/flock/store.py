@@ -20,12 +20,14 @@ import fcntl
 import os
 import stat
 
-from .. import locks, proc, say
-from ..errors import GateUnavailable, RecordNotWritten
-from ..paths import UNGATED, Root, creation_problem, open_root
-from ..priority import CLASSES, DEFAULT_AGING, DEFAULT_RANK
-from . import flock_wait, journal, outlived, queue, sidecar, waiting
-from .base import LaneStore, LockHandle
+from ... import locks, proc, say
+from ...errors import GateUnavailable, RecordNotWritten
+from ...paths import UNGATED, Root, creation_problem, open_root
+from ...priority import CLASSES, DEFAULT_AGING, DEFAULT_RANK
+from .. import order, outlived
+from . import journal, queue, sidecar, waiting
+from .line import FlockLine
+from ..base import LaneStore, LockHandle
 
 CONTENDED = frozenset({errno.EWOULDBLOCK, errno.EAGAIN})
 _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a planted FIFO must not hang us
@@ -143,7 +145,7 @@ class FlockStore(LaneStore):
     # the new one is locked instead; a live turn still holding an old inode (its file replaced
     # under it) keeps the lane: we let go and say busy.
     def try_lock(self, handle: Handle, rank: int = DEFAULT_RANK) -> bool:
-        for _ in range(flock_wait.REPLACED_TRIES):
+        for _ in range(order.AGAIN_TRIES):
             ours = self._ours(handle, self._flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB))
             if ours is not None:
                 break
@@ -156,20 +158,12 @@ class FlockStore(LaneStore):
             return False
         return ours and self._outlived_gone(handle)
 
-    # -- waiting in order (store/queue.py; the steps are flock_wait.py's) ------------------------
+    # -- waiting in order (store/order.py walks it; line.py is this store's medium) ----------------
     def wait_lock(self, handle: Handle, timeout: float | None, cancel=None,
                   rank: int = DEFAULT_RANK) -> bool:
         """Block in the kernel, in the lane's queue, until the lane is ours or timeout seconds
         pass (None: forever), or cancel (a threading.Event) is set."""
-        ticket = self._join(handle, rank)
-        if ticket is None:
-            return flock_wait.run(flock_wait.lane(self, handle, timeout, cancel), handle,
-                                  cancel=cancel)
-        try:
-            return flock_wait.run(flock_wait.queued(self, handle, ticket, timeout, cancel),
-                                  handle, ticket, cancel)
-        finally:
-            ticket.leave()
+        return order.wait(FlockLine(self, handle, self._join(handle, rank)), timeout, cancel)
 
     async def wait_lock_async(self, handle: Handle, timeout: float | None,
                               rank: int = DEFAULT_RANK) -> bool:
@@ -183,13 +177,7 @@ class FlockStore(LaneStore):
             if not joining.cancelled() and joining.exception() is None and joining.result():
                 joining.result().leave()
             raise
-        if ticket is None:
-            return await flock_wait.run_async(flock_wait.lane(self, handle, timeout), handle)
-        try:
-            return await flock_wait.run_async(flock_wait.queued(self, handle, ticket, timeout),
-                                              handle, ticket)
-        finally:
-            ticket.leave()
+        return await order.wait_async(FlockLine(self, handle, ticket), timeout)
 
     def _queue(self, handle: Handle) -> "queue.Queue | None":
         if handle.queue is None and handle.dir_fd is not None and handle.dir_fd >= 0:
@@ -323,7 +311,7 @@ class FlockStore(LaneStore):
     def _add_count(self, dir_fd, stem: str, count: dict) -> None:
         if dir_fd is None or dir_fd < 0:
             return
-        from . import counts
+        from .. import counts
 
         outcome = count.pop("outcome")
         try:
@@ -333,7 +321,7 @@ class FlockStore(LaneStore):
                 self.warn(f"turn not counted in {self.path(stem + '.counts')}: {error}")
 
     def counts(self, facts) -> dict:
-        from . import counts
+        from .. import counts
 
         return counts.read(facts.lock_path[:-len(".lock")] + ".counts")
 
@@ -385,17 +373,17 @@ class FlockStore(LaneStore):
 
     # -- inspection ----------------------------------------------------------------------------------
     def survey(self, lane=None, handle=None) -> list:
-        from . import flock_survey
+        from . import survey
 
         if lane is None:
-            return [flock_survey.facts(self.root.path, stem, aging=self.aging) for stem in
-                    flock_survey.lane_stems(self.root.path)]
-        return [flock_survey.facts(self.root.path, lane.stem, lane.name, self.aging)]
+            return [survey.facts(self.root.path, stem, aging=self.aging) for stem in
+                    survey.lane_stems(self.root.path)]
+        return [survey.facts(self.root.path, lane.stem, lane.name, self.aging)]
 
     def holding(self, lane, handle=None) -> tuple:
-        from . import flock_survey
+        from . import survey
 
-        return flock_survey.holding(self.path(self.names(lane.stem)["sidecar"]))
+        return survey.holding(self.path(self.names(lane.stem)["sidecar"]))
 
     def claim_witness(self, lane, who: str | None = None) -> tuple:
         """A flock on STEM.witness beside the lock (never removed, like the lock): the kernel lets
@@ -412,9 +400,9 @@ class FlockStore(LaneStore):
             os.close(dir_fd)
 
     def lane_names(self) -> list[str]:
-        from . import flock_survey
+        from . import survey
 
-        return [flock_survey.lane_name(stem) for stem in flock_survey.lane_stems(self.root.path)]
+        return [survey.lane_name(stem) for stem in survey.lane_stems(self.root.path)]
 
     def events(self, lane, since: float | None) -> tuple:
         events, bad = journal.read(self.where(lane)["journal_path"])

@@ -33,8 +33,8 @@ import os
 import stat
 import time
 
-from .. import locks, proc
-from ..priority import CLASSES, TOP, effective
+from ... import locks, proc
+from ...priority import CLASSES, TOP, effective
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -61,7 +61,7 @@ class Entry:
 
 # This process's live tickets, by file name -> what to call when each leaves. A waiter whose
 # turn comes after another turn of this same process waits for it here, not in the kernel: the
-# kernel wait costs a thread per file (store/waiting.py), and a proxy's 200 waiting requests
+# kernel wait costs a thread per file (store/flock/waiting.py), and a proxy's 200 waiting requests
 # would be 200 threads (issue 24); this costs none.
 _MINE: dict[str, list] = {}
 _GUARD = _thread.allocate_lock()

@@ -1,0 +1,7 @@
+"""The PostgreSQL lane store: advisory locks and tables on one server, for several hosts.
+
+- store.py     PgStore: the lane's advisory lock, the holder row, events and counts;
+- line.py      its medium for the order (store/order.py): queue rows and ticket locks;
+- queue.py     the queue's SQL: one query answers who is ahead and this turn's next step;
+- session.py   the connection: autocommit, keepalives, the schema, a pooler detected.
+"""

@@ -1,0 +1,69 @@
+"""The PostgreSQL store's medium for the order (store/order.py): a waiting turn's entry is a row of
+lanelock_queue and a session advisory lock on its ticket (queue.py), the clock is the server's
+(one for every host), and every wait blocks in the server -- on the lane's advisory lock, or on
+the ticket lock of the entry just ahead -- under a lock_timeout, never by polling."""
+
+from __future__ import annotations
+
+from ...errors import GateUnavailable
+from ..order import Line, QueueBroken
+from . import queue as pg_queue
+from .session import driver
+
+
+class PgLine(Line):
+    def __init__(self, store, handle, ticket: int | None):
+        self.store, self.handle, self.ticket = store, handle, ticket
+        self.queued = ticket is not None
+
+    @property
+    def outlived(self):
+        return self.handle.outlived
+
+    @outlived.setter
+    def outlived(self, value) -> None:
+        self.handle.outlived = value
+
+    def look(self, cancel=None) -> tuple:
+        # who is ahead and this ticket's next step: one query, one statement_timestamp()
+        return self._queue(pg_queue.ahead_and_step, self.handle.lane, self.ticket,
+                           self.store.aging, default=(None, None))
+
+    def lock(self, timeout: float | None, cancel=None) -> bool:
+        if self.handle.cancelled:
+            return False
+        return self.store._lock_lane(self.handle, timeout)   # the pooler check included
+
+    def checked(self, got: bool) -> bool:
+        return got
+
+    def keeps_changing(self):
+        return GateUnavailable("the lane store keeps changing under the lock")
+
+    def hand_on(self) -> None:
+        self.store._unlock_lane(self.handle)
+
+    def behind(self, entry, timeout: float | None, cancel=None) -> None:
+        self._queue(pg_queue.wait_behind, entry, timeout, driver(), default=None)
+
+    def _queue(self, function, *args, default):
+        """A queue statement; its error (a deadlock the server broke, a missing table) is
+        QueueBroken -- the walk then waits in the server's order -- unless the wait was cancelled
+        (the cancel is the error): then default, and the walk sees the cancel."""
+        if self.handle.cancelled:
+            return default
+        try:
+            return self.store._queue_call(self.handle, function, *args)
+        except GateUnavailable as error:
+            if self.handle.cancelled:
+                return default
+            self.store._queue_unusable(error)
+            raise QueueBroken(str(error)) from None
+
+    def leave(self) -> None:
+        if self.ticket is None or self.handle.cancelled:
+            return   # a cancelled session is closed with its ticket lock
+        try:
+            self.store._queue_call(self.handle, pg_queue.leave, self.ticket)
+        except GateUnavailable:
+            pass   # the session is gone: its ticket lock with it
