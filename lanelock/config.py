@@ -25,6 +25,7 @@ class Config:
         self.values: dict = {}
         self.origins: dict = {}     # key -> (file it came from, "system" or "user")
         self.ignored: list = []     # human sentences: what was not applied
+        self.refused: list = []     # (key, "FILE: line N", why): bad values left out
         self.files: list = []       # files that were read
 
     def get(self, key: str, default=None):
@@ -48,16 +49,18 @@ def user_file() -> str | None:
     return os.path.join(base, "lanelock", "config.toml") if base else None
 
 
-def load(check, retired: dict) -> Config:
+def load(check, retired: dict, lenient=None) -> Config:
     """The effective configuration. Raises ConfigError for an invalid file. check(key, value):
-    None or why the value is refused; retired: {key: what replaced it} (both from settings.py,
-    which holds the table: this module only reads and writes files)."""
+    None or why the value is refused; retired: {key: what replaced it}; lenient(key): whether a
+    bad value of key is left out (Config.refused says so) rather than refusing the whole file
+    (all three from settings.py, which holds the table: this module only reads and writes files)."""
     config = Config()
     for path, is_system in ((system_file(), True), (user_file(), False)):
         if not path:
             continue
         # A user file's lock_dir is never applied (below), so its value cannot spoil the file.
-        data = read_file(path, check, unchecked=() if is_system else ("lock_dir",))
+        data = read_file(path, check, unchecked=() if is_system else ("lock_dir",),
+                         lenient=lenient, refused=config.refused)
         if data is None:
             continue
         config.files.append(path)
@@ -75,11 +78,11 @@ def load(check, retired: dict) -> Config:
     return config
 
 
-def read_file(path: str, check, unchecked=()) -> dict | None:
+def read_file(path: str, check, unchecked=(), lenient=None, refused=None) -> dict | None:
     """Parsed and validated settings of one file (but the keys `unchecked`), None when it does
-    not exist."""
+    not exist. A bad value of a key that lenient(key) allows is left out and added to refused."""
     raw = _read_bytes(path)
-    return None if raw is None else _parse(path, raw, check, unchecked)
+    return None if raw is None else _parse(path, raw, check, unchecked, lenient, refused)
 
 
 def _read_bytes(path: str) -> bytes | None:
@@ -96,7 +99,7 @@ def _read_bytes(path: str) -> bytes | None:
     return raw
 
 
-def _parse(path: str, raw: bytes, check, unchecked=()) -> dict:
+def _parse(path: str, raw: bytes, check, unchecked=(), lenient=None, refused=None) -> dict:
     import tomllib
 
     try:
@@ -107,10 +110,15 @@ def _parse(path: str, raw: bytes, check, unchecked=()) -> dict:
         raise ConfigError(f"{path}: {error}") from None
     except RecursionError:
         raise ConfigError(f"{path}: nested too deeply") from None
-    for key, value in data.items():
+    for key, value in list(data.items()):
         problem = None if key in unchecked else check(key, value)
-        if problem:
-            raise ConfigError(f"{path}: line {_line_of(raw, key)}: {problem}")
+        if not problem:
+            continue
+        where = f"{path}: line {_line_of(raw, key)}"
+        if lenient is None or refused is None or not lenient(key):
+            raise ConfigError(f"{where}: {problem}")
+        del data[key]
+        refused.append((key, where, problem))
     return data
 
 
@@ -132,7 +140,7 @@ def parse_value(text: str):
         return text
 
 
-def set_value(key: str, text: str, *, system: bool, check) -> str:
+def set_value(key: str, text: str, *, system: bool, check, lenient=None) -> str:
     """Validate and write one setting; the file is left untouched on any error. Returns the path.
 
     The file is edited, not rewritten: its comments, spacing, quoting and order stay, and only the
@@ -149,7 +157,10 @@ def set_value(key: str, text: str, *, system: bool, check) -> str:
     if not path:
         raise ConfigError("no user config path: HOME and XDG_CONFIG_HOME are unset")
     raw = _read_bytes(path)
-    data = {} if raw is None else _parse(path, raw, check)   # one that does not parse stays as it is
+    # One that does not parse stays as it is, and so does one refused whole; a bad value that is
+    # read as its default (lenient) does not stop the file being mended one `config set` at a time.
+    data = {} if raw is None else _parse(path, raw, lambda name, old: None if name == key or (
+        lenient and lenient(name)) else check(name, old))
     data[key] = value
     text_out = _edited(raw.decode("utf-8") if raw else "", key, value)
     import tomllib

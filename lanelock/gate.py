@@ -20,7 +20,7 @@ from . import holder as holder_facts
 from . import handover, say
 from .errors import GateUnavailable, RecordNotWritten, WouldBlock
 from .facts import boot_id, default_session, hostname, own_start_ticks, user_name, utc_now
-from .place import Place
+from .place import Place, check_arguments
 from .proc import start_ticks
 from .priority import CLASSES, class_named
 from .settings import Settings
@@ -50,17 +50,20 @@ class Gate(Place):
     """One lane's gate: its Place (place.py: the lane, its store, its root) and the turns taken
     on it. Arguments left as None come from the settings table (environment, then config files,
     then defaults); settings= gives a resolved table instead. lane_store: a store object (a
-    LaneStore of your own, store/base.py) instead of the one the settings name."""
+    LaneStore of your own, store/base.py) instead of the one the settings name. priority: the
+    class of this gate's turns (interactive, normal or batch) unless turn(priority=) says.
+    A wrong type is a TypeError and a bad value a ValueError, at the call."""
 
     def __init__(self, backend: str | None = None, *, model: str | None = None,
                  key_by: str | None = None, lock_dir: str | None = None, gate: bool | None = None,
                  grace: float | None = None, store: str | None = None, warn=say.warn,
-                 settings: Settings | None = None, lane_store=None):
+                 settings: Settings | None = None, lane_store=None, priority: str | None = None):
+        check_arguments({"priority": priority})
         super().__init__(backend, model=model, key_by=key_by, lock_dir=lock_dir, gate=gate,
                          grace=grace, store=store, warn=warn, settings=settings,
                          lane_store=lane_store)
         self.grace = float(self.settings.get("grace"))
-        self.priority = self.settings.get("priority")
+        self.priority = class_named(priority) or self.settings.get("priority")
         self.journal_max_bytes = self.settings.get("journal_max_bytes")
 
     def sibling(self, backend: str, model: str | None = None) -> "Gate":
@@ -70,7 +73,7 @@ class Gate(Place):
         flags = self.settings.flags
         return Gate(settings=self.settings.derive(
             backend=backend, model=model, lock_dir=flags.get("lock_dir"), store=flags.get("store")),
-            warn=self.warn, lane_store=self._own_store)
+            warn=self.warn, lane_store=self._own_store, priority=self.priority)
 
     def turn(self, *, session: str | None = None, model: str | None = None,
              argv: list[str] | None = None, wait: float | None = 0.0,
@@ -85,6 +88,8 @@ class Gate(Place):
         or batch -- who goes first among the turns that wait (default: the priority setting).
         command_pid: a process already started that the turn runs (`lanelock run`'s child): if
         this process is killed first, the next turn waits for that one to end."""
+        check_arguments({"wait": wait, "priority": priority, "session": session, "model": model})
+        wait = None if wait == float("inf") else wait
         return Turn(self, session=session, model=model or self.model, argv=argv, wait=wait,
                     labels=labels, askers=askers, priority=priority, command_pid=command_pid)
 

@@ -8,6 +8,8 @@ only a well-formed gate that cannot be taken fails open, and that is the Gate's 
 
 from __future__ import annotations
 
+import os
+
 from . import lanes, say
 from .errors import GateUnavailable, UsageProblem
 from .paths import Root, resolve_root
@@ -15,16 +17,47 @@ from .settings import Settings, store_problem
 from .store import for_settings
 
 
-def _priority_problem(name: str, value, source: str) -> str | None:
-    from .settings import validate
+_SAID: set = set()   # the settings' warnings already said by this process: each is said once
 
-    if name == "priority_aging" and isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    problem = validate(name, value)
-    return f"{'--priority' if source == 'flag' else source}: {problem}" if problem else None
+
+def check_arguments(arguments: dict) -> None:
+    """The API's arguments, checked at the call (Gate(8080) must not fail later as an
+    AttributeError): TypeError for the wrong type, ValueError for a bad value. None: not given."""
+    for name, value in arguments.items():
+        if value is None:
+            continue
+        if name in ("backend", "model", "key_by", "store", "priority", "session"):
+            if not isinstance(value, str):
+                example = {"backend": " such as '127.0.0.1:8080'",
+                           "priority": " (interactive, normal or batch)"}.get(name, "")
+                raise TypeError(f"{name} must be a string{example}, not "
+                                f"{type(value).__name__} {value!r}")
+        elif name == "lock_dir":
+            if not isinstance(value, (str, os.PathLike)):
+                raise TypeError(f"lock_dir must be a path, not {type(value).__name__} {value!r}")
+        elif name == "gate":
+            if not isinstance(value, bool):
+                raise TypeError(f"gate must be True, False or None, not {value!r}")
+        elif name in ("grace", "wait"):
+            check_seconds(name, value)
+    if arguments.get("key_by") not in (None, "backend", "model"):
+        raise ValueError(f"key_by must be 'backend' or 'model', not {arguments['key_by']!r}")
+    if arguments.get("priority") is not None:
+        from .priority import CLASSES, class_named
+
+        if class_named(arguments["priority"]) is None:
+            raise ValueError(f"priority must be one of {', '.join(CLASSES)}, not "
+                             f"{arguments['priority']!r}")
+
+
+def check_seconds(name: str, value) -> None:
+    """A number of seconds given to the API: a real number, 0 or more, finite (but wait's inf,
+    which is None: no bound)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__} "
+                        f"{value!r}")
+    if value != value or value < 0 or (value == float("inf") and name != "wait"):
+        raise ValueError(f"{name} must be a number of seconds, 0 or more, not {value!r}")
 
 
 class Place:
@@ -34,22 +67,30 @@ class Place:
                  settings: Settings | None = None, lane_store=None):
         self.warn = warn
         if settings is None:
+            check_arguments({"backend": backend, "model": model, "key_by": key_by,
+                             "lock_dir": lock_dir, "gate": gate, "grace": grace, "store": store})
             settings = Settings({
                 "backend": backend, "model": model or None, "key_by": key_by,
-                "lock_dir": lock_dir or None, "grace": grace, "store": store,
+                "lock_dir": os.fspath(lock_dir) if lock_dir else None, "grace": grace,
+                "store": store,
                 "gate": None if gate is None else ("always" if gate else "never")})
         self.settings = settings
         self.config, self.config_error = settings.config, settings.config_error
         self.model = settings.get("model")
-        self.lane = lanes.lane_for(settings.get("backend"), model=self.model,
-                                 key_by=settings.get("key_by"))
+        backend, source = settings.lookup("backend")
+        try:
+            self.lane = lanes.lane_for(backend, model=self.model, key_by=settings.get("key_by"))
+        except lanes.BackendError as error:   # say where a backend nobody typed came from
+            if source in ("flag", "default"):
+                raise
+            raise lanes.BackendError(f"{source}: {error}") from None
         dsn, source = settings.lookup("store")
         if dsn and store_problem(dsn):
             raise UsageProblem(f"{'--store' if source == 'flag' else source}: {store_problem(dsn)}")
-        for name in ("priority", "priority_aging"):   # the environment's text is checked here
-            problem = _priority_problem(name, *settings.lookup(name))
-            if problem:
-                raise UsageProblem(problem)
+        for message in settings.warnings():   # a bad value passed over: said once, not per gate
+            if message not in _SAID:
+                _SAID.add(message)
+                warn(message)
         mode = settings.get("gate")
         self.gated = self.lane.gated if mode == "auto" else mode == "always"
         self.root: Root = resolve_root(settings)

@@ -4,6 +4,12 @@ The precedence is written here and nowhere else: flag > environment > user file 
 default. The one exception is the lock root: a user file cannot move it (a per-user root would split
 the gate silently), so config.load() leaves a user file's lock_dir out and reports it.
 
+A bad value from the environment or a file (LANELOCK_PRIORITY=bogus, `grace = -1`, an unknown key)
+is read as if it were not there -- the setting falls to the next source down, the default in the
+end -- with one warning: a typo in a crontab must neither stop the job nor switch the gate off. Only
+the settings that say where the gate is (backend, lock_dir, store) have no such safe value: a bad
+one refuses (read commands exit 2, `run` fails open with one warning). A bad flag is a usage error.
+
 Read by the gate (Gate), the wrapper (`run`), the lock-root logic, the click options, the fast `run`
 parser (run/args.py), `config show` and `config set`. A plain module -- no dataclasses, no typing --
 because `lanelock run` imports it in front of every turn.
@@ -14,16 +20,16 @@ from __future__ import annotations
 import os
 
 from . import config as config_files
-from . import exitcodes
+from . import duration, exitcodes
 from .lanes import DEFAULT_BACKEND
 
 
 class Setting:
     __slots__ = ("name", "flags", "kind", "env", "default", "check", "help", "metavar", "shown",
-                 "read")
+                 "read", "safe")
 
     def __init__(self, name, *, flags=(), kind="text", env=None, default=None, check=None,
-                 help="", metavar=None, shown=None, read=None):
+                 help="", metavar=None, shown=None, read=None, safe=True):
         self.name = name
         self.flags = flags        # ("--backend", "-b"): the first is the long name
         self.kind = kind          # how a flag's text is read: see run/args.py
@@ -34,13 +40,14 @@ class Setting:
         self.metavar = metavar
         self.shown = shown        # what `config show` says of a default that is computed
         self.read = read          # value -> the value it means (one spelling), from any source
+        self.safe = safe          # a bad value from env or file falls to the default (module doc)
 
 
 # -- checks: value -> None when valid, else the reason -------------------------------------------
 def _text(value) -> str | None:
     if isinstance(value, str) and 0 < len(value) <= 4096 and "\x00" not in value:
         return None
-    return "a non-empty string"
+    return "a non-empty string of at most 4096 characters"
 
 
 def relative_root(shown: str, value: str) -> str:
@@ -60,11 +67,20 @@ def _lock_dir(value) -> str | None:
 
 
 def _seconds(value) -> str | None:
+    value = _seconds_read(value)
     if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 86400 * 365:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
         return "a number of seconds, not negative"
-    return "a number of seconds (0 to one year)"
+    return f"a duration from 0 to one year: {duration.EXAMPLES}"
+
+
+def _seconds_read(value):
+    """A duration written as text ('30s', '2m', '90') as seconds; anything else as it is."""
+    if isinstance(value, str):
+        number = duration.seconds(value)
+        return value if number is None else number
+    return value
 
 
 def _exit_code(value) -> str | None:
@@ -175,11 +191,13 @@ DEFAULT_GRACE = 0.05   # seconds: long enough to ride out a probe, short enough 
 JOURNAL_MAX_BYTES = 1 << 20
 
 TABLE = (
+    # backend, lock_dir and store say where the gate is: no other value is safe in place of a
+    # bad one (another lane, root or store would be another gate), so a bad one refuses.
     Setting("backend", flags=("--backend", "-b"), env="LANELOCK_BACKEND", default=DEFAULT_BACKEND,
-            check=_backend, metavar="BACKEND",
+            check=_backend, metavar="BACKEND", safe=False,
             help="The local engine: HOST:PORT, [V6]:PORT or URL."),
     Setting("lock_dir", flags=("--lock-dir",), env="LANELOCK_DIR", check=_lock_dir, metavar="DIR",
-            shown="computed",
+            shown="computed", safe=False,
             help="Lock root, an absolute path (system file only; default /run/lock/lanelock)."),
     Setting("model", flags=("--model", "-m"), env="LANELOCK_MODEL", check=_text, metavar="NAME",
             help="Model label."),
@@ -190,14 +208,14 @@ TABLE = (
             check=_choice("backend", "model"),
             help="Key the lane on the backend (default) or backend+model."),
     Setting("store", flags=("--store",), env="LANELOCK_STORE", kind="store", check=store_problem,
-            metavar="URL", shown="flock under the lock root",
+            metavar="URL", shown="flock under the lock root", safe=False,
             help="postgresql://... lane store for several hosts (default: flock under the lock "
                  "root)."),
     Setting("gate", flags=("--gate/--no-gate",), kind="gate", default="auto",
             check=_choice("auto", "always", "never"),
             help="Force gating on or off, whatever the backend's classification."),
     Setting("wait", flags=("--wait", "-w"), kind="optional-seconds", default=0, check=_seconds,
-            metavar="[SECONDS]",
+            read=_seconds_read, metavar="[SECONDS]",
             help="Block in the kernel until the lane is free (up to SECONDS), then fall back."),
     Setting("busy_exit_code", flags=("--busy-exit-code", "-E"), kind="exit", default=exitcodes.BUSY,
             check=_exit_code, metavar="N", help="Exit status when busy and no fallback ran."),
@@ -205,13 +223,13 @@ TABLE = (
             default=DEFAULT_CLASS, check=_class, read=_class_read, metavar="CLASS",
             help="Who goes first among waiting turns: interactive, normal (default) or batch."),
     Setting("priority_aging", env="LANELOCK_PRIORITY_AGING", default=DEFAULT_AGING,
-            check=_seconds,
+            check=_seconds, read=_seconds_read,
             help="Seconds a waiting turn's class takes to rise one step (nobody starves; 0: "
                  "never)."),
     Setting("grace", flags=("--grace",), kind="seconds", default=DEFAULT_GRACE, check=_seconds,
-            metavar="SECONDS", help="Wait this long in the kernel before deflecting."),
+            read=_seconds_read, metavar="SECONDS", help="Wait this long in the kernel before deflecting."),
     Setting("kill_after", flags=("--kill-after",), kind="seconds", check=_seconds,
-            metavar="SECONDS", shown="off",
+            read=_seconds_read, metavar="SECONDS", shown="off",
             help="SIGKILL the child this long after forwarding it a signal it ignores."),
     Setting("journal_max_bytes", default=JOURNAL_MAX_BYTES, check=_journal_bytes,
             help="Rotate the journal past this size."),
@@ -221,7 +239,7 @@ TABLE = (
     Setting("proxy_listen", flags=("--listen",), default=DEFAULT_LISTEN, check=_listen,
             metavar="HOST:PORT", help="Where the proxy listens (loopback unless --token-env)."),
     Setting("proxy_linger", flags=("--linger",), kind="seconds", default=0, check=_seconds,
-            metavar="SECONDS",
+            read=_seconds_read, metavar="SECONDS",
             help="Keep the lane this long after a request for the same session's next one."),
     Setting("proxy_session_header", flags=("--session-header",), default="X-Lanelock-Session",
             check=_header_name, metavar="NAME", help="Request header that names the session."),
@@ -260,19 +278,32 @@ def validate(name: str, value) -> str | None:
     return f"bad value for {name!r}: {str(value)[:80]!r} (expected {problem})"
 
 
+def lenient(name: str) -> bool:
+    """Whether a file's bad value of this key is left out (read as its default, with a warning)
+    rather than refusing the file: every key but those that say where the gate is."""
+    setting = SETTINGS.get(name)
+    return setting is None or setting.safe
+
+
+def load_files():
+    """The config files as the settings read them (ConfigError for a file refused whole)."""
+    return config_files.load(validate, RETIRED, lenient)
+
+
 class Settings:
     """The effective value of every setting, and where each came from.
 
     flags: values given on the command line or to the API (None: not given). The config files are
     read once, here; a broken file is config_error (run fails open on it, read commands exit 2),
     and so is a lock root given relative on the command line or in the environment (a file's is
-    refused as the file is read)."""
+    refused as the file is read). A bad value of a safe setting is passed over (the module's
+    doc); warnings() says so."""
 
     def __init__(self, flags: dict | None = None, *, config=None, config_error=None):
         self.flags = {name: value for name, value in (flags or {}).items() if value is not None}
         if config is None:
             try:
-                config = config_files.load(validate, RETIRED)
+                config = load_files()
             except config_files.ConfigError as error:
                 config, config_error = config_files.Config(), str(error)
         self.config = config
@@ -294,9 +325,12 @@ class Settings:
 
     def lookup(self, name: str) -> tuple:
         """(value, source); source is 'flag', 'env NAME', 'user file PATH', 'system file PATH'
-        or 'default'. An empty environment variable counts as unset."""
+        or 'default'. An empty environment variable counts as unset, and so does a bad value
+        of a safe setting in the environment (a file's was left out as the file was read)."""
         setting = SETTINGS[name]
         value, source = self._lookup(name, setting)
+        if source.startswith("env ") and self._env_problem(setting) is not None:
+            value, source = self._below_env(name, setting)
         return (setting.read(value) if setting.read else value), source
 
     def _lookup(self, name: str, setting: Setting) -> tuple:
@@ -306,9 +340,21 @@ class Settings:
             value = os.environ.get(setting.env)
             if value:
                 return value, f"env {setting.env}"
+        return self._below_env(name, setting)
+
+    def _below_env(self, name: str, setting: Setting) -> tuple:
         if name in self.config.values:
             return self.config.values[name], self.config.source(name)
         return setting.default, "default"
+
+    @staticmethod
+    def _env_problem(setting: Setting) -> str | None:
+        """Why the environment's value of a safe setting is bad (None: it is good, unset, or
+        the setting has no safe value to fall to)."""
+        text = os.environ.get(setting.env) if setting.env and setting.safe else None
+        if not text:
+            return None
+        return validate(setting.name, setting.read(text) if setting.read else text)
 
     def get(self, name: str):
         return self.lookup(name)[0]
@@ -316,10 +362,29 @@ class Settings:
     def source(self, name: str) -> str:
         return self.lookup(name)[1]
 
+    def warnings(self) -> list[str]:
+        """One line per bad value passed over: where it was, why it is bad, what is used."""
+        lines = []
+        for setting in TABLE:
+            problem = self._env_problem(setting)
+            if problem:
+                lines.append(f"env {setting.env}: {problem}; {self._using(setting.name)}")
+        for name, where, problem in self.config.refused:
+            using = self._using(name) if name in SETTINGS else "ignored"
+            lines.append(f"{where}: {problem}; {using}")
+        return lines
+
+    def _using(self, name: str) -> str:
+        value, source = self.lookup(name)
+        if value is None:
+            shown = SETTINGS[name].shown or "unset"
+            return f"using the default ({shown})" if source == "default" else f"unset ({source})"
+        return f"using {value!r} ({'the default' if source == 'default' else source})"
+
 
 def effective() -> dict:
     """Every setting's value and source, for `config show` (ConfigError for a broken file)."""
-    settings = Settings(config=config_files.load(validate, RETIRED))
+    settings = Settings(config=load_files())
     rows = {}
     for setting in TABLE:
         value, source = settings.lookup(setting.name)
@@ -331,9 +396,10 @@ def effective() -> dict:
         elif value is None and setting.shown:
             source = f"default: {setting.shown}"
         rows[setting.name] = {"value": value, "source": source}
-    return {"settings": rows, "files": settings.config.files, "ignored": settings.config.ignored}
+    return {"settings": rows, "files": settings.config.files,
+            "ignored": settings.config.ignored + settings.warnings()}
 
 
 def set_value(key: str, text: str, *, system: bool) -> str:
     """`config set`: validate KEY = TEXT against the table and write it (config.set_value)."""
-    return config_files.set_value(key, text, system=system, check=validate)
+    return config_files.set_value(key, text, system=system, check=validate, lenient=lenient)

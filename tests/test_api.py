@@ -346,10 +346,58 @@ def test_a_turn_is_on_the_same_lock_as_the_cli(holder):
 
 def test_a_broken_config_fails_open_with_one_warning(monkeypatch, tmp_path, lock_dir):
     config = tmp_path / "config.toml"
-    config.write_text("grace = 'not a number'\n")
+    config.write_text("grace = = 0.1\n")   # a file that does not parse: nothing in it is known
     monkeypatch.setenv("LANELOCK_CONFIG", str(config))
     warnings = []
     with Gate("127.0.0.1:8080", warn=warnings.append).turn() as turn:
         assert turn.state == "fail-open" and str(config) in turn.reason
     assert len(warnings) == 1 and warnings[0].startswith("gate unavailable (")
     assert not (lock_dir / "localhost-8080.lock").exists()
+
+
+# -- the API's arguments are checked at the call (issue 31 item 11) ---------------------------------
+# Gate(8080) raised an AttributeError from deep inside; turn(wait="5") passed until the lane was
+# busy and then failed in the wait; wait=-1 was taken. Each is a TypeError or ValueError at once.
+LANE_SPELLING = "127.0.0.1:8080"
+BAD_CALLS = [
+    (lambda: Gate(8080), TypeError, "backend must be a string such as '127.0.0.1:8080', not int 8080"),
+    (lambda: Gate(LANE_SPELLING).turn(wait="5"), TypeError,
+     "wait must be a number of seconds, not str '5'"),
+    (lambda: Gate(LANE_SPELLING).turn(wait=-1), ValueError,
+     "wait must be a number of seconds, 0 or more, not -1"),
+    (lambda: Gate(LANE_SPELLING).turn(wait=float("nan")), ValueError, "not nan"),
+    (lambda: Gate(LANE_SPELLING).turn(wait=True), TypeError, "not bool True"),
+    (lambda: Gate(LANE_SPELLING).turn(priority="urgent"), ValueError,
+     "priority must be one of batch, normal, interactive, not 'urgent'"),
+    (lambda: Gate(LANE_SPELLING).turn(session=7), TypeError, "session must be a string"),
+    (lambda: Gate(LANE_SPELLING, grace="0.1"), TypeError, "grace must be a number of seconds"),
+    (lambda: Gate(LANE_SPELLING, grace=float("inf")), ValueError, "grace must be a number"),
+    (lambda: Gate(LANE_SPELLING, priority="urgent"), ValueError, "priority must be one of"),
+    (lambda: Gate(LANE_SPELLING, priority=2), TypeError, "priority must be a string"),
+    (lambda: Gate(LANE_SPELLING, key_by="host"), ValueError, "key_by must be 'backend' or 'model'"),
+    (lambda: Gate(LANE_SPELLING, gate="yes"), TypeError, "gate must be True, False or None"),
+    (lambda: Gate(LANE_SPELLING, lock_dir=3), TypeError, "lock_dir must be a path"),
+]
+
+
+@pytest.mark.parametrize("call, error, words", BAD_CALLS, ids=range(len(BAD_CALLS)))
+def test_bad_api_arguments_fail_at_the_call(call, error, words, holder):
+    holder()   # a busy lane: a bad wait must not get as far as waiting for it
+    with pytest.raises(error) as raised:
+        call()
+    assert words in str(raised.value)
+
+
+def test_a_gates_priority_is_its_turns_class_unless_the_turn_says(lanelock, tmp_path):
+    """Gate(..., priority=) exists as turn(priority=) does; it also accepts a Path lock_dir."""
+    gate = Gate(LANE_SPELLING, priority="Batch", lock_dir=tmp_path / "lanes")
+    with gate.turn(session="from-gate") as turn:
+        assert turn.held and turn.priority == "batch"
+    with gate.turn(session="from-turn", priority="interactive") as turn:
+        assert turn.held and turn.priority == "interactive"
+    with gate.turn(session="forever", wait=float("inf")) as turn:   # inf: as long as it takes
+        assert turn.held
+    done = lanelock("history", "--json", "--lock-dir", tmp_path / "lanes")
+    said = {event["session"]: event["priority"] for event in json.loads(done.stdout)["events"]
+            if event["event"] == "acquired"}
+    assert said == {"from-gate": "batch", "from-turn": "interactive", "forever": "batch"}, said

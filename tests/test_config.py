@@ -108,8 +108,8 @@ def test_set_in_a_file_of_tables_only_keeps_every_line(lanelock, config_files):
 
 @pytest.mark.parametrize("broken", [
     b"grace = \n", b"grace = 0.1\ngrace = 0.2\n", b"[[chains.cloud]\ncommand = 'x'\n",
-    b"# caf\xe9\ngrace = 0.1\n", b'grace = "soon"\n',
-], ids=["no-value", "duplicate-key", "bad-header", "not-utf8", "invalid-setting"])
+    b"# caf\xe9\ngrace = 0.1\n", b'store = "soon"\n',
+], ids=["no-value", "duplicate-key", "bad-header", "not-utf8", "invalid-store"])
 def test_set_on_a_file_that_does_not_parse_leaves_it_alone(lanelock, config_files, broken):
     _, user = config_files
     user.write_bytes(broken)
@@ -136,10 +136,13 @@ def test_user_file_cannot_set_the_lock_root(lanelock, config_files, tmp_path):
 
 def test_invalid_config_reports_file_and_line(lanelock, config_files):
     system, _ = config_files
-    system.write_text('backend = "localhost:8080"\n\ngrace = "soon"\n')
+    system.write_text('backend = "localhost:8080"\n\nstore = "soon"\n')
     done = lanelock("where")
     assert done.returncode == 2
     assert f"{system}: line 3:" in done.stderr
+    system.write_text('backend = "localhost:8080"\n\ngrace = "soon"\n')
+    done = lanelock("where")   # a safe setting's bad value is its default, with one warning
+    assert done.returncode == 0 and f"{system}: line 3:" in done.stderr
     system.write_text('backend = "localhost:8080"\ngrace = \n')
     done = lanelock("status")
     assert done.returncode == 2 and str(system) in done.stderr and "line 2" in done.stderr
@@ -300,3 +303,118 @@ def test_a_retired_setting_is_ignored_with_a_note_never_an_ungated_turn(config_f
     assert shown.returncode == 0
     assert "proxy_paths: IGNORED, it is retired" in shown.stderr
     assert "proxy_cheap_paths" in shown.stderr
+
+
+# -- a bad value of a setting with a safe default is that default, with one warning ----------------
+# (issue 31 item 4) LANELOCK_PRIORITY=bogus stopped every command (exit 2: a crontab's typo stopped
+# the job) and `priority = "bogus"` in a file ran every turn ungated. Walked over the whole table:
+# a bad value from the environment or a file is passed over with ONE warning line, the rest of the
+# file still applies and the turn is gated (held). backend, lock_dir and store say where the gate
+# is, so no value is safe in place of a bad one: they refuse, with one line.
+BAD_VALUES = {   # setting: (the file's bad value as TOML, the environment's bad text or None)
+    "backend": ('"bogus::"', "bogus::"), "lock_dir": ('"locks"', "locks"),
+    "model": ("3", "m" * 5000), "session": ("4", "s" * 5000), "key_by": ('"host"', None),
+    "store": ('"mysql://x"', "mysql://x"), "gate": ('"maybe"', None), "wait": ('"soon"', None),
+    "busy_exit_code": ("300", None), "priority": ('"bogus"', "bogus"),
+    "priority_aging": ('"abc"', "abc"), "grace": ("-1", None), "kill_after": ("-3", None),
+    "journal_max_bytes": ("1", None), "chains": ("3", None), "proxy_listen": ('"x"', None),
+    "proxy_linger": ("-1", None), "proxy_session_header": ('"a b"', None),
+    "proxy_cheap_paths": ("3", None),
+}
+
+
+def test_the_walk_covers_the_whole_table():
+    from lanelock.settings import SETTINGS
+
+    assert set(BAD_VALUES) == set(SETTINGS), "a new setting needs its bad value here"
+    for name, (_, env_text) in BAD_VALUES.items():
+        assert (env_text is None) == (SETTINGS[name].env is None), name
+
+
+def _one_line(done) -> str:
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lanelock: "), done.stderr
+    assert "Traceback" not in done.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("name", sorted(BAD_VALUES))
+def test_a_bad_value_in_a_file_is_the_default_with_one_warning(name, lanelock, config_files):
+    from lanelock.settings import SETTINGS
+
+    system, _ = config_files   # the system file: the one file that may set every key
+    other = ("grace", "0.1", 0.1) if name == "busy_exit_code" else ("busy_exit_code", "9", 9)
+    system.write_text(f"# the admin's\n{name} = {BAD_VALUES[name][0]}\n{other[0]} = {other[1]}\n")
+    ran = lanelock("run", "--", "printenv", "LANELOCK_STATE")
+    line = _one_line(ran)
+    assert f"{system}: line 2:" in line and f"'{name}'" in line, line
+    read = lanelock("status")
+    if not SETTINGS[name].safe:   # where the gate is: refused, never guessed
+        assert (ran.returncode, ran.stdout) == (0, "fail-open\n"), ran
+        assert line.startswith("lanelock: warning: gate unavailable ("), line
+        assert (read.returncode, read.stdout) == (2, ""), read
+        assert f"'{name}'" in _one_line(read)
+        return
+    assert (ran.returncode, ran.stdout) == (0, "held\n"), ran   # gated, the command ran
+    assert line.startswith("lanelock: warning: ") and "; using " in line, line
+    assert read.returncode == 0 and _one_line(read) == line, read
+    shown = lanelock("config", "show", "--json")
+    assert shown.returncode == 0 and _one_line(shown) == line, shown
+    settings = json.loads(shown.stdout)["settings"]
+    assert settings[name]["value"] == SETTINGS[name].default
+    assert settings[name]["source"].startswith("default"), settings[name]
+    assert settings[other[0]] == {"value": other[2], "source": f"system file {system}"}
+
+
+@pytest.mark.parametrize("name", sorted(name for name, (_, text) in BAD_VALUES.items() if text))
+def test_a_bad_value_in_the_environment_is_the_default_with_one_warning(name, lanelock,
+                                                                        config_files):
+    from lanelock.settings import SETTINGS
+
+    setting = SETTINGS[name]
+    env = {setting.env: BAD_VALUES[name][1]}
+    ran = lanelock("run", "--", "printenv", "LANELOCK_STATE", env=env)
+    line = _one_line(ran)
+    assert setting.env in line, line
+    read = lanelock("status", env=env)
+    if not setting.safe:   # where the gate is: refused, never guessed
+        assert ran.stdout in ("", "fail-open\n") and ran.returncode in (0, 2), ran
+        assert (read.returncode, read.stdout) == (2, ""), read
+        assert setting.env in _one_line(read)
+        return
+    assert (ran.returncode, ran.stdout) == (0, "held\n"), ran
+    assert line.startswith(f"lanelock: warning: env {setting.env}: ") and "; using " in line
+    assert read.returncode == 0 and _one_line(read) == line, read
+    # below the bad variable, the files still count: the value falls to them, then the default
+    _, user = config_files
+    if name == "priority":
+        user.write_text('priority = "batch"\n')
+        shown = json.loads(lanelock("config", "show", "--json", env=env).stdout)["settings"]
+        assert shown["priority"] == {"value": "batch", "source": f"user file {user}"}
+
+
+def test_a_hand_typed_bad_flag_stays_a_usage_error(lanelock):
+    for args in (["--priority", "bogus"], ["--grace", "-1"], ["--wait=soon"], ["-E", "300"]):
+        done = lanelock("run", *args, "--", "true")
+        assert (done.returncode, done.stdout) == (2, ""), (args, done)
+        _one_line(done)
+
+
+def test_an_unknown_key_is_ignored_with_one_warning_never_an_ungated_turn(lanelock,
+                                                                        config_files):
+    _, user = config_files
+    user.write_text('priorty = "batch"\nbusy_exit_code = 9\n')
+    ran = lanelock("run", "--", "printenv", "LANELOCK_STATE")
+    assert (ran.returncode, ran.stdout) == (0, "held\n"), ran
+    line = _one_line(ran)
+    assert f"{user}: line 1: unknown setting 'priorty'" in line and line.endswith("; ignored")
+    assert show(lanelock)["busy_exit_code"]["value"] == 9
+
+
+def test_config_set_mends_a_file_with_a_bad_value(lanelock, config_files):
+    _, user = config_files
+    user.write_text('# mine\npriority = "bogus"\n')
+    assert lanelock("config", "set", "priority", "batch").returncode == 0
+    assert user.read_text() == '# mine\npriority = "batch"\n'
+    done = lanelock("config", "show")
+    assert done.returncode == 0 and done.stderr == "", done

@@ -241,12 +241,15 @@ def test_history_records_each_turns_class_and_wait(holder, procs, tmp_path, lane
     assert mine["acquired"]["priority"] == "batch"
 
 
-def test_a_bad_class_is_a_usage_error(lanelock):
-    for args, env in ((("--priority", "urgent"), None), ((), {"LANELOCK_PRIORITY": "urgent"})):
-        done = lanelock("run", *args, "--", "true", env=env)
-        assert done.returncode == 2, done.stderr
-        assert done.stderr.count("\n") == 1 and "urgent" in done.stderr
-        assert "Traceback" not in done.stderr
+def test_a_bad_class_flag_is_a_usage_error_and_a_bad_variable_the_default(lanelock):
+    done = lanelock("run", "--priority", "urgent", "--", "true")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "urgent" in done.stderr
+    assert "Traceback" not in done.stderr
+    # a crontab's typo must not stop the job (issue 31 item 4): normal, with one warning
+    done = lanelock("run", "--", "printenv", "LANELOCK_STATE", env={"LANELOCK_PRIORITY": "urgent"})
+    assert (done.returncode, done.stdout) == (0, "held\n"), done.stderr
+    assert done.stderr.count("\n") == 1 and "urgent" in done.stderr and "'normal'" in done.stderr
 
 
 def test_a_class_is_read_whatever_its_case(lanelock, procs):
