@@ -195,6 +195,16 @@ class Turn:
             env[handover.VARIABLE] = inherited
         return env
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """The HTTP headers that hand this turn to a request sent through `lanelock proxy`:
+        `OpenAI(default_headers=turn.headers)`, or `extra_headers=turn.headers` per request. The
+        proxy lets such a request through as part of the turn when it comes from this process or
+        a descendant (handover.py); without them, this process's requests find the lane busy --
+        at once, never waiting for their own turn. Empty unless the turn holds the lane."""
+        turns = self.env.get(handover.VARIABLE) if self.state == HELD else None
+        return {handover.HEADER: turns} if turns else {}
+
     def __enter__(self) -> "Turn":
         return self.acquire()
 
@@ -311,8 +321,12 @@ class Turn:
             store.release(handle)
             self._handle = None
             raise WouldBlock
-        if self._handed_over(handle):
+        handed = self._handed_over(handle)
+        if handed == handover.NESTED:
             self._nested(handle)
+            return None
+        if handed == handover.ITSELF:   # the holder's own request (the proxy's client)
+            self.conclude(handle, False)   # deflects at once: waiting would wait for itself
             return None
         self._blocked = True
         return handle, None if self.wait is None else max(self.wait, gate.grace)
@@ -328,18 +342,17 @@ class Turn:
         else:
             self._pending = (HELD, handle.ident)
 
-    def _handed_over(self, handle) -> bool:
-        """Is the process asking part of the holding turn (handover.py)? Only a busy lane asks,
-        so a free lane never pays for the lookup."""
+    def _handed_over(self, handle) -> str | None:
+        """Is the process asking part of the holding turn, or the holder itself (handover.py's
+        verdict)? Only a busy lane asks, so a free lane never pays for the lookup."""
         askers = self._askers() if self._askers is not None else [handover.this_process()]
         if not askers or None in askers:
-            return False
+            return None
         try:
             facts = self.gate.store.survey(self.gate.lane, handle)[0]
         except GateUnavailable:
-            return False
-        return all(handover.part_of(facts.record, asker, holder_facts.live_pids_here(facts))
-                   for asker in askers)
+            return None
+        return handover.verdict(facts.record, askers, holder_facts.live_pids_here(facts))
 
     def _nested(self, handle, outer: "Turn | None" = None) -> None:
         """Part of a turn this thread already holds, or one handed over to this process: run

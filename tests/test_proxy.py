@@ -643,13 +643,17 @@ def test_dead_backend_answers_502_and_frees_the_lane(procs, lanelock):
     proxy = Proxy(procs, backend)
     status, headers, body = request(proxy.port, "POST", CHAT, chat_body(user="dora"))
     assert status == 502 and headers["Content-Type"].startswith("application/json")
-    assert json.loads(body)["error"]["type"] == "backend_unreachable"
-    assert headers["X-Lanelock-State"] == "held"
+    error = json.loads(body)["error"]
+    assert error["type"] == error["code"] == "local_backend_down"
+    assert error["message"].startswith(f"local model not answering (the local engine at "
+                                       f"http://{backend} did not answer: ")
+    assert (headers["X-Lanelock-State"], headers["X-Lanelock-Reason"]) == \
+        ("held", "local_backend_down")
     assert probe(lanelock, backend) == 0      # released before the answer was sent
     released = [event for event in history(lanelock, backend) if event["event"] == "released"]
     assert len(released) == 1 and released[0]["exit_status"] == 502
     assert released[0]["session"] == "dora"        # no session header: the body's "user"
-    assert "unreachable" in proxy.stderr()
+    assert "local_backend_down: local model not answering" in proxy.stderr()
 
 
 def test_oversized_bodies_and_headers_are_refused(procs, lanelock):
@@ -1123,8 +1127,9 @@ def test_the_anthropic_and_openai_sdks_understand_the_busy_answers(procs, holder
 
 # -- issue 26: the proxy's requests queue by class ---------------------------------------------------
 def test_requests_queue_by_their_class_capped_by_max_priority(procs, lanelock, holder):
-    """X-Lanelock-Priority sets a waiting request's class, capped by --max-priority; the lane
-    goes to the higher class first; a busy answer's Retry-After counts the waiters before it."""
+    """X-Lanelock-Priority sets a waiting request's class, capped by --max-priority (and the
+    answer says so); the lane goes to the higher class first; a busy answer's Retry-After counts
+    the waiters before it. A class that is none is refused, never queued."""
     import threading
 
     from lanelock import Gate
@@ -1141,15 +1146,18 @@ def test_requests_queue_by_their_class_capped_by_max_priority(procs, lanelock, h
             "X-Lanelock-Session": session, "X-Lanelock-Priority": klass})
 
     threads = []
-    for session, klass in (("cron", "batch"), ("greedy", "interactive"), ("bogus", "urgent")):
+    status, headers, _ = request(proxy.port, "POST", CHAT, chat_body(), headers={
+        "X-Lanelock-Session": "bogus", "X-Lanelock-Priority": "urgent"})
+    assert status == 400 and headers["X-Lanelock-Max-Priority"] == "normal"
+    for session, klass in (("cron", "batch"), ("greedy", "interactive")):
         before = len(gate.store.survey(gate.lane)[0].queue)
         threads.append(threading.Thread(target=ask, args=(session, klass)))
         threads[-1].start()
         wait_for(lambda: len(gate.store.survey(gate.lane)[0].queue) > before,
                  f"{session} to queue")
     queued = [(entry["session"], entry["class"]) for entry in gate.store.survey(gate.lane)[0].queue]
-    # interactive capped to normal; an unknown class is the proxy's own (normal)
-    assert queued == [("greedy", "normal"), ("bogus", "normal"), ("cron", "batch")], queued
+    # interactive capped to normal
+    assert queued == [("greedy", "normal"), ("cron", "batch")], queued
     status, headers, _ = request(proxy.port, "POST", CHAT, chat_body(),
                                  headers={"X-Lanelock-Wait": "0", "X-Lanelock-Priority": "batch"})
     assert status == 503 and int(headers["Retry-After"]) >= 1
@@ -1157,6 +1165,7 @@ def test_requests_queue_by_their_class_capped_by_max_priority(procs, lanelock, h
     for thread in threads:
         thread.join(TIMEOUT)
     assert all(answer[0] == 200 for answer in answers.values()), answers
+    assert answers["greedy"][1]["X-Lanelock-Priority"] == "normal"
     served = [event["session"] for event in history(lanelock, engine.backend)
-              if event["event"] == "acquired" and event["session"] in answers]
-    assert served == ["greedy", "bogus", "cron"]
+              if event["event"] == "acquired" and event["session"] in (*answers, "bogus")]
+    assert served == ["greedy", "cron"]

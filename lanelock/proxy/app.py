@@ -2,11 +2,13 @@
 
 A generation request (routes.py) takes the lane for exactly as long as the engine answers it: from
 the moment it is forwarded until the last byte is relayed, the client hangs up, or the engine
-fails. A busy lane: wait (--wait, or the request's X-Lanelock-Wait capped by it), then the fallback
-chain (URLs for OpenAI-style paths, @HOST:PORT engines on their own lanes), then 503 with
-Retry-After. Every answer to a gated request says X-Lanelock-State (and X-Lanelock-Reason when
-deflected or busy). Linger keeps the lane for the same session between its requests, so an agent's
-tool-call loop keeps the engine's cache of its conversation.
+fails. Its class and wait come from its headers, capped by the proxy's (asks.py; a malformed one is
+a 400). A busy lane: wait, then the fallback chain (chain.py), then the dialect's busy answer with
+Retry-After (retry.py). An engine that does not answer: the same chain, then 502. The holder's own
+request without turn.headers is told so at once (handover.py). Every answer to a gated request
+says X-Lanelock-State, the class and wait applied, and X-Lanelock-Reason when deflected, busy or
+down. Linger keeps the lane for the same session between its requests, so an agent's tool-call
+loop keeps the engine's cache of its conversation.
 
 Never logged: Authorization headers, bodies, the fallback key.
 """
@@ -15,25 +17,27 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 
 from aiohttp import web
 
 from .. import asyncturn
-from ..gate import (BUSY_WORDS, DEFLECTED, FAIL_OPEN, HELD, REASON_BUSY, UNGATED, Gate,
-                    busy_sentence)
+from ..gate import BUSY_WORDS, DEFLECTED, FAIL_OPEN, HELD, REASON_BUSY, UNGATED, Gate
+from ..handover import HEADER
 from ..holder import words as holder_words
-from ..priority import CLASSES, class_named
-from . import dialects
+from . import asks, dialects
+from .chain import REASON_DOWN, Chain, Why
+from .peer import Client
 from .relay import Unreachable, error_response, relay, request_headers
+from .retry import RetryAfter
 from .routes import Routes
 
 STATE = "X-Lanelock-State"
 REASON = "X-Lanelock-Reason"
-WAIT_HEADER = "X-Lanelock-Wait"
-PRIORITY_HEADER = "X-Lanelock-Priority"
 BUSY = "busy"
+# An answer a retry cannot change (the client holds the lane itself; it sent a malformed header):
+# the OpenAI and Anthropic SDKs obey this instead of retrying on their own.
+NO_RETRY = {"x-should-retry": "false"}
 
 
 class Options:
@@ -74,13 +78,13 @@ class Proxy:
         self.client = None            # aiohttp.ClientSession, made on startup
         self.lingering: Lingering | None = None
         self.failing = False          # inside a fail-open incident: one warning per incident
-        self.recent: list[float] = []   # recent hold times of this proxy's turns (Retry-After)
+        self.retry_after = RetryAfter(gate)   # knows this proxy's recent holds
+        self.chain = Chain(self)
         self.in_flight = 0
         self.waiting = 0              # requests taking the lane now (most of them waiting for it)
         self._idle: asyncio.Event | None = None
         self.ungated = 0              # ungated generation requests (no lane file records them)
         self.gate.warn = self._gate_warning
-        self.fallback_gates: dict[str, tuple] = {}   # backend -> fallback_lane.fallback_gate()
         self.witness = None           # the engine's witness (witness.py), when it runs
 
     # -- warnings ------------------------------------------------------------------------------
@@ -121,8 +125,12 @@ class Proxy:
                 status = response.status if response is not None else (
                     request.get("lanelock_status") if request.get("lanelock_done")
                     else "client gone")
+                # A gated request's wait and hold apart: a long time in the queue is the
+                # others' holds, not this one's.
+                timing = request.get("lanelock_timing")
+                took = f"{time.monotonic() - started:.3f}s" if timing is None else str(timing)
                 self.say.note(f"proxy: {request.method} {request.raw_path[:200]} {status} "
-                              f"{state} {time.monotonic() - started:.3f}s")
+                              f"{state} {took}")
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         # Decided on the raw target, forwarded as the raw target: the path judged is the path the
@@ -135,7 +143,7 @@ class Proxy:
             return await self.metrics(request)
         body = await request.read()
         if not self.options.routes.is_gated(request.method, path):
-            return await self._forward(request, self.backend_url + path_qs, body, {})
+            return await self._forward(request, self.backend_url + path_qs, body)
         return await self._gated(request, path_qs, path, body)
 
     async def metrics(self, request) -> web.Response:
@@ -164,19 +172,24 @@ class Proxy:
         fields = _json_fields(body)
         dialect = dialects.of(path)
         request["lanelock_dialect"] = dialect
+        try:
+            asked = asks.read(request.headers, default_priority=self.gate.priority,
+                              max_priority=self.options.max_priority, max_wait=self.options.wait)
+        except asks.Malformed as error:
+            return self._refused(dialect, error)
+        applied = asked.headers()
         session = request.headers.get(self.options.session_header) or \
             dialect.session_of(fields) or (request.remote or "?")
         model = dialect.model_of(fields)
-        wait = self._wait_for(request)
-        priority = self._priority_for(request)
         reused = self._take_lingering(session)
+        client = Client(request)
         turn = reused.turn if reused else self.gate.turn(
             session=session[:200], model=model and model[:200], argv=[request.method, path[:200]],
-            wait=wait, labels={"via": "proxy", "client": request.remote or "?",
-                               "path": path[:200]},
-            askers=_client_of(request), priority=priority)
+            wait=asked.wait, labels={"via": "proxy", "client": request.remote or "?",
+                                     "path": path[:200]},
+            askers=client.askers, priority=asked.priority)
         status = None
-        started = time.monotonic()
+        timing = request["lanelock_timing"] = Timing()
         try:
             if reused is None:
                 self.waiting += 1
@@ -184,42 +197,37 @@ class Proxy:
                     await asyncturn.acquire(turn)
                 finally:
                     self.waiting -= 1
+                timing.waited = turn.waited
+            timing.held_from(turn.state)
             if turn.state == HELD and not turn.nested:
                 self.failing = False
             if turn.state in (HELD, UNGATED, FAIL_OPEN):
                 if turn.state == UNGATED:
                     self.ungated += 1
-                headers = {STATE: turn.state}
-                response = await self._forward(request, self.backend_url + path_qs, body, headers)
+                try:
+                    response = await relay(self.client, request, self.backend_url + path_qs,
+                                           body, request_headers(request, drop=self.drop()),
+                                           {STATE: turn.state, **applied})
+                except Unreachable as error:
+                    return await self._down(request, path_qs, body, fields, turn, reused, error,
+                                            applied)
                 status = response.status
                 return response
             if turn.state == DEFLECTED:
-                return await self._deflected(request, path_qs, body, fields, turn)
+                return await self._deflected(request, path_qs, body, fields, turn, client,
+                                             applied)
             raise asyncio.CancelledError   # a cancelled wait: the client is gone
         finally:
             status = status or request.get("lanelock_status")
-            await self._end(turn, session, status, reused, time.monotonic() - started)
+            await self._end(turn, session, status, reused, timing.held_until_now())
 
-    def _wait_for(self, request) -> float | None:
-        wait = self.options.wait
-        asked = request.headers.get(WAIT_HEADER)
-        if asked is not None:
-            try:
-                seconds = float(asked)
-            except ValueError:
-                seconds = None
-            if seconds is not None and seconds == seconds and seconds >= 0:
-                wait = seconds if wait is None else min(seconds, wait)
-        return wait
-
-    def _priority_for(self, request) -> str:
-        """The request's class: its X-Lanelock-Priority when it names one, capped by
-        --max-priority (a client cannot claim more than the proxy allows); else the proxy's."""
-        classes = CLASSES
-        asked = class_named(request.headers.get(PRIORITY_HEADER))
-        if asked is None:
-            return self.gate.priority
-        return classes[min(classes.index(asked), classes.index(self.options.max_priority))]
+    def _refused(self, dialect, error: asks.Malformed) -> web.Response:
+        """A malformed X-Lanelock-* header: 400 in the client's dialect, naming the header,
+        before the lane is asked (the caps said, so the client sees what it may ask)."""
+        body = dialects.error_answer(dialect, 400, "invalid_lanelock_header", str(error),
+                                     error.header)
+        return _answer(400, body, {**asks.caps(self.options.max_priority, self.options.wait),
+                                   **NO_RETRY})
 
     # -- linger -------------------------------------------------------------------------------
     def _take_lingering(self, session: str) -> Lingering | None:
@@ -232,11 +240,11 @@ class Proxy:
         held.in_use = True
         return held
 
-    async def _end(self, turn, session, status, reused, elapsed) -> None:
+    async def _end(self, turn, session, status, reused, held_seconds) -> None:
         if turn.state != HELD:
             return
         if not turn.nested:
-            self.recent = (self.recent + [elapsed])[-20:]
+            self.retry_after.held(held_seconds)
         linger = self.options.linger
         if linger > 0 and not turn.nested and not turn.lost:
             held = reused or Lingering(turn, session)
@@ -261,155 +269,86 @@ class Proxy:
             await asyncturn.release(held.turn, 0)
 
     # -- forwarding ---------------------------------------------------------------------------
-    async def _forward(self, request, url: str, body: bytes, state: dict,
-                       headers: dict | None = None) -> web.StreamResponse:
-        """To the local engine: a failure there is the engine's (502)."""
-        if headers is None:
-            headers = request_headers(request, drop=self._drop())
+    async def _forward(self, request, url: str, body: bytes) -> web.StreamResponse:
+        """An ungated request, to the local engine: a failure there is the engine's (502)."""
         try:
-            return await relay(self.client, request, url, body, headers, state)
+            return await relay(self.client, request, url, body,
+                               request_headers(request, drop=self.drop()), {})
         except Unreachable as error:
             self.say.warn(f"backend {url.split('?')[0]} unreachable: {error}")
             return error_response(502, "backend_unreachable",
-                                  f"the local engine at {self.backend_url} did not answer: {error}",
-                                  state)
+                                  f"the local engine at {self.backend_url} did not answer: {error}")
 
-    async def _deflected(self, request, path_qs, body, fields, turn) -> web.StreamResponse:
-        """The fallback chain for a busy lane: the entries that serve the request's dialect, in
-        order; one that cannot be reached (refused, no answer within --fallback-timeout) is
-        skipped and the next tried. None left: the dialect's busy answer, naming what failed."""
-        who = holder_words(turn.holder)
+    async def _down(self, request, path_qs, body, fields, turn, reused, error,
+                    applied) -> web.StreamResponse:
+        """The local engine did not answer (refused, or reset before a byte came back): the lane
+        goes at once (nothing runs on it, and no linger keeps it), then the fallback chain; 502
+        naming each attempt when none is left."""
+        state = turn.state
+        request["lanelock_status"] = 502
+        if reused is not None and self.lingering is reused:
+            self.lingering = None
+        await asyncturn.release(turn, 502)
+        why = Why.down(f"the local engine at {self.backend_url} did not answer: {error}")
+        response, failures = await self.chain.walk(request, path_qs, body, fields, why, applied)
+        if response is not None:
+            return response
+        failed = "; ".join(failures)
+        self.say.warn(why.sentence(f"every fallback failed ({failed})" if failed else
+                                   f"no fallback for {request.method} "
+                                   f"{path_qs.partition('?')[0][:200]}: 502"))
         dialect = request["lanelock_dialect"]
-        failures = []
-        for index, fallback in enumerate(self.options.fallbacks, 1):
-            if not fallback.serves(dialect):
-                continue
-            if fallback.backend is not None:
-                response = await self._local_fallback(request, path_qs, body, fallback, index,
-                                                      who, failures)
-            else:
-                response = await self._url_fallback(request, path_qs, body, fields, fallback,
-                                                    index, who, failures)
-            if response is not None:
-                await asyncturn.settle(turn, "deflected")
-                return response
+        body = dialects.error_answer(dialect, 502, REASON_DOWN,
+                                     why.words + (f"; {failed}" if failed else ""))
+        return _answer(502, body, {STATE: state, REASON: REASON_DOWN, **applied})
+
+    async def _deflected(self, request, path_qs, body, fields, turn, client,
+                         applied) -> web.StreamResponse:
+        """A busy lane: the fallback chain; none left, the dialect's busy answer, naming what
+        failed. The holder's own request is told at once what to send instead."""
+        dialect = request["lanelock_dialect"]
+        if client.holds(turn.holder):
+            await asyncturn.settle(turn, "busy")
+            return self._holds_itself(dialect, turn.holder, client, applied)
+        who = holder_words(turn.holder)
+        why = Why.busy(who)
+        response, failures = await self.chain.walk(request, path_qs, body, fields, why, applied)
+        if response is not None:
+            await asyncturn.settle(turn, "deflected")
+            return response
         await asyncturn.settle(turn, "busy")
         failed = "; ".join(failures)
-        self.say.note(busy_sentence(who, (f"every fallback failed ({failed})" if failed else
-                                          f"no fallback for {request.method} "
-                                          f"{path_qs.partition('?')[0][:200]}")
-                                    + f": {dialect.busy_status}"))
-        message = f"{BUSY_WORDS} ({who})" + (f"; {failed}" if failed else "")
-        status, payload = dialects.busy_answer(dialect, REASON_BUSY, message)
-        response = web.Response(status=status, body=payload, content_type="application/json")
-        response.headers[STATE] = BUSY
-        response.headers[REASON] = REASON_BUSY
-        response.headers["Retry-After"] = str(await self._retry_after(turn.holder,
-                                                                      turn.priority))
-        return response
+        self.say.note(why.sentence((f"every fallback failed ({failed})" if failed else
+                                    f"no fallback for {request.method} "
+                                    f"{path_qs.partition('?')[0][:200]}")
+                                   + f": {dialect.busy_status}"))
+        status, payload = dialects.busy_answer(dialect, REASON_BUSY,
+                                               why.words + (f"; {failed}" if failed else ""))
+        return _answer(status, payload, {
+            STATE: BUSY, REASON: REASON_BUSY, **applied,
+            "Retry-After": str(await self.retry_after.seconds(turn.holder, turn.priority))})
 
-    async def _url_fallback(self, request, path_qs, body, fields, fallback, index, who,
-                            failures):
-        url = fallback.target(path_qs)
-        model = self.options.fallback_model.get(fallback.kind, self.options.fallback_model.get(None))
-        if model and fields:
-            body = json.dumps({**fields, "model": model}).encode()
-        headers = request_headers(request, drop=("authorization", "x-api-key"))
-        key = self.options.fallback_key.get(fallback.kind, self.options.fallback_key.get(None))
-        name, form = dialects.FALLBACK_KINDS[fallback.kind]["key"]
-        if key:
-            headers[name] = form.format(key=key)
-        elif not self.options.token:   # the client's own credentials, where it sent them
-            for credential in ("Authorization", "x-api-key"):
-                if credential in request.headers:
-                    headers[credential] = request.headers[credential]
-        self.say.note(busy_sentence(who, f"deflecting to fallback {index}: {fallback.url}"))
-        try:
-            return await relay(self.client, request, url, body, headers,
-                               {STATE: DEFLECTED, REASON: REASON_BUSY},
-                               answer_within=self.options.fallback_timeout)
-        except Unreachable as error:
-            failures.append(f"fallback {index} {fallback.url} failed: {error}")
-            self.say.warn(f"fallback {index} {fallback.url} failed: {error}; trying the next")
-            return None
+    def _holds_itself(self, dialect, holder: dict, client, applied) -> web.Response:
+        """The holding process asked without its turn's headers: waiting would wait for its
+        own turn, and a retry cannot help while it holds the lane -- so no Retry-After, and
+        the SDKs are told not to retry."""
+        session = holder.get("session")
+        whose = f"pid {holder['pid']}" + (f", session {session}" if session else "")
+        if client.sent is None:
+            message = (f"this process holds the lane ({whose}): send turn.headers with the "
+                       "request to make it part of the turn")
+        else:
+            message = (f"this process holds the lane ({whose}), and the {HEADER} it sent names "
+                       "another turn: send the holding turn's turn.headers with the request to "
+                       "make it part of the turn")
+        self.say.note(f"{REASON_BUSY}: {message}")
+        status, payload = dialects.busy_answer(dialect, REASON_BUSY,
+                                               f"{BUSY_WORDS}: {message}")
+        return _answer(status, payload, {STATE: BUSY, REASON: REASON_BUSY, **applied,
+                                         **NO_RETRY})
 
-    async def _local_fallback(self, request, path_qs, body, fallback, index, who, failures):
-        from ..fallback_lane import busy_fallback, fallback_gate
-
-        if fallback.backend not in self.fallback_gates:
-            gate, skip = fallback_gate(self.gate, fallback.backend)
-            if gate is None and skip is None:   # not a local lane: its turns are ungated
-                gate = self.gate.sibling(fallback.backend)
-            self.fallback_gates[fallback.backend] = gate, skip
-        gate, skip = self.fallback_gates[fallback.backend]
-        if skip:   # run's rule and words (fallback_lane.py)
-            self.say.note(f"fallback {index} skipped: {skip}")
-            failures.append(f"fallback {index} skipped: {skip}")
-            return None
-        path = path_qs.partition("?")[0][:200]
-        turn = gate.turn(session=f"proxy:{request.remote or '?'}", argv=[request.method, path],
-                         labels={"via": "proxy", "client": request.remote or "?"})
-        await asyncturn.acquire(turn)
-        status = None
-        try:
-            if turn.state == DEFLECTED:
-                skip = busy_fallback(fallback.backend, turn.holder)
-                self.say.note(f"fallback {index} skipped: {skip}")
-                failures.append(f"fallback {index} @{fallback.backend} is busy")
-                return None
-            self.say.note(busy_sentence(who, f"deflecting to fallback {index}: "
-                                             f"@{fallback.backend}"))
-            from ..lanes import origin
-
-            try:
-                response = await relay(self.client, request, origin(gate.lane.given) + path_qs,
-                                       body, request_headers(request, drop=self._drop()),
-                                       {STATE: DEFLECTED, REASON: REASON_BUSY},
-                                       answer_within=self.options.fallback_timeout)
-            except Unreachable as error:
-                failures.append(f"fallback {index} @{fallback.backend} failed: {error}")
-                self.say.warn(f"fallback {index} @{fallback.backend} failed: {error}; "
-                              "trying the next")
-                return None
-            status = response.status
-            return response
-        finally:
-            await asyncturn.release(turn, status)
-
-    def _drop(self) -> tuple:
+    def drop(self) -> tuple:
         return ("authorization",) if self.options.token else ()
-
-    async def _retry_after(self, holder: dict | None, priority: str = "normal") -> int:
-        """Seconds until this request's class would likely get the lane: a typical turn's length
-        (this proxy's recent ones, else the lane's journal) for the holder's turn, less how long
-        it has held, plus one for each waiter queued that goes before this class; at least 1.
-        The store is read off the loop."""
-        typical = _median(self.recent) if self.recent else \
-            await asyncio.to_thread(self._journal_typical)
-        held_for = (holder or {}).get("held_for") or 0.0
-        if typical is None:
-            return 1
-        ahead = await asyncio.to_thread(self._queued_before, priority)
-        return max(1, math.ceil(typical - held_for + typical * ahead))
-
-    def _queued_before(self, priority: str) -> int:
-        """Waiters queued now that go before a request of this class (status's queue)."""
-        classes = CLASSES
-        try:
-            [facts] = self.gate.store.survey(self.gate.lane)
-        except Exception:  # noqa: BLE001 - an estimate is a nicety
-            return 0
-        return sum(1 for entry in facts.queue
-                   if classes.index(entry["effective_class"]) >= classes.index(priority))
-
-    def _journal_typical(self) -> float | None:
-        try:
-            events, _ = self.gate.store.events(self.gate.lane, time.time() - 3600)
-        except Exception:  # noqa: BLE001 - an estimate is a nicety; 1 s is always honest
-            return None
-        durations = [event["duration"] for event in events[-200:] if event.get("event") ==
-                     "released" and isinstance(event.get("duration"), (int, float))]
-        return _median(durations[-20:]) if durations else None
 
     async def _status(self) -> web.Response:
         from ..inspection.status import statuses
@@ -422,21 +361,32 @@ class Proxy:
                                                                                  sort_keys=True))
 
 
-def _client_of(request):
-    """Who asks for the turn: the client process behind the connection, looked up only if the
-    lane is busy (a client handed the holding turn is part of it: handover.py, peer.py)."""
-    transport = request.transport
-    peer = transport.get_extra_info("peername") if transport is not None else None
-    local = transport.get_extra_info("sockname") if transport is not None else None
+class Timing:
+    """A gated request's time waiting for the lane and holding it (the -v line, Retry-After)."""
 
-    def askers():
-        if not isinstance(peer, tuple) or not isinstance(local, tuple):
-            return []   # not a TCP client (a Unix socket): outside every turn
-        from .peer import askers as client_askers
+    __slots__ = ("waited", "_held_from")
 
-        return client_askers(peer, local)
+    def __init__(self):
+        self.waited = 0.0
+        self._held_from: float | None = None
 
-    return askers
+    def held_from(self, state: str) -> None:
+        if state == HELD:
+            self._held_from = time.monotonic()
+
+    def held_until_now(self) -> float:
+        return 0.0 if self._held_from is None else time.monotonic() - self._held_from
+
+    def __str__(self) -> str:
+        held = f", held {self.held_until_now():.3f}s" if self._held_from is not None else ""
+        return f"(waited {self.waited:.3f}s{held})"
+
+
+def _answer(status: int, body: bytes, headers: dict) -> web.Response:
+    response = web.Response(status=status, body=body, content_type="application/json")
+    for name, value in headers.items():
+        response.headers[name] = value
+    return response
 
 
 def _per_kind(value) -> dict:
@@ -464,11 +414,3 @@ def _json_fields(body: bytes) -> dict:
     except (ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def _median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2

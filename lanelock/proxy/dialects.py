@@ -14,18 +14,21 @@ import json
 class Dialect:
     """One API family. paths: exact request paths (no trailing slash; matched on the raw path
     with one trailing slash allowed). fallback_kind: the kind of URL fallback that serves it
-    ("openai", "anthropic"; None: only @HOST:PORT engines)."""
+    ("openai", "anthropic"; None: only @HOST:PORT engines). busy: the body of a busy answer;
+    error: the body of any other error (status, kind, message, param)."""
 
-    __slots__ = ("name", "paths", "session", "model", "busy_status", "fallback_kind", "_busy")
+    __slots__ = ("name", "paths", "session", "model", "busy_status", "fallback_kind", "_busy",
+                 "_error")
 
     def __init__(self, name, paths, *, session=None, model=("model",), busy_status=503,
-                 fallback_kind=None, busy=None):
+                 fallback_kind=None, busy=None, error=None):
         self.name, self.paths = name, frozenset(paths)
         self.session = session          # the body's field path holding the session, or None
         self.model = model              # the body's field path holding the model, or None
         self.busy_status = busy_status
         self.fallback_kind = fallback_kind
         self._busy = busy or _openai_error
+        self._error = error or _openai_failure
 
     def session_of(self, fields: dict) -> str | None:
         return _text_at(fields, self.session)
@@ -35,6 +38,9 @@ class Dialect:
 
     def busy_body(self, kind: str, message: str) -> dict:
         return self._busy(kind, message)
+
+    def error_body(self, status: int, kind: str, message: str, param=None) -> dict:
+        return self._error(status, kind, message, param)
 
 
 def _openai_error(kind: str, message: str) -> dict:
@@ -51,6 +57,23 @@ def _ollama_error(kind: str, message: str) -> dict:
     return {"error": message}
 
 
+def _openai_failure(status: int, kind: str, message: str, param=None) -> dict:
+    # OpenAI's own shape: a refused request is an invalid_request_error naming its param (the
+    # SDK's BadRequestError.param); lanelock's kind is the code.
+    return {"error": {"type": "invalid_request_error" if status == 400 else kind, "code": kind,
+                      "param": param, "message": message}}
+
+
+def _anthropic_failure(status: int, kind: str, message: str, param=None) -> dict:
+    # The Messages API's error types: its SDK maps the status, the type tells the cause.
+    return {"type": "error", "error": {"type": "invalid_request_error" if status == 400
+                                       else "api_error", "message": message}}
+
+
+def _ollama_failure(status: int, kind: str, message: str, param=None) -> dict:
+    return {"error": message}
+
+
 OPENAI = Dialect("openai", (
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/audio/transcriptions",
     "/v1/audio/translations", "/v1/audio/speech", "/v1/images/generations", "/v1/moderations",
@@ -60,12 +83,12 @@ RESPONSES = Dialect("openai-responses", ("/v1/responses", "/responses"),
                     session=("user",), fallback_kind="openai")
 ANTHROPIC = Dialect("anthropic", ("/v1/messages", "/messages"),
                     session=("metadata", "user_id"), busy_status=529, fallback_kind="anthropic",
-                    busy=_anthropic_error)
+                    busy=_anthropic_error, error=_anthropic_failure)
 LLAMA_CPP = Dialect("llama.cpp", (
     "/completion", "/completions", "/infill", "/embedding", "/embeddings", "/rerank",
     "/reranking", "/v1/rerank", "/v1/reranking"), session=None)
 OLLAMA = Dialect("ollama", ("/api/chat", "/api/generate", "/api/embed", "/api/embeddings"),
-                 busy=_ollama_error)
+                 busy=_ollama_error, error=_ollama_failure)
 # Anything else that is gated (a path an engine adds next year, llama-swap's /upstream/MODEL/...):
 # held, answered OpenAI-style when busy, deflected only to @HOST:PORT engines.
 OTHER = Dialect("other", ())
@@ -107,3 +130,10 @@ def _text_at(fields: dict, where) -> str | None:
 def busy_answer(dialect: Dialect, kind: str, message: str) -> tuple[int, bytes]:
     """(status, JSON body) of a busy answer in the client's dialect."""
     return dialect.busy_status, json.dumps(dialect.busy_body(kind, message)).encode()
+
+
+def error_answer(dialect: Dialect, status: int, kind: str, message: str,
+                 param: str | None = None) -> bytes:
+    """The JSON body of an error answer (a refused request, an engine that is down) in the
+    client's dialect; param: what the client sent wrong (a header's name)."""
+    return json.dumps(dialect.error_body(status, kind, message, param)).encode()

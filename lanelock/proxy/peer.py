@@ -8,7 +8,8 @@ its inode, and the process holding socket:[inode] among its descriptors is the c
 list this network namespace's sockets, which is where a loopback client lives.
 
 Where the client cannot be read -- another user's process, for a proxy that is not root -- no
-owner is found and the request is outside every turn.
+owner is found and the request is outside every turn. A request that sent turn.headers is judged
+by those tokens, and may come from the holder itself (handover.py).
 """
 
 from __future__ import annotations
@@ -17,13 +18,32 @@ import ipaddress
 import os
 import sys
 
-from ..handover import Asker, process
+from ..handover import HEADER, Asker, process
 
 
-def askers(peer, local) -> list[Asker | None]:
-    """The client's processes as hand-over askers (None where one cannot be read); [] when the
-    client socket is not found. peer, local: the connection's (host, port, ...) tuples."""
-    return [process(pid) for pid in owners(peer, local)]
+class Client:
+    """The process behind a request's connection, looked up only when the gate asks (a busy
+    lane): the gate's askers (handover.py), with the tokens the request sent in turn.headers'
+    header if it sent any, else those of the process's environment."""
+
+    __slots__ = ("peer", "local", "sent", "pids")
+
+    def __init__(self, request):
+        transport = request.transport
+        self.peer = transport.get_extra_info("peername") if transport is not None else None
+        self.local = transport.get_extra_info("sockname") if transport is not None else None
+        self.sent = request.headers.get(HEADER)
+        self.pids: list[int] = []   # found by askers(), when the gate asked
+
+    def askers(self) -> list[Asker | None]:
+        if not isinstance(self.peer, tuple) or not isinstance(self.local, tuple):
+            return []   # not a TCP client (a Unix socket): outside every turn
+        self.pids = owners(self.peer, self.local)
+        return [process(pid, self.sent) for pid in self.pids]
+
+    def holds(self, holder: dict | None) -> bool:
+        """Is the client the process that holds the lane (as the gate's deflection found it)?"""
+        return isinstance(holder, dict) and holder.get("pid") in self.pids
 
 
 def owners(peer, local) -> list[int]:

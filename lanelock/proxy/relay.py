@@ -13,11 +13,16 @@ import json
 
 from aiohttp import ClientError, web
 
+from ..handover import HEADER
+
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                         "te", "trailer", "trailers", "transfer-encoding", "upgrade",
                         "proxy-connection"})
 # What aiohttp's client would otherwise add on its own.
 AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
+# Never sent on: the hand-over token (turn.headers) names a turn on this machine, nobody else's
+# business -- neither the engine's nor a cloud fallback's.
+PRIVATE = frozenset({HEADER.lower()})
 
 
 class Unreachable(Exception):
@@ -31,7 +36,7 @@ def request_headers(request: web.BaseRequest, *, drop=(), set_=None) -> dict:
     for name, value in request.headers.items():
         lower = name.lower()
         if lower in HOP_BY_HOP or lower in connection or lower in ("host", "content-length") \
-                or lower in drop:
+                or lower in PRIVATE or lower in drop:
             continue
         out[name] = value
     out.update(set_ or {})

@@ -1,0 +1,145 @@
+"""The fallback chain: where a request goes when the local model cannot serve it -- its lane is
+busy (local_backend_busy), or its engine is down (local_backend_down: connection refused or reset
+before a byte of an answer came back).
+
+The entries that serve the request's dialect are tried in order; one that cannot be reached
+(refused, no answer within --fallback-timeout) is skipped and the next tried; one that answers,
+even with an error, is the answer. A URL fallback is sent the request with its own model and key;
+an @HOST:PORT engine is taken on its own lane, and skipped when that is busy. The caller answers
+when none is left, naming what failed.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .. import asyncturn
+from ..gate import DEFLECTED, REASON_BUSY, BUSY_WORDS, busy_sentence
+from . import dialects
+from .relay import Unreachable, relay, request_headers
+
+REASON_DOWN = "local_backend_down"
+DOWN_WORDS = "local model not answering"
+
+
+class Why:
+    """Why the local model cannot serve a request: a reason, and the line each deflection
+    prints ('REASON: WORDS (DETAIL); THEN', the busy line of `run` for a busy lane)."""
+
+    __slots__ = ("reason", "detail")
+
+    def __init__(self, reason: str, detail: str):
+        self.reason, self.detail = reason, detail
+
+    @classmethod
+    def busy(cls, who: str) -> "Why":
+        return cls(REASON_BUSY, who)
+
+    @classmethod
+    def down(cls, error: str) -> "Why":
+        return cls(REASON_DOWN, error)
+
+    @property
+    def words(self) -> str:
+        return f"{BUSY_WORDS if self.reason == REASON_BUSY else DOWN_WORDS} ({self.detail})"
+
+    def sentence(self, then: str | None = None) -> str:
+        if self.reason == REASON_BUSY:
+            return busy_sentence(self.detail, then)
+        return f"{self.reason}: {self.words}" + (f"; {then}" if then else "")
+
+
+class Chain:
+    def __init__(self, proxy):
+        self.proxy = proxy
+        self.gates: dict[str, tuple] = {}   # backend -> fallback_lane.fallback_gate()
+
+    async def walk(self, request, path_qs: str, body: bytes, fields: dict, why: Why,
+                   extra: dict):
+        """(the first fallback's answer or None, the failures on the way). extra: lanelock's
+        headers on a fallback's answer (the class and wait applied)."""
+        dialect = request["lanelock_dialect"]
+        failures: list[str] = []
+        answer_headers = {"X-Lanelock-State": DEFLECTED, "X-Lanelock-Reason": why.reason, **extra}
+        for index, fallback in enumerate(self.proxy.options.fallbacks, 1):
+            if not fallback.serves(dialect):
+                continue
+            if fallback.backend is not None:
+                response = await self._local(request, path_qs, body, fallback, index, why,
+                                             failures, answer_headers)
+            else:
+                response = await self._url(request, path_qs, body, fields, fallback, index, why,
+                                           failures, answer_headers)
+            if response is not None:
+                return response, failures
+        return None, failures
+
+    async def _url(self, request, path_qs, body, fields, fallback, index, why, failures,
+                   answer_headers):
+        options, say = self.proxy.options, self.proxy.say
+        url = fallback.target(path_qs)
+        model = options.fallback_model.get(fallback.kind, options.fallback_model.get(None))
+        if model and fields:
+            body = json.dumps({**fields, "model": model}).encode()
+        headers = request_headers(request, drop=("authorization", "x-api-key"))
+        key = options.fallback_key.get(fallback.kind, options.fallback_key.get(None))
+        name, form = dialects.FALLBACK_KINDS[fallback.kind]["key"]
+        if key:
+            headers[name] = form.format(key=key)
+        elif not options.token:   # the client's own credentials, where it sent them
+            for credential in ("Authorization", "x-api-key"):
+                if credential in request.headers:
+                    headers[credential] = request.headers[credential]
+        say.note(why.sentence(f"deflecting to fallback {index}: {fallback.url}"))
+        try:
+            return await relay(self.proxy.client, request, url, body, headers, answer_headers,
+                               answer_within=options.fallback_timeout)
+        except Unreachable as error:
+            failures.append(f"fallback {index} {fallback.url} failed: {error}")
+            say.warn(f"fallback {index} {fallback.url} failed: {error}; trying the next")
+            return None
+
+    async def _local(self, request, path_qs, body, fallback, index, why, failures,
+                     answer_headers):
+        from ..fallback_lane import busy_fallback, fallback_gate
+
+        say = self.proxy.say
+        if fallback.backend not in self.gates:
+            gate, skip = fallback_gate(self.proxy.gate, fallback.backend)
+            if gate is None and skip is None:   # not a local lane: its turns are ungated
+                gate = self.proxy.gate.sibling(fallback.backend)
+            self.gates[fallback.backend] = gate, skip
+        gate, skip = self.gates[fallback.backend]
+        if skip:   # run's rule and words (fallback_lane.py)
+            say.note(f"fallback {index} skipped: {skip}")
+            failures.append(f"fallback {index} skipped: {skip}")
+            return None
+        path = path_qs.partition("?")[0][:200]
+        turn = gate.turn(session=f"proxy:{request.remote or '?'}", argv=[request.method, path],
+                         labels={"via": "proxy", "client": request.remote or "?"})
+        await asyncturn.acquire(turn)
+        status = None
+        try:
+            if turn.state == DEFLECTED:
+                skip = busy_fallback(fallback.backend, turn.holder)
+                say.note(f"fallback {index} skipped: {skip}")
+                failures.append(f"fallback {index} @{fallback.backend} is busy")
+                return None
+            say.note(why.sentence(f"deflecting to fallback {index}: @{fallback.backend}"))
+            from ..lanes import origin
+
+            try:
+                response = await relay(self.proxy.client, request,
+                                       origin(gate.lane.given) + path_qs, body,
+                                       request_headers(request, drop=self.proxy.drop()),
+                                       answer_headers,
+                                       answer_within=self.proxy.options.fallback_timeout)
+            except Unreachable as error:
+                failures.append(f"fallback {index} @{fallback.backend} failed: {error}")
+                say.warn(f"fallback {index} @{fallback.backend} failed: {error}; "
+                         "trying the next")
+                return None
+            status = response.status
+            return response
+        finally:
+            await asyncturn.release(turn, status)
