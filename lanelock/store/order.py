@@ -87,6 +87,7 @@ def walk(line: Line, timeout: float | None, cancel=None):
             ahead, step = yield LOOK,
         except QueueBroken:
             return (yield from take(line, _left(deadline)))
+        step_at = _deadline(step)   # the step is a moment, however late the wait begins
         if after_look is not None:
             after_look(ahead, step)
         left = _left(deadline)
@@ -104,7 +105,7 @@ def walk(line: Line, timeout: float | None, cancel=None):
         if left is not None and left <= 0:
             return False
         try:
-            yield BEHIND, ahead, _least(left, step)
+            yield BEHIND, ahead, _least(left, _left(step_at))
         except QueueBroken:
             return (yield from take(line, _left(deadline)))
     return False

@@ -26,6 +26,14 @@ def wait(handle, timeout: float | None, cancel=None) -> bool:
     if timeout is None:
         fcntl.flock(handle.fd, fcntl.LOCK_EX)
         return True
+    if timeout < 1e-6:   # setitimer reads a zero (or sub-microsecond) timer as none: for ever
+        try:
+            fcntl.flock(handle.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as error:
+            if error.errno in CONTENDED:
+                return False
+            raise
     try:
         return _wait_with_alarm(handle.fd, timeout)
     except _NotMainThread:

@@ -22,7 +22,8 @@ _LIVE = """
 SELECT q.ticket, q.rank, extract(epoch FROM q.arrival)::float8,
        extract(epoch FROM statement_timestamp() - q.arrival)::float8, q.facts, l.pid IS NOT NULL
 FROM lanelock_queue q
-LEFT JOIN pg_locks l ON l.locktype = 'advisory' AND l.granted AND l.classid = %s
+LEFT JOIN pg_locks l ON l.locktype = 'advisory' AND l.granted AND l.mode = 'ExclusiveLock'
+     AND l.classid = %s
      AND l.objid = (q.ticket %% 2147483647)::oid AND l.objsubid = 2
      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 WHERE q.lane = %s
@@ -72,6 +73,7 @@ def live(conn, lane: str) -> list[Entry]:
         if gone:
             cursor.execute("DELETE FROM lanelock_queue q WHERE q.ticket = ANY(%s) AND NOT EXISTS ("
                            "SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted "
+                           "AND l.mode = 'ExclusiveLock' "
                            "AND l.classid = %s AND l.objid = (q.ticket %% 2147483647)::oid "
                            "AND l.objsubid = 2)", (gone, QUEUE_NAMESPACE))
     return [Entry(*row[:5]) for row in rows if row[5]]

@@ -1,0 +1,46 @@
+"""A turn waiting in a lane's queue that reports every look of the order (store/order.py), for
+tests/test_order.py:
+
+    order_driver.py KIND WHERE BACKEND SESSION PRIORITY [stall=N]
+
+Each look prints {"look": ahead-or-null, "step": seconds-or-null} on stdout; once the turn holds
+the lane it prints {"held": true, "state": ..., "at": CLOCK_MONOTONIC seconds} and lets go, then
+prints {"left": ...}. With stall=N, its Nth look, if it finds someone ahead and a step coming, is
+held up until that step has passed: an aging step falls between the look and the wait it decides.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from lanelock.store import order  # noqa: E402
+from store_driver import gate  # noqa: E402
+
+
+def main(kind: str, where: str, backend: str, session: str, priority: str, *mode: str) -> int:
+    stalled, looks = [], []
+    stall_at = int(mode[0].partition("=")[2]) if mode else 0
+
+    def report(ahead, step) -> None:
+        name = None if ahead is None else str(getattr(ahead, "pid", None) or ahead.facts.get("pid"))
+        print(json.dumps({"look": name, "step": step}), flush=True)
+        looks.append(name)
+        if len(looks) == stall_at and ahead is not None and step is not None:
+            stalled.append(step)
+            time.sleep(step + 0.5)   # the test's own wait for the clock, never the product's
+
+    order.after_look = report
+    with gate(kind, where, backend).turn(session=session, wait=60, priority=priority) as turn:
+        print(json.dumps({"held": turn.held, "state": turn.state, "at": time.monotonic(),
+                          "stalled": stalled}), flush=True)
+    print(json.dumps({"left": time.monotonic()}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))

@@ -1,0 +1,132 @@
+"""One order above both stores (store/order.py, issue 30): the waiting walk is the same on the
+flock store and on PostgreSQL, so the same real-process scenes hold on both.
+
+The scene that stalled (2538e49) and deadlocked PostgreSQL: an aging step that falls between the
+look a waiter takes at the order and the wait that look decides. tests/order_driver.py holds a
+waiter up, after its look, until its own next step has passed -- the hook store/order.py keeps for
+this (after_look), so the product itself never sleeps for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TIMEOUT
+
+ORDER_DRIVER = str(Path(__file__).with_name("order_driver.py"))
+STORE_DRIVER = str(Path(__file__).with_name("store_driver.py"))
+AGING = 2.0   # long enough for three processes to queue before the first step
+ARRIVALS_APART = 0.7
+
+
+@pytest.fixture(params=["flock", "postgresql"])
+def store(request, tmp_path):
+    if request.param == "postgresql":
+        return request.param, request.getfixturevalue("postgres").dsn
+    return request.param, str(tmp_path / "root")
+
+
+@pytest.fixture
+def backend(request) -> str:
+    return f"127.0.0.1:{20000 + abs(hash(request.node.nodeid)) % 20000}"
+
+
+def waiter(procs, store, backend, session, priority, *mode):
+    return procs.start([sys.executable, ORDER_DRIVER, *store, backend, session, priority, *mode],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def line(process) -> dict:
+    text = process.stdout.readline()
+    assert text, process.stderr.read()
+    return json.loads(text)
+
+
+def until_held(process) -> dict:
+    while "held" not in (found := line(process)):
+        pass
+    return found
+
+
+def test_an_aging_step_between_a_look_and_its_wait_stalls_nobody(store, backend, procs,
+                                                                  monkeypatch):
+    monkeypatch.setenv("LANELOCK_PRIORITY_AGING", str(AGING))
+    holder = procs.start([sys.executable, STORE_DRIVER, *store, backend, "hold", "holder"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().startswith("held ")
+    first = waiter(procs, store, backend, "x", "interactive")
+    assert line(first)["look"] is None                      # X: first in the queue
+    batch = waiter(procs, store, backend, "w1", "batch", "stall=2")
+    assert line(batch)["look"] == str(first.pid)            # W1 (batch) behind X
+    time.sleep(ARRIVALS_APART)   # the clock: W2's own step comes well after W1's
+    normal = waiter(procs, store, backend, "w2", "normal")
+    assert line(normal)["look"] == str(first.pid)           # W2 (normal) behind X, before W1
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait(TIMEOUT)
+    # Both wake. W2 is first now; W1 finds W2 ahead with its own step still to come -- and is
+    # held up past that step, between the look and the wait.
+    assert line(normal)["look"] is None
+    looked, looked_at = line(batch), time.monotonic()
+    assert looked["look"] == str(normal.pid) and 0 < looked["step"] < AGING
+    # The holder lets go after W1's step, while W1 is still held up: W2 takes the lane, finds W1
+    # (normal now, and come before it) ahead and lets go for it. W1, back from its look, must
+    # look again at once -- its step has passed -- rather than wait on W2, who waits on it.
+    time.sleep(max(0.0, looked["step"] - (time.monotonic() - looked_at)) + 0.05)   # the clock
+    released = time.monotonic()
+    holder.stdin.write("go\n")
+    holder.stdin.flush()
+    assert holder.wait(TIMEOUT) == 0
+    one, two = until_held(batch), until_held(normal)
+    assert one["state"] == two["state"] == "held"
+    assert one["stalled"], "the step never fell between a look and its wait"
+    assert released < one["at"] < two["at"]
+    # The lane never sat free for a step: W1 had it as soon as the holder let go.
+    assert one["at"] - released < AGING / 2
+    for process in (batch, normal):
+        assert process.wait(TIMEOUT) == 0
+        err = process.stderr.read()
+        assert "gate unavailable" not in err and "warning" not in err, err
+
+
+def test_a_queue_that_breaks_while_a_turn_waits_never_lets_it_run_beside_the_holder(
+        postgres, backend, procs):
+    """A store error in the queue (here its table gone) while a turn waits behind another: the
+    turn waits in the server's order for the lane itself, said once -- it never fails open while
+    the holder still holds (it did: GateUnavailable from the queue's query, and the turn ran
+    ungated)."""
+    import psycopg
+
+    store = ("postgresql", postgres.dsn)
+    holder = procs.start([sys.executable, STORE_DRIVER, *store, backend, "hold", "holder"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().startswith("held ")
+    ahead = waiter(procs, store, backend, "w1", "normal")
+    assert line(ahead)["look"] is None
+    behind = waiter(procs, store, backend, "w2", "normal")
+    assert line(behind)["look"] == str(ahead.pid)
+    with psycopg.connect(postgres.dsn, autocommit=True) as admin:
+        admin.execute("ALTER TABLE lanelock_queue RENAME TO lanelock_queue_away")
+        try:
+            os.kill(ahead.pid, signal.SIGKILL)   # W2 wakes and looks at a queue that is gone
+            ahead.wait(TIMEOUT)
+            said = behind.stderr.readline()
+            assert "queue unavailable" in said and "server's order" in said, said
+        finally:
+            admin.execute("DROP TABLE IF EXISTS lanelock_queue")
+            admin.execute("ALTER TABLE lanelock_queue_away RENAME TO lanelock_queue")
+    released = time.monotonic()
+    holder.stdin.write("go\n")
+    holder.stdin.flush()
+    assert holder.wait(TIMEOUT) == 0
+    got = until_held(behind)
+    assert got["state"] == "held" and got["at"] > released
+    assert behind.wait(TIMEOUT) == 0
+    assert "gate unavailable" not in behind.stderr.read()
