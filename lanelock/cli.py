@@ -24,27 +24,29 @@ def _setting_help(setting) -> str:
 
 
 class Seconds(click.FloatRange):
-    """A number of seconds, 0 or more (click's FloatRange(min=0), which run/args.py mirrors),
-    with messages that say what was expected."""
+    """A duration, 0 or more: seconds (90, 0.5) or a number and a unit (500ms, 30s, 5m, 2h, 1d),
+    as every option, variable and file value that takes one reads it (duration.py). The fast
+    `run` parser (run/args.py) reads plain seconds and leaves the rest to this."""
 
     def __init__(self, flag: str, optional: bool = False):
         super().__init__(min=0)
         self.flag, self.optional = flag, optional
 
     def convert(self, value, param, ctx):
+        from .duration import EXAMPLES, seconds
+
         if isinstance(value, float):
             return value
-        try:
-            number = float(value)
-        except ValueError:
-            hint = (f"; {self.flag}'s value is optional: write {self.flag}=SECONDS, or end "
-                    f"lanelock's options with -- before the command") if self.optional else ""
-            self.fail(f"{value!r} is not a number of seconds{hint}", param, ctx)
-        if number != number:   # nan: no amount of time at all
-            self.fail(f"{value!r} is not a number of seconds", param, ctx)
-        if number < 0:
+        number = seconds(value)
+        if number is not None:
+            return number
+        if str(value).strip().startswith("-") and seconds(str(value).strip()[1:]) is not None:
             self.fail(f"{value} is negative: SECONDS must be 0 or more", param, ctx)
-        return number
+        word = str(value).strip().lower()   # a word that may be the command's: --wait echo hi
+        hint = (f"; {self.flag}'s value is optional: write {self.flag}=SECONDS, or end "
+                f"lanelock's options with -- before the command") if self.optional and not (
+            any(ch.isdigit() for ch in word) or word in ("nan", "inf", "infinity")) else ""
+        self.fail(f"{value!r} is not a duration (SECONDS: {EXAMPLES}){hint}", param, ctx)
 
 
 def setting_option(name: str):
@@ -317,16 +319,18 @@ def metrics(backend, lock_dir, model, key_by, store, all_lanes, textfile):
 
 
 class Interval(Seconds):
-    """A sampling interval: more than 0, at most a minute (as --help shows it)."""
+    """A duration of more than 0, at most `most` seconds (a minute unless said; None: no
+    bound), as --help shows it."""
 
-    def __init__(self, flag: str):
+    def __init__(self, flag: str, most: float | None = 60.0):
         super().__init__(flag)
-        self.min_open, self.max = True, 60.0
+        self.min_open, self.max = True, most
 
     def convert(self, value, param, ctx):
         number = super().convert(value, param, ctx)
-        if not 0 < number <= 60:
-            self.fail(f"{value} is out of range: SECONDS must be more than 0 and at most 60",
+        if number <= 0 or (self.max is not None and number > self.max):
+            bound = "" if self.max is None else f" and at most {self.max:g}"
+            self.fail(f"{value} is out of range: SECONDS must be more than 0{bound}",
                       param, ctx)
         return number
 
@@ -384,8 +388,8 @@ def watch(backend, lock_dir, model, key_by, store, engine, interval, quiet):
               help="Environment variable holding the API key of the URL fallbacks (of KIND, or "
                    "every kind): sent as 'Authorization: Bearer' to openai, 'x-api-key' to "
                    "anthropic; never logged; repeatable.")
-@click.option("--fallback-timeout", metavar="SECONDS", type=click.FloatRange(min=0,
-              min_open=True), default=60.0, show_default=True,
+@click.option("--fallback-timeout", metavar="SECONDS", type=Interval("--fallback-timeout", None),
+              default=60.0, show_default=True,
               help="A fallback that has not answered (status and headers) within this long is "
                    "skipped and the next one tried.")
 @setting_option("wait")
@@ -530,7 +534,7 @@ def _pairs(values: tuple[str, ...], option: str) -> dict[str, str]:
 @click.option("--backend", "-b", metavar="BACKEND", default=None, help="The lane to duel on.")
 @click.option("--lock-dir", metavar="DIR", default=None, help="Lock root for every turn.")
 @click.option("--store", metavar="URL", default=None, help="Duel on a postgresql:// lane store.")
-@click.option("--hold", type=click.FloatRange(min=0), default=1.0, show_default=True,
+@click.option("--hold", type=Seconds("--hold"), default=1.0, show_default=True,
               metavar="SECONDS", help="How long A keeps the lane busy (at least until B and C "
                                       "have deflected).")
 @click.option("--fallback", metavar="CMD", default=None,
@@ -612,9 +616,15 @@ _NEGATIVE = __import__("re").compile(r"-\d+(\.\d*)?|-\.\d+")
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one-line `lanelock:` errors with documented codes, never a traceback."""
-    from .guard import guarded
+    from .guard import guarded, output_status
 
-    return guarded(lambda: _click_main(argv))
+    status = guarded(lambda: _click_main(argv))
+    command = (sys.argv[1:] if argv is None else list(argv))[:1]
+    if command == ["run"]:   # run's own lines never change what runs or its status
+        return status
+    # probe's 1 means busy: an output that failed is its error status instead
+    return output_status(status, exitcodes.USAGE if command == ["probe"] else
+                         exitcodes.OUTPUT_FAILED)
 
 
 def _click_main(argv: list[str] | None):

@@ -6,6 +6,7 @@ Every code here is documented in README.md and man/lanelock.1 and has a test.
 OK = 0
 PROBE_BUSY = 1        # `probe`: the lane is held by someone
 FAILED = 1            # `duel`: the proof failed
+OUTPUT_FAILED = 1     # a read command's output could not be written (/dev/full), as coreutils
 USAGE = 2             # bad flags, malformed backend, bad config for read commands
 GATE_UNAVAILABLE = 69  # EX_UNAVAILABLE: `status`: a lane's gate cannot be taken (turns run ungated)
 INTERNAL = 70         # EX_SOFTWARE: a lanelock bug (LANELOCK_DEBUG=1 shows the traceback)

@@ -3,6 +3,7 @@ traceback. Shared by the click commands and the click-free fast path of `run`.""
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -42,27 +43,32 @@ def usage(message: str, command_path: str) -> int:
 
 class _Dropping:
     """sys.stdout or sys.stderr, dropping what cannot be written: a closed descriptor (`>&-`,
-    where Python makes the stream None) or a reader that went away (`| head -1`). Whether
-    lanelock could print must never change a command's exit status."""
+    where Python makes the stream None), a full or failing file (/dev/full) or a reader that
+    went away (`| head -1`). Nothing is raised: `run`'s own lines must never change what runs
+    or its exit status. What was lost is kept (`lost`) for the read commands, whose output is
+    the point: they say so and fail (output_status)."""
 
     def __init__(self, stream, fd: int):
         self._stream, self._fd = stream, fd
         self.broken = stream is None
+        self.lost: OSError | None = None   # why text was dropped (a reader gone: EPIPE)
 
     def write(self, text: str) -> int:
         if not self.broken:
             try:
                 return self._stream.write(text)
-            except (OSError, ValueError):
-                self._break()
+            except (OSError, ValueError) as error:
+                self._break(error)
+        if text and self.lost is None:
+            self.lost = OSError(errno.EBADF, os.strerror(errno.EBADF))
         return len(text)
 
     def flush(self) -> None:
         if not self.broken:
             try:
                 self._stream.flush()
-            except (OSError, ValueError):
-                self._break()
+            except (OSError, ValueError) as error:
+                self._break(error)
 
     def isatty(self) -> bool:
         return not self.broken and self._stream.isatty()
@@ -72,7 +78,10 @@ class _Dropping:
             raise AttributeError(name)
         return getattr(self._stream, name)
 
-    def _break(self) -> None:
+    def _break(self, error: Exception | None = None) -> None:
+        if error is not None and self.lost is None:
+            self.lost = error if isinstance(error, OSError) else OSError(
+                errno.EBADF, os.strerror(errno.EBADF))   # ValueError: a closed file
         self.broken = True
         # What Python still buffers for this descriptor is flushed again at exit: point the
         # descriptor at /dev/null so that flush succeeds instead of failing a second time.
@@ -82,6 +91,20 @@ class _Dropping:
             os.close(null)
         except OSError:
             pass
+
+
+def output_status(status: int, failed: int = exitcodes.OUTPUT_FAILED) -> int:
+    """A read command's status once its output is flushed: `failed`, with one line, when some
+    of it could not be written (/dev/full, a closed stdout), as coreutils do. A reader that went
+    away (`| head -1`, EPIPE) wanted no more: the command's own status stands."""
+    stream = sys.stdout
+    if isinstance(stream, _Dropping):
+        stream.flush()
+        lost = stream.lost
+        if lost is not None and lost.errno != errno.EPIPE:
+            say.error(f"cannot write the output: {lost.strerror or lost}")
+            return failed
+    return status
 
 
 def protect_streams() -> None:

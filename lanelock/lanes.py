@@ -113,7 +113,8 @@ def split_backend(text: str) -> tuple[str, int, str]:
                            f"(http://{text}), or leave the path out (HOST:PORT)")
     host, sep, port = text.rpartition(":")
     if not sep:
-        raise BackendError(f"backend {text!r} has no port (expected HOST:PORT or a URL)")
+        raise BackendError(f"backend {text!r} has no port: write HOST:PORT, e.g. "
+                           f"{_with_port(text)}, or a URL")
     if ":" in host:
         raise BackendError(f"backend {text!r}: an IPv6 address needs brackets, e.g. [::1]:8080")
     return _check_host(host, text), _check_port(port, text), text
@@ -154,6 +155,14 @@ def _split_url(text: str) -> tuple[str, int, str]:
     netloc = parts.netloc.rpartition("@")[2]
     spelled = f"{scheme}://{netloc}{parts.path}"
     return _check_host(host, text), port, spelled
+
+
+def _with_port(text: str) -> str:
+    """What would work in place of a backend without its port: a bare port is one on this
+    machine (8080 -> 127.0.0.1:8080), a bare host wants its port (localhost -> localhost:8080)."""
+    if text.isascii() and text.isdigit() and len(text) <= 5 and 1 <= int(text) <= 65535:
+        return f"127.0.0.1:{int(text)}"
+    return f"{text[:60]}:8080"
 
 
 def _check_port(port: str, text: str) -> int:

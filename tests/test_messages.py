@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, environ, read_line
+from conftest import LANELOCK, STEM, TIMEOUT, environ, is_queued, read_line, wait_for
 
 
 def one_line(result) -> str:
@@ -30,8 +30,8 @@ def test_a_path_without_a_scheme_says_so(lanelock):
     (["run", "--wait", "-1", "--", "true"], "-1 is a negative number, not an option"),
     (["run", "--wait=-1", "--", "true"], "-1 is a negative number"),
     (["run", "--grace", "-1", "--", "true"], "-1 is negative: SECONDS must be 0 or more"),
-    (["run", "--kill-after", "soon", "--", "true"], "'soon' is not a number of seconds"),
-    (["run", "--grace", "nan", "--", "true"], "'nan' is not a number of seconds"),
+    (["run", "--kill-after", "soon", "--", "true"], "'soon' is not a duration (SECONDS: 90, "),
+    (["run", "--grace", "nan", "--", "true"], "'nan' is not a duration (SECONDS: 90, "),
     (["config", "set", "grace", "-1"], "-1 is a negative number, not an option"),
 ])
 def test_option_values_are_explained(args, words, lanelock):
@@ -146,3 +146,75 @@ def test_an_unknown_command_stays_one_line(args, lanelock):
     result = lanelock(*args)
     assert result.returncode == 2
     assert "No such command 'nosuchcmd'" in one_line(result)
+
+
+# -- issue 31 item 11: small things, each said in words that help -----------------------------------
+@pytest.mark.parametrize("args", [
+    ["run", "--wait", "nan", "--", "true"], ["run", "-w", "NaN", "--", "true"],
+    ["run", "--wait=nan", "--", "true"], ["proxy", "--wait", "nan"], ["proxy", "--linger", "nan"],
+    ["run", "--grace", "inf", "--", "true"], ["duel", "--hold", "nan"],
+])
+def test_nan_is_not_a_duration_not_a_negative_number(args, lanelock):
+    line = one_line(lanelock(*args))
+    assert "is not a duration (SECONDS: 90, 0.5, 500ms, 30s, 5m, 2h, 1d)" in line, line
+    assert "negative" not in line and "optional" not in line, line
+
+
+@pytest.mark.parametrize("backend, works", [
+    ("8080", "127.0.0.1:8080"), ("localhost", "localhost:8080"), ("10.0.0.5", "10.0.0.5:8080")])
+@pytest.mark.parametrize("command", ["run", "status"])
+def test_a_backend_without_a_port_says_what_would_work(backend, works, command, lanelock):
+    result = lanelock(command, "-b", backend, *(["--", "true"] if command == "run" else []))
+    assert result.returncode == 2
+    line = one_line(result)
+    assert f"backend {backend!r} has no port: write HOST:PORT, e.g. {works}" in line, line
+
+
+def test_every_option_that_takes_a_duration_reads_the_same_syntax(lanelock, holder, procs,
+                                                                   lock_dir):
+    """--wait 5s was refused while history --since 2h worked: one syntax now (duration.py)."""
+    done = lanelock("run", "--wait", "5s", "--grace", "50ms", "--kill-after", "1m", "--",
+                    "printenv", "LANELOCK_STATE")
+    assert (done.returncode, done.stdout, done.stderr) == (0, "held\n", ""), done
+    done = lanelock("run", "-w", "2m", "--", "true")   # the click-free path and click agree
+    assert done.returncode == 0, done.stderr
+    for since in ("90", "90s", "2h", "1d", "1w", "0.5m"):
+        done = lanelock("history", "--since", since, "--json")
+        assert done.returncode == 0, (since, done.stderr)
+    assert lanelock("history", "--since", "2x").returncode == 2
+    assert lanelock("config", "set", "wait", "30s").returncode == 0
+    shown = json.loads(lanelock("config", "show", "--json").stdout)["settings"]["wait"]
+    assert shown["value"] == 30.0   # read as seconds, whatever the spelling
+    held = holder()   # a file's "30s" is 30 seconds of waiting: the turn waits, then runs
+    waiter = procs.start([*LANELOCK, "run", "--", "printenv", "LANELOCK_STATE"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # The waiter blocks in the kernel: nothing it can report says so, so its queue entry is asked.
+    wait_for(lambda: waiter.poll() is None and is_queued(lock_dir / f"{STEM}.lock", waiter.pid),
+             what="the turn to wait")
+    assert held.release() == 0
+    out, err = waiter.communicate(timeout=TIMEOUT)
+    assert (waiter.returncode, out, err) == (0, b"held\n", b""), err
+    env = {"LANELOCK_PRIORITY_AGING": "45s"}   # and the environment's: no warning
+    assert lanelock("run", "--", "true", env=env).stderr == ""
+
+
+READ_INTO_FULL = [("status", 1), ("status --json", 1), ("history", 1), ("metrics", 1),
+                  ("where", 1), ("config show", 1), ("--version", 1), ("probe", 2)]
+
+
+@pytest.mark.parametrize("command, status", READ_INTO_FULL, ids=[c for c, _ in READ_INTO_FULL])
+def test_a_read_command_that_cannot_write_its_output_says_so_and_fails(command, status, run_cmd):
+    result = run_cmd(["sh", "-c", f'"$@" {command} >/dev/full', "sh", *LANELOCK])
+    assert result.returncode == status, result
+    assert one_line(result) == "lanelock: cannot write the output: No space left on device"
+
+
+def test_runs_own_output_failing_never_changes_what_runs_or_its_status(run_cmd, holder,
+                                                                      tmp_path):
+    marker = tmp_path / "ran"
+    run = ["sh", "-c", '"$@" 2>/dev/full', "sh", *LANELOCK, "run"]
+    ran = run_cmd([*run, "-v", "--", "sh", "-c", f"touch {marker}; exit 3"])
+    assert ran.returncode == 3 and marker.exists(), ran
+    holder()
+    busy = run_cmd([*run, "--", "true"])   # its deflection line is lost, its status is not
+    assert (busy.returncode, busy.stderr) == (75, ""), busy

@@ -14,15 +14,14 @@ dropped the dead one's lock by then).
 
 from __future__ import annotations
 
-import re
 import time
+
+from .. import duration
 
 
 LOCAL, DEFLECTED, IDLE, UNSEEN = "local", "deflected", "idle", "unseen"
 # How a local turn ended (its `acquired` event's "ended"); see the module docstring.
 RELEASED, DIED, HOLDING, UNKNOWN = "released", "died", "holding", "unknown"
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 class SinceError(ValueError):
@@ -30,20 +29,21 @@ class SinceError(ValueError):
 
 
 def parse_since(text: str | None, now: float | None = None) -> float | None:
-    """'90s', '30m', '2h', '1d', '1w' ago, or an ISO date/time (local time unless it says
-    otherwise, as the table and the timeline)."""
+    """A duration ago ('90', '90s', '30m', '2h', '1d', '1w': duration.py), or an ISO date/time
+    (local time unless it says otherwise, as the table and the timeline)."""
     if not text:
         return None
     now = time.time() if now is None else now
-    match = _DURATION.match(text)
-    if match:
-        return now - float(match.group(1)) * _UNITS[match.group(2)]
+    ago = duration.seconds(text)   # the one duration syntax of every option (duration.py)
+    if ago is not None:
+        return now - ago
     from datetime import datetime
 
     try:
         moment = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError:
-        raise SinceError(f"--since {text!r}: expected a duration (30m, 2h, 1d) or an ISO date") from None
+        raise SinceError(f"--since {text!r}: expected a duration ({duration.EXAMPLES}) or an "
+                         "ISO date") from None
     if moment.tzinfo is None:   # local time, as the table and timeline show it
         moment = moment.astimezone()
     return moment.timestamp()
