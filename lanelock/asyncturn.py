@@ -38,49 +38,49 @@ def _owner() -> tuple:
 
 async def acquire(turn):
     loop = asyncio.get_running_loop()
-    turn.own_by(_owner())
+    turn._own_by(_owner())
     if not turn.gate.store.blocking_io:
         # A free lane is a few local system calls: take it here, without a thread's start and
         # wake-up (the proxy's time to first byte). Busy: wait in a thread, as below.
         from .errors import WouldBlock
 
         try:
-            return turn.take(try_only=True).commit()
+            return turn._take(try_only=True)._record_decision()
         except WouldBlock:
             pass
         try:
             await _take_without_a_thread(turn)
         except asyncio.CancelledError:
-            turn.abandon()   # a lock the wait got as it was cancelled goes back unrecorded
+            turn._give_back()   # a lock the wait got as it was cancelled goes back unrecorded
             raise
-        return turn.commit()   # the task resumed: only now is the turn recorded
+        return turn._record_decision()   # the task resumed: only now is the turn recorded
     done = loop.create_future()
 
     def work() -> None:
         try:
-            result, error = turn.take(), None   # records nothing: the task commits below
+            result, error = turn._take(), None   # records nothing: the task records it below
         except BaseException as raised:   # noqa: BLE001 - handed to the awaiting task
             result, error = None, raised
         try:
             loop.call_soon_threadsafe(_settle, done, result, error)
         except RuntimeError:   # the loop is closed: nobody waits, so nobody keeps the lane
-            turn.abandon()
+            turn._give_back()
 
     threading.Thread(target=work, name="lanelock-turn", daemon=True).start()
     try:
         await asyncio.shield(done)
     except asyncio.CancelledError:
-        turn.cancel_wait()
+        turn._cancel_wait()
         await _finished(done)
-        turn.abandon()   # a lock the wait got too late goes back unrecorded
+        turn._give_back()   # a lock the wait got too late goes back unrecorded
         await release(turn, None)
         raise
     # The task resumed: only now is the turn recorded (a cancellation before this point leaves
     # no trace). A flock store's records are local writes; a network store's go to a thread.
     if not turn.gate.store.blocking_io:
-        return turn.commit()
+        return turn._record_decision()
     try:
-        await _finished(asyncio.ensure_future(asyncio.to_thread(turn.commit)))
+        await _finished(asyncio.ensure_future(asyncio.to_thread(turn._record_decision)))
     except asyncio.CancelledError:
         await release(turn, None)
         raise
@@ -88,7 +88,7 @@ async def acquire(turn):
 
 
 async def _take_without_a_thread(turn) -> None:
-    """take() on a store whose wait can be awaited (the flock store): its short steps in the
+    """_take() on a store whose wait can be awaited (the flock store): its short steps in the
     loop's thread pool, the wait itself on the loop, so a waiting request costs no thread
     (200 waiting proxy requests were 202 threads). A cancellation lets each step finish first,
     so whatever it took is known, then propagates."""
@@ -96,15 +96,15 @@ async def _take_without_a_thread(turn) -> None:
 
     gate = turn.gate
     if gate.config_error or not gate.gated:
-        turn.take()
+        turn._take()
         return
     try:
-        waiting = await _off_loop(turn.prepare, False)
+        waiting = await _off_loop(turn._try_first, False)
         if waiting is None:
             return
         handle, timeout = waiting
         got = await gate.store.wait_lock_async(handle, timeout, rank=turn.rank)
-        await _off_loop(turn.conclude, handle, got)
+        await _off_loop(turn._decide, handle, got)
     except GateUnavailable as error:
         turn.fail_open(str(error))
 

@@ -133,7 +133,7 @@ class Turn:
         self._owner = None    # who may nest in this turn: the thread, or an asyncio task
         self._cancel = None   # threading.Event: an asyncio turn's wait was cancelled
         self._askers = askers   # who asks, when not this process (handover.py)
-        self._pending: tuple | None = None   # what take() decided and commit() records
+        self._pending: tuple | None = None   # what _take() decided and _record_decision() records
         self.token: str | None = None   # names this held turn (or the one it nests in)
         self._started_wait = 0.0
         self.wait = wait
@@ -224,14 +224,16 @@ class Turn:
         await settle(self)
 
     # -- acquiring -------------------------------------------------------------------------------
-    # A turn is taken in two steps: take() gets the lock (or learns the lane is busy) and records
-    # nothing; commit() writes the holder record and the journal. An asyncio turn takes in a thread
-    # and commits only once its task resumes, so a wait cancelled as the lane frees leaves no
-    # trace (issue 23: cancelled waiters were journaled as turns whose block never ran).
+    # A turn is taken in two steps: _take() gets the lock (or learns the lane is busy) and
+    # records nothing; _record_decision() writes the holder record and the journal. An asyncio
+    # turn takes in a thread and records only once its task resumes, so a wait cancelled as the
+    # lane frees leaves no trace (issue 23: cancelled waiters were journaled as turns whose block
+    # never ran). The steps are the asyncio driver's (asyncturn.py), not public API: a caller
+    # uses `with`/`async with`, or acquire() and release().
     def acquire(self) -> "Turn":
-        return self.take().commit()
+        return self._take()._record_decision()
 
-    def take(self, try_only: bool = False) -> "Turn":
+    def _take(self, try_only: bool = False) -> "Turn":
         """Take the lane, or learn what the turn will be. try_only: raise WouldBlock instead of
         waiting (an asyncio turn's first try, on the event loop)."""
         gate = self.gate
@@ -246,8 +248,8 @@ class Turn:
             return self._fail_open(str(error), self._handle)
         return self
 
-    def commit(self) -> "Turn":
-        """Record what take() decided: the holder record and 'acquired', or 'deflected'."""
+    def _record_decision(self) -> "Turn":
+        """Record what _take() decided: the holder record and 'acquired', or 'deflected'."""
         pending, self._pending = self._pending, None
         if pending is None:
             return self
@@ -256,8 +258,8 @@ class Turn:
             return self._held(self._handle, detail)
         return self._deflect(self._handle, detail)
 
-    def abandon(self) -> None:
-        """An asyncio turn cancelled before it committed: let go of whatever it took (a lock its
+    def _give_back(self) -> None:
+        """An asyncio turn cancelled before its decision was recorded: let go of whatever it took (a lock its
         wait got as it was cancelled, a decision not yet recorded), record nothing."""
         if self.state is not None and self._pending is None:
             return   # decided and recorded, or nothing taken (ungated, nested, fail-open)
@@ -267,14 +269,14 @@ class Turn:
             self._handle = None
         self.state = CANCELLED
 
-    def own_by(self, owner) -> None:
+    def _own_by(self, owner) -> None:
         """Who may nest in this turn (an asyncio task's token instead of the thread); a fresh
         cancellation event for its wait."""
         import threading
 
         self._owner, self._cancel = owner, threading.Event()
 
-    def cancel_wait(self) -> None:
+    def _cancel_wait(self) -> None:
         """Make a wait blocked in another thread give up (the asyncio turn's cancellation)."""
         if self._cancel is not None:
             self._cancel.set()
@@ -283,17 +285,17 @@ class Turn:
             self.gate.store.cancel_wait(handle)
 
     def _take_gated(self, try_only: bool) -> None:
-        waiting = self.prepare(try_only)
+        waiting = self._try_first(try_only)
         if waiting is not None:
             handle, timeout = waiting
-            self.conclude(handle, self.gate.store.wait_lock(handle, timeout, self._cancel,
+            self._decide(handle, self.gate.store.wait_lock(handle, timeout, self._cancel,
                                                             rank=self.rank))
 
-    # prepare() and conclude() are take()'s steps before and after the wait, for a caller that
+    # _try_first() and _decide() are _take()'s steps before and after the wait, for a caller that
     # waits its own way (asyncturn.py: an asyncio task waits without a thread).
-    def prepare(self, try_only: bool = False):
+    def _try_first(self, try_only: bool = False):
         """Open the lane's lock and try it: None when the turn is decided (nested, or the lock
-        taken: commit() records it), else (handle, timeout) to wait on."""
+        taken: _record_decision() records it), else (handle, timeout) to wait on."""
         gate, store = self.gate, self.gate.store
         # Facts the holder record needs, read (once per process) before the lock: after it, they
         # would delay the hand-off.
@@ -315,7 +317,7 @@ class Turn:
         self._started_wait = time.monotonic()
         _debug_pause("before-acquire")
         if store.try_lock(handle, rank=self.rank):
-            self.conclude(handle, True)
+            self._decide(handle, True)
             return None
         if try_only:
             store.release(handle)
@@ -326,13 +328,13 @@ class Turn:
             self._nested(handle)
             return None
         if handed == handover.ITSELF:   # the holder's own request (the proxy's client)
-            self.conclude(handle, False)   # deflects at once: waiting would wait for itself
+            self._decide(handle, False)   # deflects at once: waiting would wait for itself
             return None
         self._blocked = True
         return handle, None if self.wait is None else max(self.wait, gate.grace)
 
-    def conclude(self, handle, got: bool) -> None:
-        """After the lock was tried or waited for: decide what commit() records."""
+    def _decide(self, handle, got: bool) -> None:
+        """After the lock was tried or waited for: decide what _record_decision() records."""
         self.waited = time.monotonic() - self._started_wait
         if not got and self._cancel is not None and self._cancel.is_set():
             self.gate.store.release(handle)   # abandoned, not deflected: nothing to record

@@ -401,3 +401,15 @@ def test_a_gates_priority_is_its_turns_class_unless_the_turn_says(lanelock, tmp_
     said = {event["session"]: event["priority"] for event in json.loads(done.stdout)["events"]
             if event["event"] == "acquired"}
     assert said == {"from-gate": "batch", "from-turn": "interactive", "forever": "batch"}, said
+
+
+def test_a_turns_steps_are_the_asyncio_drivers_not_public_api():
+    """issue 30: take/commit/prepare/conclude (and abandon, own_by, cancel_wait) were public
+    names for what only asyncturn.py calls; a caller takes a turn with `with`, `async with`, or
+    acquire() and release()."""
+    from lanelock.gate import Turn
+
+    public = {name for name in dir(Turn) if not name.startswith("_")}
+    assert not public & {"take", "commit", "prepare", "conclude", "abandon", "own_by",
+                         "cancel_wait"}
+    assert {"acquire", "release", "held", "env", "headers", "lane", "lock_path"} <= public
