@@ -157,6 +157,10 @@ KNOWN = [
           test="test_python_api"),
     Known("man-nested", "lanelock.1", r"env=\{\*\*os\.environ, \*\*turn\.env\}",
           test="test_nested_turns"),
+    Known("turn-headers", "README.md", r"default_headers=turn\.headers",
+          test="test_turn_headers_through_the_proxy"),
+    Known("man-turn-headers", "lanelock.1", r"default_headers=turn\.headers",
+          test="test_turn_headers_through_the_proxy"),
 ]
 # Not code blocks, and not run here (the inline recipes that can run are tested at the end:
 # --wait, the fallback chain). Each must still be in README.md, so this list cannot go stale.
@@ -747,6 +751,34 @@ def test_proxy_recipe(procs, tmp_path):
     assert [lane["lane"] for lane in lanes] == ["localhost:8080"]
     proxy.send_signal(signal.SIGTERM)
     assert proxy.wait(timeout=TIMEOUT) == 0
+
+
+@pytest.mark.parametrize("name", ["turn-headers", "man-turn-headers"])
+def test_turn_headers_through_the_proxy(name, procs, holder, run_cmd, tmp_path, lock_dir):
+    """The turn's own request through the proxy (a stand-in engine on 127.0.0.1:8080, the proxy
+    on the block's base URL) is part of the turn: answered by the engine, one turn in the journal,
+    the block's. With the lane busy the block asks nothing."""
+    pytest.importorskip("aiohttp")
+    pytest.importorskip("openai")
+    code = block(name).text
+    port = int(re.search(r'base_url="http://127\.0\.0\.1:(\d+)/v1"', code).group(1))
+    _stand_in_on(8080, procs, tmp_path, "llama.cpp")
+    proxy = procs.start([SCRIPT, "proxy", "-b", "127.0.0.1:8080", "--listen", f"127.0.0.1:{port}"],
+                        stderr=subprocess.PIPE)
+    line = read_line(proxy.stderr)
+    if "cannot listen" in line:
+        pytest.skip(f"127.0.0.1:{port} is in use here")
+    assert "proxy listening on" in line, line
+    done = run_cmd([sys.executable, "-c", code])
+    assert (done.returncode, done.stdout) == (0, "answer from stand-in\n"), done.stderr
+    journal = [json.loads(line) for line in
+               (lock_dir / "localhost-8080.journal").read_text().splitlines()]
+    assert [(event["event"], event["session"]) for event in journal] == \
+        [("acquired", "agent"), ("released", "agent")]
+    other = holder("-b", "localhost:8080")
+    done = run_cmd([sys.executable, "-c", code])
+    assert (done.returncode, done.stdout) == (0, ""), done.stderr
+    assert other.release() == 0
 
 
 def _stand_in_on(port: int, procs, tmp_path, kind: str) -> subprocess.Popen:
