@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TIMEOUT, environ, is_waiting, read_line, wait_for
+from conftest import TIMEOUT, environ, is_queued, is_waiting, read_line, wait_for
 
 TOP = Path(__file__).resolve().parent.parent
 README = TOP / "README.md"
@@ -367,11 +367,46 @@ def default_root_lane(lanelock):
         Path(lock[: -len(".lock")] + suffix).unlink(missing_ok=True)
 
 
+def _cron_job_still_gets_its_turn(cron, command, standins, holder, procs, tmp_path, session,
+                                  lane):
+    """The README's words: with --priority batch and a --wait, a cron job that finds the lane
+    busy waits; a chat turn (--priority interactive) that comes after it goes first, and then the
+    cron job runs locally -- not the cloud."""
+    import psutil
+
+    assert re.search(r"--wait \S+", command), "without --wait the class changes nothing"
+    lock = Path(json.loads(subprocess.run(
+        [str(SCRIPT), "where", "--json", "-b", lane], capture_output=True, text=True,
+        env=environ(session), timeout=TIMEOUT).stdout)["lock_path"])
+
+    def queued(proc) -> bool:   # the turn's wrapper, under env and sh
+        try:
+            tree = [proc.pid] + [child.pid for child in
+                                 psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return False
+        return any(is_queued(lock, pid) for pid in tree)
+
+    held = holder("-b", lane.replace("127.0.0.1", "localhost"), env=session)
+    job = procs.start(cron, cwd=tmp_path, stderr=subprocess.PIPE)
+    # Waiting in the kernel, nothing reports: its queue entry is what says it waits.
+    wait_for(lambda: queued(job), what="the cron job to wait")
+    chat = procs.start([SCRIPT, "run", "--priority", "interactive", "--wait", "-b", lane, "--",
+                        standins.make("chat")], env=environ(session), stderr=subprocess.PIPE)
+    wait_for(lambda: queued(chat), what="the chat turn to wait")
+    assert held.release() == 0
+    assert chat.wait(timeout=TIMEOUT) == 0 and job.wait(timeout=TIMEOUT) == 0, \
+        (chat.stderr.read(), job.stderr.read())
+    runs = [(ran.name, ran.state, ran.args) for ran in standins.runs()]
+    assert runs == [("chat", "held", []), ("summarise", "held", ["--local"])], runs
+
+
 @pytest.mark.parametrize("name", ["cron", "man-cron"])
-def test_cron_line(name, standins, holder, run_cmd, default_root_lane, tmp_path):
+def test_cron_line(name, standins, holder, run_cmd, procs, default_root_lane, tmp_path):
     """The crontab line, run as cron runs it (sh -c, PATH=/usr/bin:/bin and nothing else): the
     local command when the lane is free, the cloud one when an interactive session (its own
-    HOME and XDG variables) holds it -- one gate, with no LANELOCK_DIR anywhere."""
+    HOME and XDG variables) holds it -- one gate, with no LANELOCK_DIR anywhere. The README's
+    line waits as a batch turn: its words (it still gets its turn) are proven too."""
     entry = block(name).text.strip()
     assert "\n" not in entry
     fields = entry.split(None, 5)
@@ -390,9 +425,15 @@ def test_cron_line(name, standins, holder, run_cmd, default_root_lane, tmp_path)
 
     standins.clear()
     (tmp_path / "home").mkdir()
-    held = holder("-b", default_root_lane.replace("127.0.0.1", "localhost"),
-                  env={"LANELOCK_DIR": None, "LANELOCK_SYSTEM_CONFIG": None,
-                       "HOME": tmp_path / "home", "XDG_RUNTIME_DIR": tmp_path / "home"})
+    session = {"LANELOCK_DIR": None, "LANELOCK_SYSTEM_CONFIG": None,
+               "HOME": tmp_path / "home", "XDG_RUNTIME_DIR": tmp_path / "home"}
+    if "--priority batch" in command:
+        _cron_job_still_gets_its_turn(cron, command, standins, holder, procs, tmp_path, session,
+                                      default_root_lane)
+        # ... unless the lane stays busy for all of its --wait: then the cloud (a short wait here)
+        cron[-1] = re.sub(r"--wait \S+", "--wait 1", command)
+        standins.clear()
+    held = holder("-b", default_root_lane.replace("127.0.0.1", "localhost"), env=session)
     busy = run_cmd(cron, cwd=tmp_path)
     assert busy.returncode == 0, busy.stderr
     cloud = standins.runs()
