@@ -96,9 +96,18 @@ print(json.dumps({"pid": os.getpid(), **result}), flush=True)
 """
 
 
+@pytest.fixture(params=["flock", "postgresql"])
+def store(request, monkeypatch) -> str:
+    """Each store in turn: the flock store of the test's LANELOCK_DIR, or the session's
+    PostgreSQL server (skipped without one)."""
+    if request.param == "postgresql":
+        monkeypatch.setenv("LANELOCK_STORE", request.getfixturevalue("postgres").dsn)
+    return request.param
+
+
 @needs_curl
 @pytest.mark.parametrize("flavour", ["sync", "asyncio"])
-def test_an_api_turn_sends_turn_headers_to_be_part_of_its_turn(flavour, procs, lanelock):
+def test_an_api_turn_sends_turn_headers_to_be_part_of_its_turn(flavour, store, procs, lanelock):
     """turn.headers makes the API turn's own requests part of it; without them the holder is
     told at once (not after the 30 s it asked to wait, not retried by the SDK) what to send; the
     header copied into a process outside the holder's tree is busy like anyone else."""

@@ -182,7 +182,7 @@ class Proxy:
             dialect.session_of(fields) or (request.remote or "?")
         model = dialect.model_of(fields)
         reused = self._take_lingering(session)
-        client = Client(request)
+        client = Client(request, self.gate.lock_path)
         turn = reused.turn if reused else self.gate.turn(
             session=session[:200], model=model and model[:200], argv=[request.method, path[:200]],
             wait=asked.wait, labels={"via": "proxy", "client": request.remote or "?",

@@ -26,20 +26,29 @@ class Client:
     lane): the gate's askers (handover.py), with the tokens the request sent in turn.headers'
     header if it sent any, else those of the process's environment."""
 
-    __slots__ = ("peer", "local", "sent", "pids")
+    __slots__ = ("peer", "local", "sent", "lock_path", "pids")
 
-    def __init__(self, request):
+    def __init__(self, request, lock_path: str):
         transport = request.transport
         self.peer = transport.get_extra_info("peername") if transport is not None else None
         self.local = transport.get_extra_info("sockname") if transport is not None else None
         self.sent = request.headers.get(HEADER)
+        self.lock_path = lock_path
         self.pids: list[int] = []   # found by askers(), when the gate asked
 
     def askers(self) -> list[Asker | None]:
         if not isinstance(self.peer, tuple) or not isinstance(self.local, tuple):
             return []   # not a TCP client (a Unix socket): outside every turn
         self.pids = owners(self.peer, self.local)
-        return [process(pid, self.sent) for pid in self.pids]
+        found = [process(pid, self.sent) for pid in self.pids]
+        # Asking the store reads /proc/locks (PITFALLS 22): not for a client that was handed
+        # no turn and has not even opened the lane's lock -- it can be neither part of the
+        # holding turn nor its holder, and is outside every turn.
+        lock = _identity(self.lock_path)
+        if lock is not None and all(asker is not None and not asker.turns
+                                    and not opens(asker.pid, lock) for asker in found):
+            return []
+        return found
 
     def holds(self, holder: dict | None) -> bool:
         """Is the client the process that holds the lane (as the gate's deflection found it)?"""
@@ -71,6 +80,32 @@ def owners(peer, local) -> list[int]:
             except OSError:
                 continue
     return pids
+
+
+def opens(pid: int, target: tuple[int, int]) -> bool:
+    """Has pid a descriptor on the file whose (st_dev, st_ino) is target? True when its
+    descriptors cannot be read (then the store is asked)."""
+    try:
+        descriptors = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return True
+    for fd in descriptors:
+        try:
+            found = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if (found.st_dev, found.st_ino) == target:
+            return True
+    return False
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of a lane's lock file; None when it is no file here (another store)."""
+    try:
+        found = os.stat(path)
+    except (OSError, TypeError, ValueError):
+        return None
+    return found.st_dev, found.st_ino
 
 
 def _socket(peer, local) -> tuple[int, int] | None:
