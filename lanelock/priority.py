@@ -29,3 +29,19 @@ def effective(rank: int, arrival_ns: int, now_ns: int, aging: float) -> int:
     if aging <= 0:
         return rank
     return min(TOP, rank + int((now_ns - arrival_ns) / 1e9 // aging))
+
+
+def order_key(rank: int, arrival: float, waited: float, aging: float, tiebreak) -> tuple:
+    """Where a waiter stands at one moment (smaller goes first): effective class, then arrival
+    (in the medium's own clock), then the medium's tiebreak (a name, a ticket). waited: seconds
+    it has waited at that moment."""
+    return (-effective(rank, 0, int(waited * 1e9), aging), arrival, tiebreak)
+
+
+def next_step(rank: int, waited: float, aging: float) -> float | None:
+    """Seconds until a waiter's class rises a step, from the moment it had waited `waited`
+    seconds (None: at the top, or no aging). Read at the same moment as the order: a step taken
+    between two readings left a waiter waiting, without a timeout, on one by then behind it."""
+    if aging <= 0 or effective(rank, 0, int(waited * 1e9), aging) >= TOP:
+        return None
+    return aging - waited % aging + 0.001

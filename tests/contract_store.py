@@ -16,7 +16,8 @@ import threading
 import time
 
 from lanelock.lanes import name_from_stem
-from lanelock.store import counts
+from lanelock.priority import effective, next_step, order_key
+from lanelock.store import counts, order
 from lanelock.store.base import LaneFacts, LaneStore, LockHandle
 
 FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
@@ -29,6 +30,36 @@ def _lock(fd: int, offset: int, command: int, kind: int = fcntl.F_WRLCK) -> bool
         return True
     except BlockingIOError:
         return False
+
+
+def _wait_byte(path: str, offset: int, kind: int, timeout: float | None, cancel=None,
+               flags: int = FLAGS):
+    """A thread blocks in the kernel for the byte's lock on a description of its own; that
+    description, holding the lock, or None (timeout, cancel: the thread lets go when it gets
+    there)."""
+    fd, got, mutex, gave_up = os.open(path, flags, 0o666), threading.Event(), \
+        threading.Lock(), []
+
+    def block() -> None:
+        _lock(fd, offset, fcntl.F_OFD_SETLKW, kind)
+        with mutex:
+            os.close(fd) if gave_up else got.set()
+
+    threading.Thread(target=block, daemon=True).start()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not got.is_set() and not (cancel is not None and cancel.is_set()):
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            break
+        # The kernel wakes the thread, the thread this one; slices only to notice a cancel.
+        got.wait(left if cancel is None else min(0.05, left or 0.05))
+    with mutex:
+        if not got.is_set() or (cancel is not None and cancel.is_set()):
+            gave_up.append(True)
+            if got.is_set():
+                os.close(fd)
+            return None
+    return fd
 
 
 class Handle(LockHandle):
@@ -72,32 +103,11 @@ class ContractStore(LaneStore):
         return _lock(handle.fd, handle.offset, fcntl.F_OFD_SETLK)
 
     def wait_lock(self, handle: Handle, timeout: float | None, cancel=None, rank: int = 1) -> bool:
-        """A thread blocks in the kernel on a description of its own; the handle adopts it once
-        it holds the byte. Given up (timeout, cancel), the thread lets go when it gets there."""
         if timeout is not None and timeout <= 0:
             return self.try_lock(handle)
-        fd, got, mutex, gave_up = os.open(self.lock_file, FLAGS), threading.Event(), \
-            threading.Lock(), []
-
-        def block() -> None:
-            _lock(fd, handle.offset, fcntl.F_OFD_SETLKW)
-            with mutex:
-                os.close(fd) if gave_up else got.set()
-
-        threading.Thread(target=block, daemon=True).start()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not got.is_set() and not (cancel is not None and cancel.is_set()):
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                break
-            # The kernel wakes the thread, the thread this one; slices only to notice a cancel.
-            got.wait(left if cancel is None else min(0.05, left or 0.05))
-        with mutex:
-            if not got.is_set() or (cancel is not None and cancel.is_set()):
-                gave_up.append(True)
-                if got.is_set():
-                    os.close(fd)
-                return False
+        fd = _wait_byte(self.lock_file, handle.offset, fcntl.F_WRLCK, timeout, cancel)
+        if fd is None:
+            return False
         os.close(handle.fd)
         handle.fd = fd
         return True
@@ -172,3 +182,109 @@ class ContractStore(LaneStore):
             return [], 0
         events = [json.loads(line) for line in lines if line.strip()]
         return [event for event in events if since is None or event.get("ts", 0) >= since], 0
+
+
+# -- the same store keeping its waiters in order: a medium for store/order.py, not the policy ------
+class OrderedContractStore(ContractStore):
+    """ContractStore whose waiters queue: it gives store/order.py a medium (ContractLine) and asks
+    the order nothing else. A waiting turn is a file in LANE.queue/ named ARRIVAL.RANK.PID.RANDOM
+    (ARRIVAL: CLOCK_MONOTONIC ns), alive while its waiter holds an OFD lock on its first byte."""
+
+    kind = "contract-ordered"
+
+    def __init__(self, root: str, aging: float | None = None):
+        super().__init__(root)
+        self.aging = float(os.environ.get("LANELOCK_PRIORITY_AGING", "30")) if aging is None \
+            else aging
+
+    def try_lock(self, handle: Handle, rank: int = 1) -> bool:
+        if not super().try_lock(handle):
+            return False
+        now = time.monotonic_ns()
+        if any(effective(rank_, arrival, now, self.aging) >= rank
+               for arrival, rank_, path in _entries(self._queue_dir(handle)) if _alive(path)):
+            _lock(handle.fd, handle.offset, fcntl.F_OFD_SETLK, fcntl.F_UNLCK)   # no barging
+            return False
+        return True
+
+    def wait_lock(self, handle: Handle, timeout: float | None, cancel=None, rank: int = 1) -> bool:
+        return order.wait(ContractLine(self, handle, rank), timeout, cancel)
+
+    def _queue_dir(self, handle: Handle) -> str:
+        return os.path.join(self.root, f"{handle.offset}.queue")
+
+
+class ContractLine(order.Line):
+    def __init__(self, store: OrderedContractStore, handle: Handle, rank: int):
+        self.store, self.handle, self.rank = store, handle, rank
+        folder = store._queue_dir(handle)
+        os.makedirs(folder, exist_ok=True)
+        self.arrival = time.monotonic_ns()
+        name = f"{self.arrival:020d}.{rank}.{os.getpid()}.{os.urandom(4).hex()}"
+        self.path = os.path.join(folder, name)
+        self.fd = os.open(os.path.join(folder, "." + name), FLAGS, 0o666)
+        _lock(self.fd, 0, fcntl.F_OFD_SETLK)   # locked before it appears
+        os.rename(os.path.join(folder, "." + name), self.path)
+
+    def look(self, cancel=None) -> tuple:
+        now, aging = time.monotonic_ns(), self.store.aging
+
+        def key(arrival, rank, path):
+            return order_key(rank, arrival, (now - arrival) / 1e9, aging, path)
+
+        mine = key(self.arrival, self.rank, self.path)
+        before = sorted((entry for entry in _entries(os.path.dirname(self.path))
+                         if key(*entry) < mine), key=lambda entry: key(*entry), reverse=True)
+        ahead = next((entry for entry in before if _alive(entry[2])), None)
+        return ahead, next_step(self.rank, (now - self.arrival) / 1e9, aging)
+
+    def lock(self, timeout: float | None, cancel=None) -> bool:
+        if timeout is not None and timeout <= 0:
+            return ContractStore.try_lock(self.store, self.handle)
+        return ContractStore.wait_lock(self.store, self.handle, timeout, cancel)
+
+    def checked(self, got: bool) -> bool:
+        return got
+
+    def hand_on(self) -> None:
+        _lock(self.handle.fd, self.handle.offset, fcntl.F_OFD_SETLK, fcntl.F_UNLCK)
+
+    def behind(self, entry, timeout: float | None, cancel=None) -> None:
+        try:   # until its waiter lets go (or dies)
+            fd = _wait_byte(entry[2], 0, fcntl.F_RDLCK, timeout, cancel, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return   # it left as we looked: look again
+        if fd is not None:
+            os.close(fd)
+
+    def leave(self) -> None:
+        if self.fd is not None:
+            os.unlink(self.path)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _entries(folder: str) -> list[tuple]:
+    """(arrival, rank, path) of every entry file, its waiter alive or gone."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        parts = name.split(".")
+        if len(parts) == 4 and parts[0].isdigit() and parts[1].isdigit():
+            found.append((int(parts[0]), int(parts[1]), os.path.join(folder, name)))
+    return found
+
+
+def _alive(path: str) -> bool:
+    """Does a waiter hold the entry's byte? (A probe that gets it lets go at once.)"""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        return not _lock(fd, 0, fcntl.F_OFD_SETLK, fcntl.F_RDLCK)
+    finally:
+        os.close(fd)

@@ -22,12 +22,19 @@ from lanelock.store import order  # noqa: E402
 from store_driver import gate  # noqa: E402
 
 
+def pid_of(entry) -> int:
+    """The waiter's pid, as each store's entry says it (flock, PostgreSQL, the contract store)."""
+    if isinstance(entry, tuple):
+        return int(os.path.basename(entry[2]).split(".")[2])
+    return getattr(entry, "pid", None) or entry.facts.get("pid")
+
+
 def main(kind: str, where: str, backend: str, session: str, priority: str, *mode: str) -> int:
     stalled, looks = [], []
     stall_at = int(mode[0].partition("=")[2]) if mode else 0
 
     def report(ahead, step) -> None:
-        name = None if ahead is None else str(getattr(ahead, "pid", None) or ahead.facts.get("pid"))
+        name = None if ahead is None else str(pid_of(ahead))
         print(json.dumps({"look": name, "step": step}), flush=True)
         looks.append(name)
         if len(looks) == stall_at and ahead is not None and step is not None:

@@ -6,8 +6,8 @@
     store_driver.py KIND WHERE BACKEND handover SESSION     hold, then print the JSON of a child
                                                         given turn.env and of one that was not
 
-KIND: flock (WHERE: the lock root), postgresql (WHERE: the store URL), contract (WHERE: the
-directory of tests/contract_store.py's store).
+KIND: flock (WHERE: the lock root), postgresql (WHERE: the store URL), contract or
+contract-ordered (WHERE: the directory of tests/contract_store.py's store, without or with a queue).
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ def gate(kind: str, where: str, backend: str) -> Gate:
         from contract_store import ContractStore
 
         return Gate(backend, lane_store=ContractStore(where))
+    if kind == "contract-ordered":
+        from contract_store import OrderedContractStore
+
+        return Gate(backend, lane_store=OrderedContractStore(where))
     if kind == "postgresql":
         return Gate(backend, store=where)
     return Gate(backend, lock_dir=where)

@@ -1,5 +1,6 @@
-"""One order above both stores (store/order.py, issue 30): the waiting walk is the same on the
-flock store and on PostgreSQL, so the same real-process scenes hold on both.
+"""One order above every store (store/order.py, issue 30): the waiting walk is the same on the
+flock store, on PostgreSQL, and on tests/contract_store.py's store given only a medium for it
+(OrderedContractStore), so the same real-process scenes hold on all three.
 
 The scene that stalled (2538e49) and deadlocked PostgreSQL: an aging step that falls between the
 look a waiter takes at the order and the wait that look decides. tests/order_driver.py holds a
@@ -27,8 +28,10 @@ AGING = 2.0   # long enough for three processes to queue before the first step
 ARRIVALS_APART = 0.7
 
 
-@pytest.fixture(params=["flock", "postgresql"])
+@pytest.fixture(params=["flock", "postgresql", "contract-ordered"])
 def store(request, tmp_path):
+    """contract-ordered: tests/contract_store.py's store given a medium for the order (its
+    ContractLine) and nothing of the policy -- the same scene holds on it."""
     if request.param == "postgresql":
         return request.param, request.getfixturevalue("postgres").dsn
     return request.param, str(tmp_path / "root")

@@ -34,7 +34,7 @@ import stat
 import time
 
 from ... import locks, proc
-from ...priority import CLASSES, TOP, effective
+from ...priority import CLASSES, TOP, effective, next_step, order_key
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -56,7 +56,7 @@ class Entry:
         return cls(name, int(parts[0]), rank, int(parts[2])) if rank <= TOP else None
 
     def key(self, now_ns: int, aging: float) -> tuple:
-        return (-effective(self.rank, self.arrival, now_ns, aging), self.arrival, self.name)
+        return order_key(self.rank, self.arrival, (now_ns - self.arrival) / 1e9, aging, self.name)
 
 
 # This process's live tickets, by file name -> what to call when each leaves. A waiter whose
@@ -102,14 +102,9 @@ class Ticket:
 
     def next_step(self, now: int | None = None) -> float | None:
         """Seconds from `now` until this turn's class rises a step (None: at the top, or no
-        aging). Read with the same `now` as ahead(): a step taken between two clock readings
-        would leave a waiter waiting, without a timeout, on an entry by then behind it."""
-        aging = self.queue.aging
+        aging), read with the same `now` as ahead()."""
         now = time.monotonic_ns() if now is None else now
-        if aging <= 0 or effective(self.entry.rank, self.entry.arrival, now, aging) >= TOP:
-            return None
-        waited = (now - self.entry.arrival) / 1e9
-        return aging - waited % aging + 0.001
+        return next_step(self.entry.rank, (now - self.entry.arrival) / 1e9, self.queue.aging)
 
 
 class Queue:

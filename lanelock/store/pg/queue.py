@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from ...priority import CLASSES, TOP, effective
+from ...priority import CLASSES, effective, next_step, order_key
 
 QUEUE_NAMESPACE = 0x4C4E5155   # "LNQU": never a lane's key (store/pg/store.py NAMESPACE)
 _LIVE = """
@@ -45,7 +45,7 @@ class Entry:
         return effective(self.rank, 0, int(self.waited * 1e9), aging)
 
     def order(self, aging: float) -> tuple:
-        return (-self.effective(aging), self.arrival, self.ticket)
+        return order_key(self.rank, self.arrival, self.waited, aging, self.ticket)
 
 
 def join(conn, lane: str, rank: int, facts: dict) -> int:
@@ -92,9 +92,7 @@ def ahead_and_step(conn, lane: str, ticket: int, aging: float) -> tuple:
         return None, None
     before = [entry for entry in entries if entry.order(aging) < mine.order(aging)]
     ahead = max(before, key=lambda entry: entry.order(aging), default=None)
-    if aging <= 0 or mine.effective(aging) >= TOP:
-        return ahead, None
-    return ahead, aging - mine.waited % aging + 0.001
+    return ahead, next_step(mine.rank, mine.waited, aging)
 
 
 def queued_at_or_above(conn, lane: str, rank: int, aging: float) -> bool:
