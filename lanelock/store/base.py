@@ -151,10 +151,12 @@ class LaneStore(ABC):
     def wait_lock(self, handle, timeout: float | None, cancel=None, rank: int = 1) -> bool:
         """Block (in the kernel or the server, never by polling) up to timeout seconds (None:
         forever) until try_lock's answer would be True. cancel: a threading.Event; once it is set
-        (and cancel_wait called) the wait gives up and returns False. rank: as for try_lock; a
-        store that orders its waiters serves the highest class first, by arrival within a class,
-        a waiter's class rising with its wait (store/flock/queue.py); another takes the kernel's or
-        the server's order."""
+        (and cancel_wait called) the wait gives up and returns False. rank: as for try_lock. A
+        store that orders its waiters does not write the order: it gives store/order.py a medium
+        (an order.Line: where entries live, one reading of who is ahead and the next step, how
+        to wait on one) and returns order.wait(line, timeout, cancel) -- the flock store, the
+        PostgreSQL store, and tests/contract_store.py's OrderedContractStore do. A store that
+        keeps no order takes the kernel's or the server's."""
 
     async def wait_lock_async(self, handle, timeout: float | None, rank: int = 1) -> bool:
         """wait_lock for an asyncio task, costing no thread while it waits. Only a store whose
