@@ -22,7 +22,7 @@ import time
 from aiohttp import web
 
 from .. import asyncturn
-from ..gate import BUSY_WORDS, DEFLECTED, FAIL_OPEN, HELD, REASON_BUSY, UNGATED, Gate
+from ..gate import DEFLECTED, FAIL_OPEN, HELD, REASON_BUSY, UNGATED, Gate
 from ..handover import HEADER
 from ..holder import words as holder_words
 from . import asks, dialects
@@ -342,8 +342,7 @@ class Proxy:
                        "another turn: send the holding turn's turn.headers with the request to "
                        "make it part of the turn")
         self.say.note(f"{REASON_BUSY}: {message}")
-        status, payload = dialects.busy_answer(dialect, REASON_BUSY,
-                                               f"{BUSY_WORDS}: {message}")
+        status, payload = dialects.busy_answer(dialect, REASON_BUSY, message)
         return _answer(status, payload, {STATE: BUSY, REASON: REASON_BUSY, **applied,
                                          **NO_RETRY})
 
