@@ -9,6 +9,7 @@ FAILED = 1            # `duel`: the proof failed
 OUTPUT_FAILED = 1     # a read command's output could not be written (/dev/full), as coreutils
 USAGE = 2             # bad flags, malformed backend, bad config for read commands
 GATE_UNAVAILABLE = 69  # EX_UNAVAILABLE: `status`: a lane's gate cannot be taken (turns run ungated)
+CANNOT_LISTEN = 69     # EX_UNAVAILABLE: `proxy`: its address is in use or not ours to take
 INTERNAL = 70         # EX_SOFTWARE: a lanelock bug (LANELOCK_DEBUG=1 shows the traceback)
 BUSY = 75             # EX_TEMPFAIL: lane busy and no fallback ran (--busy-exit-code)
 CANNOT_EXECUTE = 126  # command found but not executable

@@ -62,10 +62,13 @@ def test_every_command_and_option_is_in_the_man_page_and_readme(path, command):
 def test_exit_status_table_is_documented():
     text, readme = man_text(), README.read_text()
     for code in (exitcodes.BUSY, exitcodes.CANNOT_EXECUTE, exitcodes.NOT_FOUND, exitcodes.USAGE,
-                 exitcodes.INTERNAL, exitcodes.GATE_UNAVAILABLE):
+                 exitcodes.INTERNAL, exitcodes.GATE_UNAVAILABLE, exitcodes.OUTPUT_FAILED,
+                 exitcodes.CANNOT_LISTEN):
         assert re.search(rf"^\| {code} \|", readme, re.M), f"{code} missing from README table"
         assert re.search(rf"^{code}$", text, re.M), f"{code} missing from man EXIT STATUS"
     assert "128+N" in readme and "128+" in text
+    for words in ("could not write its output", "cannot listen on its address"):
+        assert words in " ".join(text.split()), f"{words!r} missing from man EXIT STATUS"
 
 
 def test_every_lanelock_variable_is_documented():

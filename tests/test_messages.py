@@ -218,3 +218,19 @@ def test_runs_own_output_failing_never_changes_what_runs_or_its_status(run_cmd, 
     holder()
     busy = run_cmd([*run, "--", "true"])   # its deflection line is lost, its status is not
     assert (busy.returncode, busy.stderr) == (75, ""), busy
+
+
+def test_a_proxy_on_a_port_in_use_says_so_with_its_own_status(lanelock):
+    """It exited 2, a usage error, though nothing typed was wrong: 69 (EX_UNAVAILABLE) now."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        result = lanelock("proxy", "--listen", f"127.0.0.1:{port}", "-b", "127.0.0.1:8080")
+    finally:
+        taken.close()
+    assert result.returncode == 69, result
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in one_line(result)

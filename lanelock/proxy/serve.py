@@ -15,6 +15,7 @@ import hmac
 import os
 import signal
 
+from .. import exitcodes
 from ..errors import UsageProblem
 
 SHUTDOWN = 10.0   # seconds from SIGTERM to exit, streams in flight included
@@ -128,8 +129,10 @@ async def serve(proxy, host: str, port: int, say) -> int:
         await site.start()
     except OSError as error:
         await runner.cleanup()
-        say.error(f"cannot listen on {host}:{port}: {error.strerror or error}")
-        return 2
+        # asyncio's strerror repeats the address: the errno's own words are enough
+        why = os.strerror(error.errno) if error.errno else (error.strerror or error)
+        say.error(f"cannot listen on {host}:{port}: {why}")
+        return exitcodes.CANNOT_LISTEN
     bound = runner.addresses[0] if runner.addresses else (host, port)
     shown = f"[{bound[0]}]" if ":" in str(bound[0]) else bound[0]
     say.note(f"proxy listening on http://{shown}:{bound[1]} for {proxy.backend_url} "
