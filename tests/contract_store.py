@@ -216,7 +216,7 @@ class OrderedContractStore(ContractStore):
 
 class ContractLine(order.Line):
     def __init__(self, store: OrderedContractStore, handle: Handle, rank: int):
-        self.store, self.handle, self.rank = store, handle, rank
+        self.rank = rank
         folder = store._queue_dir(handle)
         os.makedirs(folder, exist_ok=True)
         self.arrival = time.monotonic_ns()
@@ -225,6 +225,7 @@ class ContractLine(order.Line):
         self.fd = os.open(os.path.join(folder, "." + name), FLAGS, 0o666)
         _lock(self.fd, 0, fcntl.F_OFD_SETLK)   # locked before it appears
         os.rename(os.path.join(folder, "." + name), self.path)
+        super().__init__(store, handle, ticket=self.path)
 
     def look(self, cancel=None) -> tuple:
         now, aging = time.monotonic_ns(), self.store.aging

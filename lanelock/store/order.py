@@ -57,13 +57,29 @@ class Line:
                                 QueueBroken when it cannot be waited on
       hand_on()                 let the lane's lock go at once (another goes first)
       leave()                   leave the queue (never raises)
-      queued                    False when the turn could not join (the lane's own order only)
-      outlived                  (pid, ticks) of a killed turn's command still running, or None
-    and, for a store whose waits run in an event loop, lock_async / behind_async / look_async.
-    gone() is the same for every store (outlived.py)."""
+      keeps_changing()          the GateUnavailable when checked() keeps saying None (default:
+                                a plain one)
+    and, for a store whose waits run in an event loop, look_async / lock_async / behind_async.
+    Line(store, handle, ticket) keeps them; queued is False when the turn could not join (a
+    ticket None: the lane's own order only). gone() is the same for every store (outlived.py):
+    handle.outlived is the (pid, ticks) of a killed turn's command still running, or None."""
 
-    queued = True
-    outlived = None
+    def __init__(self, store, handle, ticket=None):
+        self.store, self.handle, self.ticket = store, handle, ticket
+        self.queued = ticket is not None
+
+    @property
+    def outlived(self):
+        return getattr(self.handle, "outlived", None)
+
+    @outlived.setter
+    def outlived(self, value) -> None:
+        self.handle.outlived = value
+
+    def keeps_changing(self):
+        from ..errors import GateUnavailable
+
+        return GateUnavailable("the lane's lock keeps changing under it")
 
     def gone(self, timeout: float | None, cancel=None) -> bool:
         from .outlived import gone
@@ -132,42 +148,57 @@ def take(line: Line, timeout: float | None):
 def wait(line: Line, timeout: float | None, cancel=None) -> bool:
     """Walk in this thread (the kernel, the server or an event from another thread wakes it);
     the line leaves the queue however the walk ends."""
-    steps = walk(line, timeout, cancel)
-    answer, error = None, None
-    try:
-        while True:
+    with _Walking(line, walk(line, timeout, cancel)) as walking:
+        while (step := walking.next()) is not None:
+            kind, *args = step
             try:
-                kind, *args = steps.send(answer) if error is None else steps.throw(error)
-            except StopIteration as done:
-                return done.value
-            answer, error = None, None
-            try:
-                answer = getattr(line, kind)(*args, cancel=cancel)
+                walking.answered(getattr(line, kind)(*args, cancel=cancel))
             except QueueBroken as broken:
-                error = broken
-    finally:
-        steps.close()
-        line.leave()
+                walking.failed(broken)
+        return walking.result
 
 
 async def wait_async(line: Line, timeout: float | None) -> bool:
     """Walk in the event loop (cancelling the task abandons the waits)."""
-    steps = walk(line, timeout)
-    answer, error = None, None
-    try:
-        while True:
+    with _Walking(line, walk(line, timeout)) as walking:
+        while (step := walking.next()) is not None:
+            kind, *args = step
             try:
-                kind, *args = steps.send(answer) if error is None else steps.throw(error)
-            except StopIteration as done:
-                return done.value
-            answer, error = None, None
-            try:
-                answer = await getattr(line, f"{kind}_async")(*args)
+                walking.answered(await getattr(line, f"{kind}_async")(*args))
             except QueueBroken as broken:
-                error = broken
-    finally:
-        steps.close()
-        line.leave()
+                walking.failed(broken)
+        return walking.result
+
+
+class _Walking:
+    """A walk as its drivers run it: the next step, sent what came of the last one (or the
+    QueueBroken it raised); the line leaves the queue however it ends."""
+
+    def __init__(self, line: Line, steps):
+        self.line, self.steps, self.result = line, steps, None
+        self._answer, self._error = None, None
+
+    def next(self):
+        """The next step, or None once the walk has its result."""
+        answer, error, self._answer, self._error = self._answer, self._error, None, None
+        try:
+            return self.steps.send(answer) if error is None else self.steps.throw(error)
+        except StopIteration as done:
+            self.result = done.value
+            return None
+
+    def answered(self, answer) -> None:
+        self._answer = answer
+
+    def failed(self, error: QueueBroken) -> None:
+        self._error = error
+
+    def __enter__(self) -> "_Walking":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.steps.close()
+        self.line.leave()
 
 
 def _deadline(timeout: float | None) -> float | None:

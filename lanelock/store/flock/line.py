@@ -17,18 +17,6 @@ UNREADABLE_LOOK = 0.1
 
 
 class FlockLine(Line):
-    def __init__(self, store, handle, ticket: "queue.Ticket | None"):
-        self.store, self.handle, self.ticket = store, handle, ticket
-        self.queued = ticket is not None
-
-    @property
-    def outlived(self):
-        return self.handle.outlived
-
-    @outlived.setter
-    def outlived(self, value) -> None:
-        self.handle.outlived = value
-
     # -- the order: one reading of the clock for who is ahead and the next step ---------------------
     def look(self, cancel=None) -> tuple:
         now = time.monotonic_ns()

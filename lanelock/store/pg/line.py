@@ -12,18 +12,6 @@ from .session import driver
 
 
 class PgLine(Line):
-    def __init__(self, store, handle, ticket: int | None):
-        self.store, self.handle, self.ticket = store, handle, ticket
-        self.queued = ticket is not None
-
-    @property
-    def outlived(self):
-        return self.handle.outlived
-
-    @outlived.setter
-    def outlived(self, value) -> None:
-        self.handle.outlived = value
-
     def look(self, cancel=None) -> tuple:
         # who is ahead and this ticket's next step: one query, one statement_timestamp()
         return self._queue(pg_queue.ahead_and_step, self.handle.lane, self.ticket,
@@ -36,9 +24,6 @@ class PgLine(Line):
 
     def checked(self, got: bool) -> bool:
         return got
-
-    def keeps_changing(self):
-        return GateUnavailable("the lane store keeps changing under the lock")
 
     def hand_on(self) -> None:
         self.store._unlock_lane(self.handle)
