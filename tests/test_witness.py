@@ -366,8 +366,8 @@ def test_a_broken_lock_root_is_said_once_and_the_engine_still_read(procs, tmp_pa
     (["--engine", "x" * 100_000], "longer than DNS allows"),
     (["--interval", "0"], "more than 0"),
     (["--interval", "-1"], "negative"),
-    (["--interval", "soon"], "not a number of seconds"),
-    (["--interval", "nan"], "'nan' is not a number of seconds"),
+    (["--interval", "soon"], "not a duration"),
+    (["--interval", "nan"], "'nan' is not a duration"),
     (["--engine", "http://[::1"], "--engine"),
     (["-b", "api.openai.com:443"], "not a local lane"),
 ])
