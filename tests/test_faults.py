@@ -392,9 +392,9 @@ def test_deflection_beside_a_garbage_sidecar_names_the_kernel_holder(lanelock, l
     assert held.release() == 0
 
 
-@pytest.mark.parametrize("text", ["grace = \n", "grace = 'x'\n", "bogus = 1\n", "\xff\xfe",
-                                  "[[chains.a]]\nnot_a_key = 1\n", "a = [" * 5000])
+@pytest.mark.parametrize("text", ["grace = \n", "\xff\xfe", "a = [" * 5000])
 def test_garbage_config_fails_open_for_run_and_exits_2_elsewhere(lanelock, tmp_path, monkeypatch, text):
+    """A file that does not parse at all: nothing in it can be trusted (a backend, a store)."""
     config = tmp_path / "system.toml"
     config.write_bytes(text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text)
     monkeypatch.setenv("LANELOCK_SYSTEM_CONFIG", str(config))
@@ -406,6 +406,27 @@ def test_garbage_config_fails_open_for_run_and_exits_2_elsewhere(lanelock, tmp_p
         assert done.returncode == 2, (command, done.stderr)
         assert done.stderr.startswith("lanelock: ") and "Traceback" not in done.stderr
         assert len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("text", ["grace = 'x'\n", "bogus = 1\n", "[[chains.a]]\nnot_a_key = 1\n"],
+                         ids=["bad-value", "unknown-key", "bad-chain"])
+def test_a_bad_setting_in_a_config_file_is_its_default_and_the_gate_stays_on(
+        lanelock, lock_dir, tmp_path, monkeypatch, holder, text):
+    """issue 31: a bad value (or an unknown key) of a setting with a safe default is that
+    setting's default with one warning -- never an ungated turn, never a stopped command."""
+    config = tmp_path / "system.toml"
+    config.write_text(text)
+    monkeypatch.setenv("LANELOCK_SYSTEM_CONFIG", str(config))
+    held = holder()
+    ran = lanelock("run", "--", "echo", "ran")
+    assert ran.returncode == 75 and "ran" not in ran.stdout, ran.stderr   # gated: it deflects
+    warnings = [line for line in ran.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and str(config) in warnings[0], ran.stderr
+    assert held.release() == 0
+    for command in (["where"], ["probe"], ["status"], ["history"], ["config", "show"]):
+        done = lanelock(*command)
+        assert done.returncode == 0, (command, done.stderr)
+        assert "Traceback" not in done.stderr
 
 
 def test_hostile_labels_are_one_sanitised_line(lanelock, lock_dir, holder):

@@ -505,11 +505,12 @@ def test_watch_on_a_terminal_refreshes_when_the_lane_changes(procs, holder):
 
 
 # A reader that went away is not lanelock's error: the watch ends at once with 0, as a read
-# command whose output fails does (test_edges), and says nothing about it.
+# command whose reader goes does (test_edges), and says nothing about it. A stdout closed from the
+# start is another thing: nothing can be written, so it says so and fails (issue 31).
 WATCH_READERS = {
     "plain-into-head": ("status --watch | head -1", 1),
     "json-into-head": ("status --json --watch | head -1", 1),
-    "stdout-closed": ("status --watch >&-", 0),
+    "stdout-closed": ("status --watch >&-", 0),   # says it cannot write, exits 1 (below)
     "nothing-written-into-true": ("status --all --watch | true", 0),   # an empty root: no line
 }
 
@@ -520,6 +521,11 @@ def test_watch_ends_when_its_reader_goes_away(case, run_cmd, lock_dir):
     program = " ".join(map(shlex.quote, LANELOCK))
     done = run_cmd(["bash", "-c", f"{program} {command}; echo \"rc=${{PIPESTATUS[0]}}\" >&2"],
                    timeout=30)   # the old watch ran until killed here
+    if case == "stdout-closed":   # nothing can be written at all: said, and a failure (issue 31)
+        said = done.stderr.splitlines()
+        assert said[-1] == "rc=1" and len(said) == 2, done.stderr
+        assert said[0].startswith("lanelock: cannot write the output: "), done.stderr
+        return
     assert done.stderr.splitlines() == ["rc=0"], done.stderr   # no traceback, no "Exception ignored"
     assert len(done.stdout.splitlines()) == lines, done.stdout
     if case == "plain-into-head":
