@@ -110,14 +110,20 @@ def describe(conn, lane: str, aging: float) -> list[dict]:
 
 
 def wait_behind(conn, entry: Entry, timeout: float | None, psycopg) -> None:
-    """Block in the server until the entry's waiter leaves (or dies), or timeout passes."""
+    """Block in the server until the entry's waiter leaves (or dies), or timeout passes, or the
+    server ends a cycle of waits through this one. Such a cycle is the order changed under a
+    wait, never a broken queue: the wait's timeout (this waiter's next step) is counted from the
+    look's return, and a look that returns late (a busy machine, its DELETE of a gone row waiting
+    on a row lock) leaves the waiter waiting past its step on an entry by then behind it -- which,
+    looking after the step, waits on it. The detector's error ends the wait like a timeout: the
+    waiter looks again."""
     millis = 0 if timeout is None else max(1, int(timeout * 1000))
     with conn.cursor() as cursor:
         cursor.execute(f"SET lock_timeout = {millis}")
         try:
             cursor.execute("SELECT pg_advisory_lock_shared(%s, %s)", key(entry.ticket))
             cursor.execute("SELECT pg_advisory_unlock_shared(%s, %s)", key(entry.ticket))
-        except psycopg.errors.LockNotAvailable:
+        except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected):
             pass
         finally:
             cursor.execute("SET lock_timeout = 0")

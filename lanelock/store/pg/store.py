@@ -51,6 +51,7 @@ class PgHandle(LockHandle):
     fd: int | None = None          # the connection's socket, watched for a lost session
     caveat: str | None = None
     cancelled: bool = False        # cancel_wait() gave up the wait
+    held: bool = False             # this session holds the lane's lock (release unlocks it then)
     asker: dict | None = None      # who waits (LockHandle.asker)
     outlived: tuple | None = None  # (pid, ticks): a killed turn's command still runs (outlived.py)
     exists = True                  # a lock row exists as soon as anyone asks
@@ -139,10 +140,11 @@ class PgStore(LaneStore):
         return True
 
     def _try_lane(self, handle: PgHandle) -> bool:
-        return self._call(handle, "SELECT pg_try_advisory_lock(%s, %s)", handle.key) \
-            and self._same_session(handle)
+        handle.held = self._call(handle, "SELECT pg_try_advisory_lock(%s, %s)", handle.key)
+        return handle.held and self._same_session(handle)
 
     def _unlock_lane(self, handle: PgHandle) -> None:
+        handle.held = False
         self._call(handle, "SELECT pg_advisory_unlock(%s, %s)", handle.key)
 
     def cancel_wait(self, handle: PgHandle) -> None:
@@ -207,6 +209,7 @@ class PgStore(LaneStore):
                 cursor.execute(f"SET lock_timeout = {millis}")
                 try:
                     cursor.execute("SELECT pg_advisory_lock(%s, %s)", handle.key)
+                    handle.held = True   # even should a cancel then end the SET below
                 except psycopg.errors.LockNotAvailable:
                     return self._try_lane(handle)
                 finally:
@@ -245,10 +248,13 @@ class PgStore(LaneStore):
     def release(self, handle: PgHandle, count: dict | None = None) -> None:
         if count is not None:   # on the turn's own connection, before the round trip that unlocks
             self._add_count(handle.conn, handle.lane, dict(count))
-        try:
-            self._call(handle, "SELECT pg_advisory_unlock(%s, %s)", handle.key)
-        except GateUnavailable:
-            pass   # the session is gone, and the lock with it
+        # Only a lock this session holds: a turn that deflected or gave its wait up holds none,
+        # and the server warns of every unlock of a lock not held ("you don't own a lock").
+        if handle.held:
+            try:
+                self._unlock_lane(handle)
+            except GateUnavailable:
+                pass   # the session is gone, and the lock with it
         handle.close()
 
     def count(self, lane, outcome: str, **facts) -> None:
