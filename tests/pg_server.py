@@ -1,7 +1,7 @@
 """A real PostgreSQL server on loopback for the lane-store tests (Debian's postgresql package).
 
 Started as the `postgres` user (the server refuses to run as root) in a temp directory, trust auth
-on 127.0.0.1 only, stopped and removed at teardown.
+on 127.0.0.1 only, stopped and removed at teardown. Its log (its stderr) is kept in log_path.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class Server:
         self.dir = tempfile.mkdtemp(prefix="lanelock-pg-")
         os.chmod(self.dir, 0o755)
         self.data = os.path.join(self.dir, "data")
+        self.log_path = os.path.join(self.dir, "server.log")
         self.port = _free_port()
         self.proc: subprocess.Popen | None = None
         self.listen = "127.0.0.1"          # listen_addresses
@@ -59,11 +60,13 @@ class Server:
         if self.trust:
             with open(os.path.join(self.data, "pg_hba.conf"), "a") as hba:
                 hba.write(f"host all all {self.trust} trust\n")
-        self.proc = subprocess.Popen(self._as_user([
-            os.path.join(self.bindir, "postgres"), "-D", self.data, "-p", str(self.port),
-            "-c", f"listen_addresses={self.listen}", "-c", f"unix_socket_directories={self.dir}",
-            "-c", "fsync=off", "-c", "max_connections=60"]),
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self._as_user([
+                os.path.join(self.bindir, "postgres"), "-D", self.data, "-p", str(self.port),
+                "-c", f"listen_addresses={self.listen}",
+                "-c", f"unix_socket_directories={self.dir}",
+                "-c", "fsync=off", "-c", "max_connections=60"]),
+                stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -30,6 +30,17 @@ The records nobody in the load can fake:
   (an upper bound on when the entry became visible to other turns). The journal's own estimate of
   the arrival (monotonic - waited) is shown for comparison: it is taken before the queue is joined.
 
+The same run on the PostgreSQL store (LANELOCK_STORE for every process of the run), where the
+records are the server's: the journal is the lanelock_events rows (read through the store, as
+`history` reads them), the holder is the holder row whose session holds the lane's advisory lock,
+the queue is what `status` shows (store.survey), and the exact arrivals come from an AFTER INSERT
+trigger on lanelock_queue that copies each row of the run's lane (ticket, class, arrival -- the
+server's clock_timestamp() -- and who) into a table of the test's own and notifies an observer
+process, which writes down when the notification came: after the joining transaction committed,
+so, as inotify's, an upper bound on when the entry became visible. And on PostgreSQL, besides:
+no turn fails open or says "gate unavailable" or "deadlock detected", and the server logs no
+"you don't own a lock" (an unlock of an advisory lock its session does not hold).
+
 What must hold (issue 26): no two generations at once (an overlap the engine counts only because it
 had not yet noticed that a killed holder's generation was over is told apart and shown); FIFO
 within a class; no later arrival, and no barging turn, granted past a waiter that counted (after
@@ -57,6 +68,7 @@ import pytest
 from conftest import LANELOCK, TIMEOUT, flock_entries, json_of, read_line
 from lanelock import Gate
 from lanelock.store.flock import journal
+from lanelock.store.pg.session import CLIENT_CHECK_MS
 from test_proxy import CHAT, Proxy, chat_body, request
 
 CLASSES = ("batch", "normal", "interactive")        # rank = index, as in lanelock/store/flock/queue.py
@@ -71,6 +83,12 @@ STALL = 5.0                  # no gap between two grants may be this long (holds
 GONE_WITHIN = 1.0            # a killed waiter's entry no longer counts this long after its death
 HANGUP_SEEN_WITHIN = 1.0     # the engine notices a killed client's hang-up within this long
 SENTINEL = "zz-sentinel"     # not an entry name (store/flock/queue.py's Entry.parse skips it)
+# A killed waiter's server session, blocked in a lock wait, sees its client gone only at the
+# server's client_connection_check_interval (store/pg/session.py): on PostgreSQL its ticket lock
+# -- and so its queue entry -- outlives it by up to that long.
+PG_GONE_WITHIN = CLIENT_CHECK_MS / 1000 + GONE_WITHIN / 2
+FAILED_OPEN = ("gate unavailable", "deadlock detected")   # never on a PostgreSQL turn's stderr
+NOT_OWNED = "you don't own a lock"   # the server's word for an unlock of a lock not held
 
 # The stand-in, writing down on stdout every change of its in-flight count as it makes it (under
 # one lock, so the lines are in the order of the changes), with the request's session; a line
@@ -315,6 +333,28 @@ while True:
         print(json.dumps({"name": name, "session": session, "seen": seen}), flush=True)
 """
 
+# PostgreSQL's observer: LISTENs on the channel the arrivals trigger notifies (a ticket a row) and
+# writes down when each notification came -- after the joining transaction committed, so the
+# entry was visible by then. Ends at the sentinel.
+PG_OBSERVER = r"""
+import json, os, sys, time
+import psycopg
+try:
+    os.nice(-10)
+except OSError:
+    pass
+dsn, channel = sys.argv[1:3]
+conn = psycopg.connect(dsn, autocommit=True)
+conn.execute(f'LISTEN "{channel}"')
+print("watching", flush=True)
+for note in conn.notifies():
+    seen = time.monotonic()
+    if note.payload == "zz-sentinel":
+        break
+    print(json.dumps({"ticket": int(note.payload), "seen": seen}), flush=True)
+conn.close()
+"""
+
 
 class Engine:
     """The stand-in (ENGINE) in its own process; its stdout lines are collected by a thread."""
@@ -350,6 +390,284 @@ class Engine:
         request(self.port, "GET", "/chaos-mark")
         assert self.marked.wait(TIMEOUT), "the engine's log never reached its mark"
         return list(self.lines)
+
+
+# -- the lane's store: what the run reads of it ---------------------------------------------------
+class Observer:
+    """An observer process (OBSERVER, PG_OBSERVER): "watching" once it watches, then a JSON line
+    per queue entry it sees, collected by a thread until it ends."""
+
+    def __init__(self, procs, argv):
+        self.proc = procs.start(argv, stdout=subprocess.PIPE)
+        assert read_line(self.proc.stdout).strip() == "watching"
+        self.lines: list[dict] = []
+        self.drain = threading.Thread(target=lambda: self.lines.extend(
+            json.loads(line) for line in iter(self.proc.stdout.readline, b"")))
+        self.drain.start()
+
+    def ended(self) -> list[dict]:
+        assert self.proc.wait(TIMEOUT) == 0
+        self.drain.join(TIMEOUT)
+        return self.lines
+
+
+class FlockRecords:
+    """The flock store's records: the lane's lock file (the kernel's word on who holds it) and the
+    holder record beside it, the queue directory watched with inotify (OBSERVER), the journal
+    file."""
+
+    name = "flock"
+    gone_within = GONE_WITHIN
+
+    def __init__(self, procs, backend: str):
+        self.gate = Gate(backend)
+        where = json_of(["where", "-b", backend, "--json"])
+        self.lock, self.journal_path = Path(where["lock_path"]), Path(where["journal_path"])
+        # The lane's files and its queue directory, made as a first waiter would
+        # (store/flock/queue.py), so the observer watches it from the first entry on.
+        with Gate(backend).turn(session="setup"):
+            pass
+        self.queue_dir = self.lock.with_suffix(".queue")
+        self.queue_dir.mkdir(mode=0o1777, exist_ok=True)
+        os.chmod(self.queue_dir, 0o1777)
+        self.observer = Observer(procs, [sys.executable, "-c", OBSERVER, self.queue_dir])
+
+    def holder(self) -> tuple[int, str | None] | None:
+        """(pid, session) of the lane's holder, as the killer finds it; None when it is free."""
+        holders = flock_entries(self.lock)[0]
+        if not holders:
+            return None
+        try:
+            session = json.loads(self.lock.with_suffix(".json").read_text()).get("session")
+        except (OSError, ValueError, AttributeError):
+            session = None
+        return holders[0], session
+
+    def queue(self) -> list[dict]:
+        """The live queue entries, asked of the store as `status` asks it."""
+        return self.gate.store.survey(self.gate.lane)[0].queue
+
+    def blocked(self) -> str:
+        """Who waits on whom: the kernel's view, each waiter blocked in flock() on the lane or on
+        a queue entry, and whose that is."""
+        names = {}
+        for path in [self.lock, *self.queue_dir.iterdir()]:
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            names[f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"] = \
+                "the lane" if path == self.lock else f"entry {path.name}"
+        holding, waiting = {}, []
+        with open("/proc/locks") as handle:
+            for line in handle:
+                words = line.split()
+                blocked = words[1] == "->"
+                pid, inode = words[-4], words[-3]
+                if inode in names:
+                    if blocked:
+                        waiting.append(f"pid {pid} waits on {names[inode]}")
+                    else:
+                        holding[inode] = pid
+        queue = [(entry["pid"], entry["session"], entry["effective_class"])
+                 for entry in self.queue()]
+        return (f"lane held by "
+                f"{[pid for inode, pid in holding.items() if names[inode] == 'the lane']}; "
+                f"queue {queue}; {waiting}; entries held: "
+                f"{ {names[inode]: pid for inode, pid in holding.items()} }")
+
+    def arrivals(self, tmp: Path) -> tuple[list[dict], list]:
+        """Once the load has stopped: (every entry the observer saw, as {arrival, rank, pid,
+        session, seen}; what it says it missed: an inotify overflow)."""
+        (tmp / SENTINEL).write_text("")
+        os.rename(tmp / SENTINEL, self.queue_dir / SENTINEL)   # the observer ends on it
+        lines = self.observer.ended()
+        os.unlink(self.queue_dir / SENTINEL)
+        entries = []
+        for line in lines:
+            if "name" in line:
+                arrival, rank, pid, _ = line["name"].split(".")
+                entries.append({"arrival": int(arrival) / 1e9, "rank": int(rank), "pid": int(pid),
+                                "session": line["session"], "seen": line["seen"]})
+        return entries, [line for line in lines if line.get("overflow")]
+
+    def journal(self) -> tuple[list[dict], int]:
+        """(events in the order they were appended, torn lines)."""
+        return journal.read(str(self.journal_path))
+
+    def problems(self, texts: list[str], events: list[dict]) -> dict:
+        return {}
+
+    def report(self) -> list[str]:
+        return []
+
+
+class PgRecords:
+    """The PostgreSQL store's records: the holder row of the session that holds the lane's
+    advisory lock, the queue and the events read through the store, the exact arrivals from a
+    trigger of the test's own on lanelock_queue (a table, and a notification to PG_OBSERVER), and
+    the server's log. Everything the test adds to the server -- shared by the whole test session
+    -- is dropped at teardown (after every process of the run is dead), with the lane's rows."""
+
+    name = "postgresql"
+    gone_within = PG_GONE_WITHIN
+
+    def __init__(self, procs, backend: str, server, after, tmp: Path):
+        import psycopg
+        from psycopg import sql
+
+        self.gate, self.server = Gate(backend), server
+        self.log_start = os.path.getsize(server.log_path)
+        self.kept = tmp / "server.log"   # the run's part of the server's log, for a failure
+        # The store's tables, made as a first turn makes them; and the setup turn's journal lines.
+        with Gate(backend).turn(session="setup"):
+            pass
+        self.channel = f"lanelock_chaos_{os.getpid()}_{backend.rsplit(':', 1)[1]}"
+        self.sql = {"table": sql.Identifier(f"{self.channel}_arrivals"),
+                    "function": sql.Identifier(f"{self.channel}_log"),
+                    "trigger": sql.Identifier(f"{self.channel}_trigger"),
+                    "channel": sql.Literal(self.channel), "lane": sql.Literal(self.gate.lane.name)}
+        self.admin = psycopg.connect(server.dsn, autocommit=True)
+        self.look, self.guard = None, threading.Lock()
+        after(self.close)
+        self._execute("CREATE TABLE {table} (ticket bigint, rank integer, arrival timestamptz, "
+                      "facts jsonb)")
+        self._execute("""CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO {table} VALUES (NEW.ticket, NEW.rank, NEW.arrival, NEW.facts);
+                PERFORM pg_notify({channel}, NEW.ticket::text);   -- delivered after the commit
+                RETURN NULL;
+            END $$""")
+        self._execute("CREATE TRIGGER {trigger} AFTER INSERT ON lanelock_queue FOR EACH ROW "
+                      "WHEN (NEW.lane = {lane}) EXECUTE FUNCTION {function}()")
+        # The arrivals are the server's clock_timestamp(), the wall clock of this machine (the
+        # server runs here); the journal's "monotonic" is this machine's CLOCK_MONOTONIC. One
+        # offset between the two, measured once, here, converts the one into the other.
+        self.offset = wall_minus_monotonic()
+        self.observer = Observer(procs, [sys.executable, "-c", PG_OBSERVER, server.dsn,
+                                         self.channel])
+        # One session for the killer's and the stall watcher's looks (a connection each would
+        # cost more than the look), read as `status` reads the lane.
+        self.look = self.gate.store.open(self.gate.lane)
+
+    def _execute(self, statement: str, params=()):
+        from psycopg import sql
+
+        return self.admin.execute(sql.SQL(statement).format(**self.sql), params)
+
+    def survey(self):
+        with self.guard:
+            return self.gate.store.survey(self.gate.lane, self.look)[0]
+
+    def holder(self) -> tuple[int, str | None] | None:
+        """(pid, session) of the lane's holder: its holder row, once that row is the record of
+        the session holding the lock; None when free (or the new holder has not written it)."""
+        facts = self.survey()
+        if not (facts.held and facts.matches and facts.record):
+            return None
+        return facts.record.get("pid"), facts.record.get("session")
+
+    def queue(self) -> list[dict]:
+        return self.survey().queue
+
+    def blocked(self) -> str:
+        """Who waits on whom: the server's view (each session in a lock wait, and the sessions
+        it waits for), with the lane's holder and queue."""
+        facts = self.survey()
+        with self.guard:
+            waits = self.look.conn.execute(
+                "SELECT pid, pg_blocking_pids(pid), application_name, left(query, 60) "
+                "FROM pg_stat_activity WHERE wait_event_type = 'Lock'").fetchall()
+        record = facts.record or {}
+        queue = [(entry["pid"], entry["session"], entry["effective_class"])
+                 for entry in facts.queue]
+        return (f"lane held by server pids {[holder['pid'] for holder in facts.holders]} "
+                f"(holder row: pid {record.get('pid')}, session {record.get('session')}, of the "
+                f"holding session: {facts.matches}); queue {queue}; sessions in a lock wait "
+                f"(pid, waiting for, who, statement): {waits}")
+
+    def arrivals(self, tmp: Path) -> tuple[list[dict], list]:
+        """Once the load has stopped: (every row the trigger copied, as {arrival -- in
+        CLOCK_MONOTONIC seconds --, rank, pid, session, seen}; the rows the observer was never
+        told of)."""
+        self._execute("SELECT pg_notify({channel}, %s)", (SENTINEL,))   # the observer ends on it
+        seen = {line["ticket"]: line["seen"] for line in self.observer.ended()}
+        rows = self._execute("SELECT ticket, rank, extract(epoch FROM arrival)::float8, facts "
+                             "FROM {table} ORDER BY ticket").fetchall()
+        entries = [{"arrival": arrival - self.offset, "rank": rank, "pid": facts.get("pid"),
+                    "session": facts.get("session"), "seen": seen[ticket]}
+                   for ticket, rank, arrival, facts in rows if ticket in seen]
+        # Beside the server's log, which names tickets (its advisory keys): whose they were.
+        (self.kept.parent / "tickets.json").write_text(json.dumps(
+            {ticket: dict(facts, rank=rank, arrival=arrival - self.offset, seen=seen.get(ticket))
+             for ticket, rank, arrival, facts in rows}, indent=0))
+        return entries, [f"ticket {ticket} never notified" for ticket, *_ in rows
+                         if ticket not in seen]
+
+    def journal(self) -> tuple[list[dict], int]:
+        """(events in the order they were written -- each by a holder, while it held -- , rows
+        that are not an event)."""
+        return self.gate.store.events(self.gate.lane, None)
+
+    def server_log(self) -> list[str]:
+        """What the server logged since the run began (tests/pg_server.py keeps its stderr)."""
+        with open(self.server.log_path, "rb") as log:
+            log.seek(self.log_start)
+            text = log.read().decode(errors="replace")
+        self.kept.write_text(text)
+        return text.splitlines()
+
+    def problems(self, texts: list[str], events: list[dict]) -> dict:
+        said = [line.strip() for text in texts for line in text.splitlines()
+                if any(words in line for words in FAILED_OPEN)]
+        failed = [f"{event.get('session')} (pid {event.get('pid')}): {event.get('reason')}"
+                  for event in events if event.get("event") == "fail-open"]
+        return {
+            "turns that failed open, or said 'gate unavailable' or 'deadlock detected'":
+                failed + said,
+            f"the server logged {NOT_OWNED!r} (its log: {self.kept})": [
+                line for line in self.server_log() if NOT_OWNED in line],
+        }
+
+    def report(self) -> list[str]:
+        """The server's log in kinds (its WARNING, ERROR and FATAL messages, counted)."""
+        kinds: dict[str, int] = {}
+        for line in self.server_log():
+            for level in ("WARNING:", "ERROR:", "FATAL:"):
+                if level in line:
+                    said = line[line.index(level):]
+                    said = said if "lock timeout" in said else said[:70]
+                    kinds[said] = kinds.get(said, 0) + 1
+        shown = sorted(kinds.items(), key=lambda kind: -kind[1])
+        return [f"  the server logged: {shown if shown else 'no warning, error or fatal'}; "
+                f"clock offset (wall - monotonic) moved {self.drift() * 1000:+.3f} ms over the run"]
+
+    def drift(self) -> float:
+        return wall_minus_monotonic() - self.offset
+
+    def close(self) -> None:
+        try:
+            if self.look is not None:
+                self.look.close()
+            self.admin.execute("SET lock_timeout = '10s'")
+            self._execute("DROP TRIGGER IF EXISTS {trigger} ON lanelock_queue")
+            self._execute("DROP FUNCTION IF EXISTS {function}()")
+            self._execute("DROP TABLE IF EXISTS {table}")
+            for table in ("lanelock_queue", "lanelock_events", "lanelock_holders",
+                          "lanelock_counts"):
+                self.admin.execute(f"DELETE FROM {table} WHERE lane = %s", (self.gate.lane.name,))
+        finally:
+            self.admin.close()
+
+
+def wall_minus_monotonic() -> float:
+    """time.time() - time.monotonic(), from the closest of a few pairs of readings."""
+    closest = None
+    for _ in range(20):
+        before, wall, after = time.monotonic(), time.time(), time.monotonic()
+        if closest is None or after - before < closest[0]:
+            closest = (after - before, wall - (before + after) / 2)
+    return closest[1]
 
 
 def effective(rank: int, arrival: float, now: float) -> int:
@@ -458,8 +776,9 @@ class ProxyHost:
 class Load:
     """The whole load: its processes, what they report, the killer."""
 
-    def __init__(self, procs, tmp: Path, engine: Engine, lock: Path, token: Path):
-        self.procs, self.tmp, self.engine, self.lock, self.token = procs, tmp, engine, lock, token
+    def __init__(self, procs, tmp: Path, engine: Engine, records, token: Path):
+        self.procs, self.tmp, self.engine, self.token = procs, tmp, engine, token
+        self.records = records                       # the lane's store: FlockRecords, PgRecords
         self.stop = threading.Event()
         self.finished = threading.Event()
         self.guard = threading.Lock()
@@ -474,7 +793,6 @@ class Load:
         self.kill_log: list[tuple[float, int, str]] = []   # (sent, pid, client's session prefix)
         self.gone_after: list[tuple[float, int]] = []   # (seconds, looks) a killed process
         #                                                 still counted as queued after its death
-        self.gate = Gate(engine.backend)
 
     # -- bookkeeping --------------------------------------------------------------------------
     def register(self, pid: int, owner) -> None:
@@ -531,12 +849,12 @@ class Load:
         rng = random.Random(seed)
         while not self.stop.wait(rng.uniform(*KILL_EVERY)):
             if rng.random() < 0.45:
-                holders = flock_entries(self.lock)[0]
-                if not holders:
+                holder = self.records.holder()
+                if holder is None:
                     continue
-                pid, target, session = holders[0], "holder", self._holder_session()
+                (pid, session), target = holder, "holder"
             else:
-                queue = self.gate.store.survey(self.gate.lane)[0].queue
+                queue = self.records.queue()
                 if not queue:
                     continue
                 entry = rng.choice(queue)
@@ -555,14 +873,13 @@ class Load:
                     continue
             if self._kill(pid, owner, ""):
                 self.kills["proxy" if isinstance(owner, ProxyHost) else target] += 1
-                # The kernel dropped the dead process's locks on its queue entries: they no
-                # longer count. Asked of the store as `status` asks it (a state no process
-                # reports), until they are gone.
+                # The kernel (the server) dropped the dead process's locks on its queue
+                # entries: they no longer count. Asked of the store as `status` asks it (a state
+                # no process reports), until they are gone.
                 died, looks = time.monotonic(), 0
-                while any(entry["pid"] == pid
-                          for entry in self.gate.store.survey(self.gate.lane)[0].queue):
+                while any(entry["pid"] == pid for entry in self.records.queue()):
                     looks += 1
-                    if time.monotonic() - died > GONE_WITHIN:
+                    if time.monotonic() - died > self.records.gone_within:
                         break
                     time.sleep(0.001)
                 self.gone_after.append((time.monotonic() - died if looks else 0.0, looks))
@@ -585,12 +902,6 @@ class Load:
         finally:
             os.close(pidfd)
 
-    def _holder_session(self) -> str | None:
-        try:
-            return json.loads(self.lock.with_suffix(".json").read_text()).get("session")
-        except (OSError, ValueError, AttributeError):
-            return None
-
     def _proxy_client(self, session: str | None) -> Worker | None:
         if not session:
             return None
@@ -602,42 +913,18 @@ class Load:
         return None
 
 
-def watch_for_stalls(load: Load, lock: Path, stalls: list[str]) -> None:
+def watch_for_stalls(load: Load, records, stalls: list[str]) -> None:
     """While the load runs: once the engine has been quiet for half of STALL seconds, write down
-    who waits on whom (the kernel's view: each waiter blocked in flock() on the lane or
-    on a queue entry, and whose that is), for the failure message. Polled, as a stall is a state no
-    process reports."""
-    queue_dir, seen = lock.with_suffix(".queue"), None
+    who waits on whom (the kernel's or the server's view: records.blocked()), for the failure
+    message. Polled, as a stall is a state no process reports."""
+    seen = None
     while not load.stop.wait(0.25) and len(stalls) < 3:
         begun = [float(words[1]) for words in load.engine.lines[-1:]]
         if not begun or begun == seen or time.monotonic() - begun[0] < STALL / 2:
             continue
         seen = begun   # one look per quiet spell, half way to a stall
-        names = {}
-        for path in [lock, *queue_dir.iterdir()]:
-            try:
-                st = path.stat()
-            except OSError:
-                continue
-            names[f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"] = \
-                "the lane" if path == lock else f"entry {path.name}"
-        holding, waiting = {}, []
-        with open("/proc/locks") as handle:
-            for line in handle:
-                words = line.split()
-                blocked = words[1] == "->"
-                pid, inode = words[-4], words[-3]
-                if inode in names:
-                    if blocked:
-                        waiting.append(f"pid {pid} waits on {names[inode]}")
-                    else:
-                        holding[inode] = pid
-        queue = [(entry["pid"], entry["session"], entry["effective_class"])
-                 for entry in load.gate.store.survey(load.gate.lane)[0].queue]
-        stalls.append(f"no generation for {time.monotonic() - begun[0]:.1f}s; lane held by "
-                      f"{[pid for inode, pid in holding.items() if names[inode] == 'the lane']}; "
-                      f"queue {queue}; {waiting}; entries held: "
-                      f"{ {names[inode]: pid for inode, pid in holding.items()} }")
+        view = records.blocked()
+        stalls.append(f"no generation for {time.monotonic() - begun[0]:.1f}s; {view}")
 
 
 # -- reading the records --------------------------------------------------------------------------
@@ -678,14 +965,10 @@ def turns_of(events: list[dict]) -> tuple[list[Turn], int]:
 
 
 def match_arrivals(turns: list[Turn], entries: list[dict]) -> dict:
-    """Each waiting turn's queue entry: by the session its file names, else (its waiter left
-    before the observer read it) the one entry of its pid and class nearest the journal's
-    estimate, if no other is nearly as near."""
-    parsed = []
-    for entry in entries:
-        arrival, rank, pid, _ = entry["name"].split(".")
-        parsed.append({"arrival": int(arrival) / 1e9, "rank": int(rank), "pid": int(pid),
-                       "session": entry["session"], "seen": entry["seen"], "used": False})
+    """Each waiting turn's queue entry (records.arrivals()): by the session it names, else (on
+    flock, its waiter left before the observer read its file) the one entry of its pid and class
+    nearest the journal's estimate, if no other is nearly as near."""
+    parsed = [dict(entry, used=False) for entry in entries]
     by_session = {entry["session"]: entry for entry in parsed if entry["session"]}
     unread = []
     for turn in turns:
@@ -827,30 +1110,21 @@ def engine_overlaps(lines: list[list[str]], turns: list[Turn],
 
 # -- the test -------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_priority_chaos_keeps_the_order_and_never_overlaps(procs, lock_dir, tmp_path,
-                                                           monkeypatch):
+@pytest.mark.parametrize("store", ["flock", "postgresql"])
+def test_priority_chaos_keeps_the_order_and_never_overlaps(store, procs, lock_dir, lock_roots,
+                                                           tmp_path, monkeypatch, request):
     started = time.monotonic()
     assert shutil.which("curl") and shutil.which("flock"), "needs curl and flock(1)"
     monkeypatch.setenv("LANELOCK_PRIORITY_AGING", str(AGING))
+    if store == "postgresql":   # for every lanelock process of the run (and this one's gates)
+        server = request.getfixturevalue("postgres")
+        monkeypatch.setenv("LANELOCK_STORE", lock_roots.watch_store(server.dsn))
     token = tmp_path / "generating.token"
-    engine = Engine(procs, token)
-    where = json_of(["where", "-b", engine.backend, "--json"])
-    lock, journal_path = Path(where["lock_path"]), Path(where["journal_path"])
-    # The lane's files and its queue directory, made as a first waiter would (store/flock/queue.py),
-    # so the observer watches it from the first entry on.
-    with Gate(engine.backend).turn(session="setup"):
-        pass
-    queue_dir = lock.with_suffix(".queue")
-    queue_dir.mkdir(mode=0o1777, exist_ok=True)
-    os.chmod(queue_dir, 0o1777)
-    observer = procs.start([sys.executable, "-c", OBSERVER, queue_dir], stdout=subprocess.PIPE)
-    assert read_line(observer.stdout).strip() == "watching"
-    observed: list[str] = []
-    drain = threading.Thread(target=lambda: observed.extend(
-        line.decode() for line in iter(observer.stdout.readline, b"")))
-    drain.start()
+    engine = Engine(procs, token)   # a port, and so a lane, of this test's own
+    records = (PgRecords(procs, engine.backend, server, lock_roots.after, tmp_path)
+               if store == "postgresql" else FlockRecords(procs, engine.backend))
 
-    load = Load(procs, tmp_path, engine, lock, token)
+    load = Load(procs, tmp_path, engine, records, token)
     python, body = sys.executable, chat_body().decode()
     hosts = [ProxyHost(load, index) for index in range(3)]
     for host in hosts:
@@ -876,7 +1150,8 @@ def test_priority_chaos_keeps_the_order_and_never_overlaps(procs, lock_dir, tmp_
             seed * 1000 + gen, token]))
     killer = threading.Thread(target=load.killer, args=(2604,), name="killer")
     stalls: list[str] = []
-    watch = threading.Thread(target=watch_for_stalls, args=(load, lock, stalls), daemon=True)
+    watch = threading.Thread(target=watch_for_stalls, args=(load, records, stalls),
+                             daemon=True)
     load_started = time.monotonic()
     for thread in [*(worker.thread for worker in workers), *runs, killer, watch]:
         thread.start()
@@ -895,38 +1170,33 @@ def test_priority_chaos_keeps_the_order_and_never_overlaps(procs, lock_dir, tmp_
                  if thread.is_alive()]   # (killed at teardown)
         for host in hosts:
             host.close()
-        (tmp_path / SENTINEL).write_text("")
-        os.rename(tmp_path / SENTINEL, queue_dir / SENTINEL)   # the observer ends on it
-        assert observer.wait(TIMEOUT) == 0
-        drain.join(TIMEOUT)
-        os.unlink(queue_dir / SENTINEL)
+        entries, missed = records.arrivals(tmp_path)
 
     # -- the records ------------------------------------------------------------------------------
     stats = engine.stats()
-    events, torn = journal.read(str(journal_path))
+    events, torn = records.journal()
     turns, waited = turns_of(events)
-    entries = [json.loads(line) for line in observed]
-    overflow = [entry for entry in entries if entry.get("overflow")]
-    matching = match_arrivals(turns, [entry for entry in entries if "name" in entry])
+    matching = match_arrivals(turns, entries)
     within, across = out_of_order(turns)
     late, batch = batch_waits(turns)
     overlaps, excused = engine_overlaps(engine.log(), turns, load.kill_log)
     gaps = [nxt.granted - turn.granted for turn, nxt in zip(turns, turns[1:])]
     granted = {turn.session for turn in turns}
     unrecorded = [session for session in load.done if session not in granted]
-    tracebacks = [text for text in [*load.proxy_logs, *load.run_stderr,
-                                    *(path.read_text(errors="replace")
-                                      for path in tmp_path.glob("*.stderr"))]
-                  if "Traceback" in text]
-    queue_left = load.gate.store.survey(load.gate.lane)[0].queue
-    print(f"\npriority chaos: {len(turns)} turns granted ({len(load.done)} completed, "
+    stderr = [*load.proxy_logs, *load.run_stderr,
+              *(path.read_text(errors="replace") for path in tmp_path.glob("*.stderr"))]
+    tracebacks = [text for text in stderr if "Traceback" in text]
+    queue_left = records.queue()
+    print(f"\npriority chaos ({records.name}): {len(turns)} turns granted "
+          f"({len(load.done)} completed, "
           f"{len(load.lost)} killed under way; {waited} waited) in {load_time:.1f}s of load; "
           f"engine: {stats['total']} generations, max in flight {stats['max_in_flight']}, "
           f"{stats['hangups']} hang-ups")
     print(f"  kills: {sum(load.kills.values())} {load.kills} (proxy restarts "
           f"{sum(host.starts - 1 for host in hosts)}); a killed process's queue entries "
           f"counted on for {max(load.gone_after, default=(0, 0))[0] * 1000:.1f} ms at most after "
-          f"its death (bound {GONE_WITHIN:g} s; {sum(looks > 0 for _, looks in load.gone_after)} "
+          f"its death (bound {records.gone_within:g} s; "
+          f"{sum(looks > 0 for _, looks in load.gone_after)} "
           f"of {len(load.gone_after)} kills: still there at the first look)")
     tokens = [*load.overlaps, *engine.overlaps]
     print(f"  overlaps: {len(overlaps) + len(tokens)} (two generating clients alive at once, by "
@@ -950,6 +1220,8 @@ def test_priority_chaos_keeps_the_order_and_never_overlaps(procs, lock_dir, tmp_
           f"{matching['never_granted']} never granted (killed or given up); the journal's "
           f"arrival estimate minus the entry's: {matching['estimate_error'][0] * 1000:+.1f} to "
           f"{matching['estimate_error'][1] * 1000:+.1f} ms")
+    for line in records.report():
+        print(line)
     print(f"  longest gap between grants {max(gaps, default=0):.2f}s; whole test "
           f"{time.monotonic() - started:.1f}s")
 
@@ -964,8 +1236,9 @@ def test_priority_chaos_keeps_the_order_and_never_overlaps(procs, lock_dir, tmp_
         f"a stall: {max(gaps, default=0):.2f}s without a grant": (stalls or ["(not seen)"])
         if max(gaps, default=0) >= STALL else [],
         "killed processes still queued": [f"{seconds:.3f}s" for seconds, _ in load.gone_after
-                                          if seconds > GONE_WITHIN],
-        "torn journal lines or an inotify overflow": ["torn"] * torn + overflow,
+                                          if seconds > records.gone_within],
+        "torn journal lines, or arrivals the observer missed (an inotify overflow, a "
+        "notification never received)": ["torn"] * torn + missed,
         "turns that did not end as they should": load.problems,
         "proxies that did not stop cleanly": [status for host in hosts
                                               for status in host.statuses if status != 0],
@@ -979,6 +1252,7 @@ def test_priority_chaos_keeps_the_order_and_never_overlaps(procs, lock_dir, tmp_
         "waiting turns whose queue entry was not seen": [matching] if matching["unmatched"]
         > len(turns) * 0.01 else [],
         "left in the queue": queue_left,
+        **records.problems(stderr, events),
     }
     assert not any(broken.values()), "\n".join(
         f"{what}: {len(found)}: {found[:5]}" for what, found in broken.items() if found)
