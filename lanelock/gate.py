@@ -474,6 +474,26 @@ class Turn:
         self._stopped_at = utc_now() if stopped else None
         self._write_record(self._record())
 
+    def abandon(self, reason: str) -> None:
+        """Journal a wait given up before the lane came (the proxy's client hung up: reason
+        client_gone) as its own 'abandoned' event -- how long it waited, what it asked for -- so
+        history shows the request. It is not a turn: nothing ran, and nothing is counted. Only a
+        cancelled turn that was waiting has one; a store with no handle for it records nothing."""
+        if self.state != CANCELLED or not self._blocked:
+            return
+        handle = self.gate.store.event_handle(self.gate.lane)
+        if handle is None:
+            return
+        self.waited = time.monotonic() - self._started_wait
+        try:
+            self.gate.store.append_event(handle, self._event(
+                "abandoned", reason=reason, wait=self.wait, waited=round(self.waited, 6),
+                priority=self.priority))
+        except RecordNotWritten:
+            pass   # the line is lost, nothing else: the client is gone already
+        finally:
+            self.gate.store.release(handle)
+
     @property
     def unsettled(self) -> bool:
         """A deflected turn whose outcome is not counted yet (settle() has store work to do)."""

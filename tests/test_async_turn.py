@@ -177,6 +177,9 @@ def test_cancelling_a_waiting_task_abandons_the_wait(holder, lanelock, lock_dir)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        # Nothing waits in the kernel for it any more (issue 31 item 6: the waiter thread stayed
+        # blocked in flock(2) until the lane freed).
+        assert not is_waiting(lock_path(lock_dir), os.getpid())
         return time.monotonic() - cancelled_at
 
     took = asyncio.run(main())

@@ -441,6 +441,22 @@ def test_counts_and_histograms_match_the_turns_that_ran(lanelock, holder, procs,
                if le == "+Inf" or float(le) >= elapsed)
 
 
+def test_the_waiters_gauge_counts_the_turns_status_counts(lanelock, holder, procs, lock_dir):
+    """Issue 31 item 6: a waiter is a turn that still wants the lane -- its queue entry says so.
+    lanelock_lane_waiters counted processes blocked on the lane's own lock (/proc/locks), which
+    is only the first of the queue: 1 while `status` said [3 waiting]."""
+    lock = lock_dir / f"{STEM}.lock"
+    held = holder()
+    waiters = [blocked_turn(procs, lock) for _ in range(3)]
+    plain = lanelock("status").stdout
+    assert "[3 waiting" in plain, plain
+    assert scrape(lanelock).gauges(LANE)["lanelock_lane_waiters"] == 3
+    assert held.release() == 0
+    for waiter in waiters:
+        assert waiter.wait(timeout=TIMEOUT) == 0, waiter.stderr.read()
+    assert scrape(lanelock).gauges(LANE)["lanelock_lane_waiters"] == 0
+
+
 # -- 3. counters never go backwards ---------------------------------------------------------------
 def test_counters_never_go_backwards_across_journal_rotations(lanelock, holder, lock_dir,
                                                               config_files):

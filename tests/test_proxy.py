@@ -504,9 +504,38 @@ def test_busy_answers_leave_no_waits_behind(procs, lanelock, holder, lock_dir):
     threads = len(os.listdir(f"/proc/{proxy.proc.pid}/task"))
     descriptors = len(os.listdir(f"/proc/{proxy.proc.pid}/fd"))
     assert busy.release() == 0
-    # One waiter per lane and process (store/flock/waiting.py), whatever the number of busy answers.
+    # Nothing waits in the kernel for a request that has been answered (issue 31 item 6).
     left = view.waiters.count(proxy.proc.pid)
-    assert left <= 1 and threads < 10 and descriptors < 20, (view, threads, descriptors)
+    assert left == 0 and threads < 10 and descriptors < 20, (view, threads, descriptors)
+
+
+def waiting_gauge(lanelock, backend) -> float:
+    scraped = lanelock("metrics", "-b", backend)
+    assert scraped.returncode == 0, scraped.stderr
+    (value,) = re.findall(r"^lanelock_lane_waiters\{[^}]*\} (\S+)$", scraped.stdout, re.M)
+    return float(value)
+
+
+@pytest.mark.parametrize("wait", ["0", "0.3"])
+def test_a_busy_answer_leaves_no_phantom_waiter(procs, lanelock, holder, lock_dir, wait):
+    """Issue 31 item 6: a 503 -- after --wait 0's grace, or after waiting all of its wait --
+    left the proxy's waiter thread blocked in flock(2) until the holder let go, and `status` said
+    [1 waiting] and lanelock_lane_waiters 1 with nobody waiting. The answer is sent once nothing
+    waits for it any more: no kernel wait, no queue entry, and every view says so."""
+    engine = Engine(procs, delay=0.01)
+    proxy = Proxy(procs, engine.backend, "--wait", "5", "--no-witness")
+    busy = holder("-b", engine.backend, "-s", "long-job")
+    lock = lock_path(lock_dir, engine)
+    status, headers, _ = request(proxy.port, "POST", CHAT, chat_body(),
+                                 {"X-Lanelock-Wait": wait})
+    assert (status, headers["X-Lanelock-State"]) == (503, "busy")
+    assert not is_waiting(lock, proxy.proc.pid), locks.kernel_view(os.stat(lock))
+    lane = lane_status(lanelock, engine.backend)
+    assert (lane["waiters"], lane["queue"]) == ([], []), lane
+    plain = lanelock("status", "-b", engine.backend).stdout
+    assert "waiting" not in plain, plain
+    assert waiting_gauge(lanelock, engine.backend) == 0
+    assert busy.release() == 0
 
 
 # -- 4. a client that hangs up mid-stream ---------------------------------------------------------
@@ -534,21 +563,31 @@ def test_client_hang_up_mid_stream_frees_the_lane_at_once(procs, lanelock, lock_
 
 
 def test_client_hang_up_while_waiting_abandons_the_wait(procs, lanelock, holder, lock_dir):
+    """Issue 31 item 6: the hung-up request's wait stayed blocked in the kernel (status: [1
+    waiting]) until the holder let go, and history never showed it. Now nothing waits for it
+    once the proxy has seen it go, and the journal says it was abandoned, after how long."""
     engine = Engine(procs, delay=0.01)
-    proxy = Proxy(procs, engine.backend, "--wait", "30")
+    proxy = Proxy(procs, engine.backend, "--wait", "30", "-v", "--no-witness")
     busy = holder("-b", engine.backend, "-s", "holder")
+    lock = lock_path(lock_dir, engine)
     sock = open_stream(proxy.port, chat_body(), {"X-Lanelock-Session": "gone"})
-    wait_for(lambda: is_waiting(lock_path(lock_dir, engine), proxy.proc.pid),
+    wait_for(lambda: is_waiting(lock, proxy.proc.pid),
              what="the proxied request to wait for the lane")
     sock.close()
-    # A barrier: the proxy has seen the hang-up (queued before this request) once it answers.
-    # The abandoned wait stays queued in the kernel (store/flock/waiting.py), so /proc/locks can't say.
-    assert request(proxy.port, "GET", "/lanelock/status")[0] == 200
+    # The proxy's -v line for the request comes once it is done with it (on its stderr pipe).
+    wait_for(lambda: " client gone " in proxy.stderr(), what="the proxy to see the hang-up")
+    assert not is_waiting(lock, proxy.proc.pid), locks.kernel_view(os.stat(lock))
+    lane = lane_status(lanelock, engine.backend)
+    assert (lane["waiters"], lane["queue"]) == ([], []), lane
+    (gone,) = [event for event in history(lanelock, engine.backend)
+               if event.get("session") == "gone"]
+    assert gone["event"] == "abandoned" and gone["reason"] == "client_gone", gone
+    assert gone["waited"] > 0 and gone["wait"] == 30 and gone["via"] == "proxy", gone
+    shown = lanelock("history", "-b", engine.backend).stdout
+    assert "abandoned" in shown and "the client hung up after waiting" in shown, shown
     assert busy.release() == 0
     assert turn_state(lanelock, engine.backend, "--wait", "5") == (0, "held")
     assert engine.stats()["total"] == 0            # the abandoned request was never forwarded
-    assert not [event for event in history(lanelock, engine.backend)
-                if event.get("session") == "gone"]
     assert proxy.stop() == 0
 
 

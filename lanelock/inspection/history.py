@@ -186,6 +186,13 @@ def describe(event: dict) -> str:
         return f"waited {_number(event.get('waited')) or 0:.2f}s"
     if kind == "fail-open":
         return str(event.get("reason"))[:120]
+    if kind == "abandoned":   # a wait given up before the lane came: no turn, nothing ran
+        wait = _number(event.get("wait"))
+        who = ("the client hung up" if event.get("reason") == "client_gone"
+               else str(event.get("reason"))[:60])
+        return (f"{who} after waiting {_number(event.get('waited')) or 0:.1f}s "
+                f"({f'its wait {wait:g}s' if wait is not None else 'it would wait for ever'}); "
+                "nothing ran")
     if kind == "unseen":
         turns = event.get("turns")
         beside = (f"beside {turns} turn{'' if turns == 1 else 's'} holding"

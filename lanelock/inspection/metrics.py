@@ -48,8 +48,9 @@ class LaneCollector:
         held = GaugeMetricFamily("lanelock_lane_held", "1 while a turn holds the lane",
                                  labels=["lane"])
         waiters = GaugeMetricFamily("lanelock_lane_waiters",
-                                    "processes blocked waiting for the lane (the kernel's view)",
-                                    labels=["lane"])
+                                    "turns waiting for the lane, as `lanelock status` counts "
+                                    "them: its queue, or where the store keeps none, the "
+                                    "processes blocked on its lock", labels=["lane"])
         since = GaugeMetricFamily("lanelock_lane_held_since_seconds",
                                   "how long the current holder has held the lane (0 when free)",
                                   labels=["lane"])
@@ -109,7 +110,10 @@ class LaneCollector:
             readable.add_metric([lane], 0.0 if counts.get("problem") else 1.0)
             is_held = status["state"] == "held"
             held.add_metric([lane], 1.0 if is_held else 0.0)
-            waiters.add_metric([lane], float(len(status["waiters"])))
+            # A waiter is a turn that still wants the lane: its queue entry is the record (the
+            # kernel sees only the first of the queue on the lane's lock).
+            waiters.add_metric([lane], float(len(status.get("queue") or ()) or
+                                             len(status["waiters"])))
             for klass in CLASSES:
                 queued.add_metric([lane, klass], float(sum(
                     1 for entry in status.get("queue") or () if entry["effective_class"] == klass)))

@@ -22,7 +22,7 @@ import time
 from aiohttp import web
 
 from .. import asyncturn
-from ..gate import DEFLECTED, FAIL_OPEN, HELD, REASON_BUSY, UNGATED, Gate
+from ..gate import CANCELLED, DEFLECTED, FAIL_OPEN, HELD, REASON_BUSY, UNGATED, Gate
 from ..handover import HEADER
 from ..holder import words as holder_words
 from . import asks, dialects
@@ -35,6 +35,7 @@ from .routes import Routes
 STATE = "X-Lanelock-State"
 REASON = "X-Lanelock-Reason"
 BUSY = "busy"
+GONE = "client_gone"   # the reason of an abandoned wait: the client hung up
 # An answer a retry cannot change (the client holds the lane itself; it sent a malformed header):
 # the OpenAI and Anthropic SDKs obey this instead of retrying on their own.
 NO_RETRY = {"x-should-retry": "false"}
@@ -195,6 +196,10 @@ class Proxy:
                 self.waiting += 1
                 try:
                     await asyncturn.acquire(turn)
+                except asyncio.CancelledError:
+                    await _abandoned(turn)
+                    timing.waited = turn.waited   # the -v line says how long it waited
+                    raise
                 finally:
                     self.waiting -= 1
                 timing.waited = turn.waited
@@ -216,6 +221,7 @@ class Proxy:
             if turn.state == DEFLECTED:
                 return await self._deflected(request, path_qs, body, fields, turn, client,
                                              applied)
+            await _abandoned(turn)
             raise asyncio.CancelledError   # a cancelled wait: the client is gone
         finally:
             status = status or request.get("lanelock_status")
@@ -413,3 +419,9 @@ def _json_fields(body: bytes) -> dict:
     except (ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
+
+async def _abandoned(turn) -> None:
+    """A request whose client hung up while it waited for the lane: its wait is journaled as
+    abandoned (Turn.abandon), off the loop, and written even if the task is cancelled again."""
+    if turn.state == CANCELLED:
+        await asyncio.shield(asyncio.to_thread(turn.abandon, GONE))

@@ -1,6 +1,7 @@
 """A blocking flock(2) with a timeout, without polling: the kernel wakes the waiter the instant
 the holder releases. On the main thread a timer signal interrupts the wait; elsewhere (signals
-belong to the main thread) a helper thread blocks on its own open file description."""
+belong to the main thread) a helper thread blocks on its own open file description, and its wait
+is called off when no turn wants it any more (interrupt.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import errno
 import fcntl
 import os
 import signal
+
+from . import interrupt
 
 CONTENDED = frozenset({errno.EWOULDBLOCK, errno.EAGAIN})
 
@@ -93,7 +96,10 @@ def _wait_in_thread(handle, timeout: float | None, wake=None) -> bool:
     slot = _Slot(wake if wake is not None else threading.Event())
     waiter = _Waiter.join(handle, slot)
     slot.event.wait(timeout)
-    return _claim(waiter, slot, handle)
+    got = _claim(waiter, slot, handle)
+    if not got:
+        waiter.call_off()
+    return got
 
 
 def _claim(waiter, slot, handle) -> bool:
@@ -132,8 +138,21 @@ async def wait_async(handle, timeout: float | None) -> bool:
             _claim(waiter, slot, handle)
         except OSError:
             pass   # the waiter failed too: the cancellation is what the caller hears
+        await _call_off(waiter)
         raise
-    return _claim(waiter, slot, handle)
+    got = _claim(waiter, slot, handle)
+    if not got:
+        await _call_off(waiter)
+    return got
+
+
+async def _call_off(waiter) -> None:
+    """waiter.call_off() in a thread when it has a wait to call off (it waits for the waiter
+    thread to leave, which must not stall the loop); a cancellation lets it finish first."""
+    import asyncio
+
+    if waiter.idle():
+        await finished(asyncio.ensure_future(asyncio.to_thread(waiter.call_off)))
 
 
 async def finished(future):
@@ -181,15 +200,22 @@ class _Slot:
         self.event, self.fd, self.abandoned, self.error = event, None, False, None
 
 
+# After the signal that calls a waiter's flock off, how long to wait for the thread to leave before
+# sending it again (one that lands just before the thread enters flock(2) is lost), then giving up.
+CALL_OFF_PAUSES = (0.01, 0.1, 1.0)
+
+
 class _Waiter:
     """One thread per lock file and process blocks in flock(); the turns of this process that
-    wait for the lane queue behind it, first come first served.
+    wait for the lane queue behind it, first come first served (a thread per waiting turn would
+    be hundreds for a burst of proxy requests).
 
-    A blocked flock() cannot be called off, so a thread per waiting turn would stay blocked after
-    its turn gave up -- a thread, a descriptor and a /proc/locks waiter for every busy answer a
-    proxy gives until the lane frees (and then each would take the lane for a moment). With one
-    waiter per lane, what a turn that gives up leaves behind is at most that one thread, which,
-    when it finally gets the lock with nobody left to hand it to, lets go at once."""
+    When the last turn in its queue gives up, the thread's flock is called off (interrupt.py), so
+    nothing waits in the kernel for a turn that is over: a busy answer or a client that hung up
+    left a waiter in /proc/locks until the lane freed, which `status` counted as one waiting, and
+    which then took the lane for a moment. Where it cannot be called off (no handler could be
+    installed), the thread, once it gets the lock with nobody left to hand it to, lets go at
+    once."""
 
     _all: dict = {}
     _all_guard = None
@@ -204,6 +230,8 @@ class _Waiter:
         # spare: a description of the same inode, never locked, to open the next one from.
         self.spare = os.open(f"/proc/self/fd/{source_fd}", os.O_RDONLY | os.O_CLOEXEC)
         self.fd = self._reopen()
+        self.interruptible = interrupt.prepare()   # its flock can be called off
+        self.left = threading.Event()   # set once the thread has left the kernel for good
         self.thread = threading.Thread(target=self._run, name="lanelock-wait", daemon=True)
 
     def _reopen(self) -> int:
@@ -229,15 +257,46 @@ class _Waiter:
             waiter.thread.start()
             return waiter
 
+    def idle(self) -> bool:
+        """Does the thread wait in the kernel with nobody in its queue, a wait to call off?"""
+        with self.guard:
+            return self.interruptible and self.fd is not None and not self.queue
+
+    def call_off(self) -> None:
+        """Nobody wants the lock any more: interrupt the thread's flock, so it leaves the kernel's
+        waiters now rather than when the lane frees, and return once it has left (or a turn joined
+        meanwhile: the wait is that turn's now)."""
+        for pause in CALL_OFF_PAUSES:
+            with self.guard:
+                if not (self.interruptible and self.fd is not None and not self.queue
+                        and interrupt.ready()):
+                    return
+                interrupt.send(self.thread.ident)   # alive: it leaves only under the guard
+            if self.left.wait(pause):
+                return
+
+    def _block(self) -> OSError | None:
+        """flock(LOCK_EX) on self.fd: None once held, else the error (EINTR: called off)."""
+        if self.interruptible:
+            code = interrupt.flock(self.fd)
+            return None if code == 0 else OSError(code, os.strerror(code))
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            return None
+        except OSError as raised:
+            return raised
+
     def _run(self) -> None:
+        if self.interruptible and not interrupt.available():
+            with self.guard:
+                self.interruptible = False
         while True:
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX)
-                error = None
-            except OSError as raised:
-                error = raised
+            error = self._block()
             with type(self)._all_guard, self.guard:
-                if error is not None:
+                if error is not None and error.errno == errno.EINTR:
+                    if self.queue:
+                        continue   # another signal, or a turn joined as it was called off
+                elif error is not None:
                     for slot in self.queue:
                         slot.error = error
                         slot.event.set()
@@ -249,13 +308,14 @@ class _Waiter:
                             slot.fd, self.fd = self.fd, None
                             slot.event.set()
                             break
-                if self.fd is not None:   # nobody left to take it: let go at once
+                if self.fd is not None:   # nobody left to take it (or called off): let go
                     os.close(self.fd)
                     self.fd = None
                 if not self.queue:
                     if type(self)._all.get(self.key) is self:
                         del type(self)._all[self.key]
                     os.close(self.spare)
+                    self.left.set()
                     return
                 # More turns wait: a new description to wait on for the next release.
                 self.fd = self._reopen()
