@@ -105,7 +105,7 @@ def words(holder: dict | None) -> str:
     """'pid 42, session alice@pts/1, model qwen, held 12.3s' for one line."""
     if not holder:
         return "holder unknown"
-    parts = [f"pid {holder['pid']}" if holder.get("pid") else "pid ?"]
+    parts = [f"pid {holder['pid']}" if holder.get("pid") else "its pid unknown"]
     if holder.get("host"):
         parts[0] += f" on {holder['host']}"
     if holder.get("session"):

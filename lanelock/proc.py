@@ -45,6 +45,11 @@ def state(pid: int) -> bytes | None:
     return fields[0] if fields else None
 
 
+def is_stopped(pid: int) -> bool:
+    """Is the process stopped (kill -STOP, ^Z, a debugger's stop)?"""
+    return state(pid) in (b"T", b"t")
+
+
 PF_EXITING = 0x4   # include/linux/sched.h: the process is in do_exit()
 
 

@@ -410,6 +410,5 @@ def test_a_turns_steps_are_the_asyncio_drivers_not_public_api():
     from lanelock.gate import Turn
 
     public = {name for name in dir(Turn) if not name.startswith("_")}
-    assert not public & {"take", "commit", "prepare", "conclude", "abandon", "own_by",
-                         "cancel_wait"}
+    assert not public & {"take", "commit", "prepare", "conclude", "own_by", "cancel_wait"}
     assert {"acquire", "release", "held", "env", "headers", "lane", "lock_path"} <= public

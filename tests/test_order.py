@@ -133,3 +133,34 @@ def test_a_queue_that_breaks_while_a_turn_waits_never_lets_it_run_beside_the_hol
     assert got["state"] == "held" and got["at"] > released
     assert behind.wait(TIMEOUT) == 0
     assert "gate unavailable" not in behind.stderr.read()
+
+
+@pytest.mark.parametrize("kind", ["flock"])
+def test_a_stopped_waiter_is_passed_over_and_goes_next_once_continued(kind, tmp_path, backend,
+                                                                     procs, request):
+    """issue 31: kill -STOP (or ^Z) of the first waiter held every turn back -- those queued
+    behind it, and every plain turn (no barging past it) -- until someone found it. Passed over
+    while stopped, it keeps its arrival and class and goes next once continued."""
+    where = request.getfixturevalue("postgres").dsn if kind == "postgresql" \
+        else str(tmp_path / "root")
+    store = (kind, where)
+    holder = procs.start([sys.executable, STORE_DRIVER, *store, backend, "hold", "holder"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().startswith("held ")
+    first = waiter(procs, store, backend, "w1", "normal")
+    assert line(first)["look"] is None
+    second = waiter(procs, store, backend, "w2", "normal")
+    assert line(second)["look"] == str(first.pid)      # behind W1, waiting on its entry
+    os.kill(first.pid, signal.SIGSTOP)
+    assert line(second)["look"] is None                 # W1 stopped: passed over (a timed look)
+    holder.stdin.write("go\n")
+    holder.stdin.flush()
+    assert holder.wait(TIMEOUT) == 0
+    assert until_held(second)["state"] == "held"
+    assert second.wait(TIMEOUT) == 0
+    plain = procs.start([sys.executable, STORE_DRIVER, *store, backend, "turn", "plain", "0"],
+                        stdout=subprocess.PIPE, text=True)
+    assert json.loads(plain.communicate(timeout=TIMEOUT)[0])["state"] == "held"
+    os.kill(first.pid, signal.SIGCONT)                  # its place kept: it goes next
+    assert until_held(first)["state"] == "held"
+    assert first.wait(TIMEOUT) == 0

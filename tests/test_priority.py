@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 
 import pytest
@@ -94,36 +95,42 @@ def test_status_shows_the_queue_in_order(store, holder, procs, tmp_path, laneloc
     finished(waiters)
 
 
+# A waiter frozen in the moment between a release and its take: its real queue entry (the flock
+# store's Queue.join), held by a process that never walks on (it waits for a line on stdin).
+FROZEN = """
+import os, sys
+from lanelock.store.flock.queue import Queue
+root = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+ticket = Queue(root, sys.argv[2], 3600.0).join(int(sys.argv[3]), {"session": "frozen"})
+print("queued", flush=True)
+sys.stdin.readline()
+ticket.leave()
+"""
+
+
 def test_a_turn_arriving_at_a_free_lane_does_not_barge_past_a_waiter(holder, procs, tmp_path,
-                                                                       lanelock):
-    """The moment between a release and the woken waiter's take, frozen: the first waiter is
-    stopped (SIGSTOP) when the holder lets go. A deflect-mode turn of its class or lower finds
-    the lane free yet deflects, as from a busy lane; one of a higher class takes it."""
+                                                                       lanelock, lock_dir):
+    """The moment between a release and the woken waiter's take, frozen: a waiter queued (normal)
+    that has not taken the free lane yet. A deflect-mode turn of its class or lower finds the
+    lane free yet deflects, naming the waiter the lane goes to; one of a higher class takes it.
+    (It was frozen with SIGSTOP; a stopped waiter is now passed over: test_order.py.)"""
     first = holder("-b", BACKEND, "-s", "first")
-    order = tmp_path / "order"
-    waiter = queued(procs, order, "waiter", "normal", NO_AGING)
-    os.kill(waiter.pid, signal.SIGSTOP)
-    # Stopped, not merely signalled: a waiter the release wakes before the stop lands takes the
-    # lane first, then stops holding it.
-    wait_stopped(waiter.pid)
-    try:
-        # status says so, and how to let those behind it go
-        assert [entry["stopped"] for entry in queue(NO_AGING)] == [True]
-        said = lanelock("status", env=NO_AGING).stdout
-        assert f"stopped: those behind it wait until kill -CONT {waiter.pid}" in said, said
-        assert first.release() == 0
-        for klass in ("normal", "batch"):
-            barging = lanelock("run", "-b", BACKEND, "--priority", klass, "--", "true",
-                               env=NO_AGING)
-            assert barging.returncode == 75, barging.stderr
-            assert "local_backend_busy" in barging.stderr
-        higher = lanelock("run", "-b", BACKEND, "--priority", "interactive", "--", "sh", "-c",
-                          'echo interactive >> "$0"', str(order), env=NO_AGING)
-        assert higher.returncode == 0, higher.stderr
-    finally:
-        os.kill(waiter.pid, signal.SIGCONT)
-    finished([waiter])
-    assert order.read_text().split() == ["interactive", "waiter"]
+    frozen = procs.start([sys.executable, "-c", FROZEN, str(lock_dir), STEM, "1"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert frozen.stdout.readline() == "queued\n"
+    assert first.release() == 0
+    for klass in ("normal", "batch"):
+        barging = lanelock("run", "-b", BACKEND, "--priority", klass, "--", "true", env=NO_AGING)
+        assert barging.returncode == 75, barging.stderr
+        assert "local_backend_busy" in barging.stderr
+        assert f"pid {frozen.pid}, session frozen" in barging.stderr, barging.stderr
+        assert "first in the queue (normal)" in barging.stderr, barging.stderr
+    higher = lanelock("run", "-b", BACKEND, "--priority", "interactive", "--", "true",
+                      env=NO_AGING)
+    assert higher.returncode == 0, higher.stderr
+    frozen.stdin.write("go\n")
+    frozen.stdin.flush()
+    assert frozen.wait(TIMEOUT) == 0
 
 
 def test_aging_puts_a_long_waiting_batch_turn_ahead_of_later_interactive_ones(holder, procs,

@@ -95,6 +95,15 @@ def holder(facts) -> dict:
         if result["verdict"] == "lock-file-replaced":   # its lock is on an old inode
             return {**found, "held_for": None, "note": f"holds the lane {facts.replaced}"}
         return found
+    if not facts.held:   # a free lane is busy only for its queue (no barging): name who is next
+        waiting = next((row for row in facts.queue or () if not row.get("stopped")), None)
+        if waiting is not None:
+            return {"pid": waiting.get("pid"), "host": waiting.get("host"),
+                    "session": waiting.get("session"), "model": None, "held_for": None,
+                    "lanelock": True, "command": None,
+                    "note": f"first in the queue ({waiting.get('class')}), waiting "
+                            f"{holder_facts.seconds(waiting.get('waited') or 0)}: the lane is "
+                            "free and goes to it next"}
     first = facts.holders[0] if facts.holders else {}
     note = facts.record_problem or "the holder record does not match the holder"
     return holder_facts.unlabelled(first.get("pid"), first.get("command"), note,

@@ -36,6 +36,11 @@ BEHIND = "behind"   # (entry, timeout) -> returns when the entry's waiter left, 
 # lane's (a lock file replaced under it), before the gate is called unavailable.
 AGAIN_TRIES = 3
 
+# A waiter stopped ahead (kill -STOP, ^Z) sends no event a waiter behind it could block on, and
+# is passed over while stopped (the media skip it in look()): a waiter behind one whose stop its
+# medium can see (Line.sees_stop) looks again this often -- the walk's one timed look.
+STOPPED_LOOK = 1.0
+
 # For tests only: called with (ahead, step) after every look, in the waiting process. A test puts
 # an aging step between the look and the wait with it (tests/test_order.py); None in the product.
 after_look = None
@@ -57,6 +62,8 @@ class Line:
                                 QueueBroken when it cannot be waited on
       hand_on()                 let the lane's lock go at once (another goes first)
       leave()                   leave the queue (never raises)
+      sees_stop(entry)          can it tell the entry's waiter is stopped? (look() then passes
+                                over a stopped one; default: no)
       keeps_changing()          the GateUnavailable when checked() keeps saying None (default:
                                 a plain one)
     and, for a store whose waits run in an event loop, look_async / lock_async / behind_async.
@@ -75,6 +82,11 @@ class Line:
     @outlived.setter
     def outlived(self, value) -> None:
         self.handle.outlived = value
+
+    def sees_stop(self, entry) -> bool:
+        """Can this medium tell when the entry's waiter is stopped (a process of this host)?
+        Default: no -- it is waited for like any other."""
+        return False
 
     def keeps_changing(self):
         from ..errors import GateUnavailable
@@ -99,11 +111,14 @@ def walk(line: Line, timeout: float | None, cancel=None):
         return (yield from take(line, timeout))
     deadline = _deadline(timeout)
     while not (cancel is not None and cancel.is_set()):
+        looked_at = time.monotonic()
         try:
             ahead, step = yield LOOK,
         except QueueBroken:
             return (yield from take(line, _left(deadline)))
-        step_at = _deadline(step)   # the step is a moment, however late the wait begins
+        # The step is a moment, counted from before the look: however late the look returns
+        # (a slow query, a busy machine) or the wait begins, it never waits past its own step.
+        step_at = None if step is None else looked_at + step
         if after_look is not None:
             after_look(ahead, step)
         left = _left(deadline)
@@ -121,7 +136,8 @@ def walk(line: Line, timeout: float | None, cancel=None):
         if left is not None and left <= 0:
             return False
         try:
-            yield BEHIND, ahead, _least(left, _left(step_at))
+            yield BEHIND, ahead, _least(left, _left(step_at),
+                                        STOPPED_LOOK if line.sees_stop(ahead) else None)
         except QueueBroken:
             return (yield from take(line, _left(deadline)))
     return False

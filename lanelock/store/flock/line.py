@@ -57,6 +57,9 @@ class FlockLine(Line):
     def hand_on(self) -> None:
         self.store._hand_on(self.handle)
 
+    def sees_stop(self, entry) -> bool:
+        return True   # every waiter is a process of this machine
+
     # -- the entry ahead ---------------------------------------------------------------------------------
     def behind(self, entry, timeout: float | None, cancel=None) -> None:
         if queue.is_mine(entry):   # a turn of this process: no kernel wait, no thread

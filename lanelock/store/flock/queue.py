@@ -170,13 +170,17 @@ class Queue:
                 if entry is not None]
 
     def first_alive(self, entries) -> Entry | None:
-        """The first of entries whose waiter still waits, each asked itself (a non-blocking lock
-        attempt on its file: never /proc/locks on a turn's path, PITFALLS 22); the files of
-        waiters found gone on the way are removed."""
+        """The first of entries whose waiter still waits and is not stopped, each asked itself (a
+        non-blocking lock attempt on its file: never /proc/locks on a turn's path, PITFALLS 22);
+        the files of waiters found gone on the way are removed. A stopped waiter (kill -STOP,
+        ^Z) is passed over while it is stopped: its file, arrival and class stay, and it goes
+        next again once continued if it is still first (issue 31)."""
         for entry in entries:
             if self._alive(entry.name):
-                return entry
-            self._remove(entry.name)
+                if not proc.is_stopped(entry.pid):
+                    return entry
+            else:
+                self._remove(entry.name)
         return None
 
     def live_for_status(self) -> list[Entry]:
@@ -239,8 +243,8 @@ class Queue:
                          "pid": entry.pid, "session": facts.get("session"),
                          "host": facts.get("hostname"),
                          "waited": round((now - entry.arrival) / 1e9, 3),
-                         # a waiter stopped (^Z) keeps its place and holds up those behind it
-                         "stopped": proc.state(entry.pid) in (b"T", b"t")})
+                         # a waiter stopped (^Z) keeps its place but is passed over meanwhile
+                         "stopped": proc.is_stopped(entry.pid)})
         return rows
 
     def _facts(self, name: str) -> dict:

@@ -28,6 +28,11 @@ class PgLine(Line):
     def hand_on(self) -> None:
         self.store._unlock_lane(self.handle)
 
+    def sees_stop(self, entry) -> bool:
+        from ...facts import hostname
+
+        return entry.facts.get("hostname") == hostname()
+
     def behind(self, entry, timeout: float | None, cancel=None) -> None:
         self._queue(pg_queue.wait_behind, entry, timeout, driver(), default=None)
 

@@ -41,6 +41,17 @@ class Entry:
         self.ticket, self.rank, self.arrival, self.waited = ticket, rank, arrival, waited
         self.facts = facts if isinstance(facts, dict) else {}
 
+    def stopped_here(self) -> bool:
+        """A waiter of this host stopped (kill -STOP, ^Z): passed over while it is stopped, as on
+        the flock store. Another host's cannot be seen: it is waited for, and `status` names it
+        and how long it has waited."""
+        from ...facts import hostname
+        from ...proc import is_stopped
+
+        pid = self.facts.get("pid")
+        return self.facts.get("hostname") == hostname() and isinstance(pid, int) \
+            and is_stopped(pid)
+
     def effective(self, aging: float) -> int:
         return effective(self.rank, 0, int(self.waited * 1e9), aging)
 
@@ -90,13 +101,15 @@ def ahead_and_step(conn, lane: str, ticket: int, aging: float) -> tuple:
     mine = next((entry for entry in entries if entry.ticket == ticket), None)
     if mine is None:
         return None, None
-    before = [entry for entry in entries if entry.order(aging) < mine.order(aging)]
+    before = [entry for entry in entries if entry.order(aging) < mine.order(aging)
+              and not entry.stopped_here()]
     ahead = max(before, key=lambda entry: entry.order(aging), default=None)
     return ahead, next_step(mine.rank, mine.waited, aging)
 
 
 def queued_at_or_above(conn, lane: str, rank: int, aging: float) -> bool:
-    return any(entry.effective(aging) >= rank for entry in live(conn, lane))
+    return any(entry.effective(aging) >= rank and not entry.stopped_here()
+               for entry in live(conn, lane))
 
 
 def describe(conn, lane: str, aging: float) -> list[dict]:
@@ -105,7 +118,7 @@ def describe(conn, lane: str, aging: float) -> list[dict]:
     return [{"position": position, "class": CLASSES[entry.rank],
              "effective_class": CLASSES[entry.effective(aging)], "pid": entry.facts.get("pid"),
              "session": entry.facts.get("session"), "host": entry.facts.get("hostname"),
-             "waited": round(entry.waited, 3)}
+             "waited": round(entry.waited, 3), "stopped": entry.stopped_here()}
             for position, entry in enumerate(entries, 1)]
 
 
