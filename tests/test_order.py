@@ -135,7 +135,7 @@ def test_a_queue_that_breaks_while_a_turn_waits_never_lets_it_run_beside_the_hol
     assert "gate unavailable" not in behind.stderr.read()
 
 
-@pytest.mark.parametrize("kind", ["flock"])
+@pytest.mark.parametrize("kind", ["flock", "postgresql"])
 def test_a_stopped_waiter_is_passed_over_and_goes_next_once_continued(kind, tmp_path, backend,
                                                                      procs, request):
     """issue 31: kill -STOP (or ^Z) of the first waiter held every turn back -- those queued

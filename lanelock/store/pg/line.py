@@ -15,7 +15,7 @@ class PgLine(Line):
     def look(self, cancel=None) -> tuple:
         # who is ahead and this ticket's next step: one query, one statement_timestamp()
         return self._queue(pg_queue.ahead_and_step, self.handle.lane, self.ticket,
-                           self.store.aging, default=(None, None))
+                           self.store.aging, self.handle.key, default=(None, None))
 
     def lock(self, timeout: float | None, cancel=None) -> bool:
         if self.handle.cancelled:

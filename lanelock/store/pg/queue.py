@@ -90,7 +90,7 @@ def live(conn, lane: str) -> list[Entry]:
     return [Entry(*row[:5]) for row in rows if row[5]]
 
 
-def ahead_and_step(conn, lane: str, ticket: int, aging: float) -> tuple:
+def ahead_and_step(conn, lane: str, ticket: int, aging: float, lane_key=None) -> tuple:
     """(the live entry just ahead of this ticket's, or None when it is first; seconds until this
     ticket's class rises a step, or None), both from ONE reading: one query, in which every
     row's wait is measured from the one statement_timestamp() (PITFALLS 24). Asked in two
@@ -101,10 +101,29 @@ def ahead_and_step(conn, lane: str, ticket: int, aging: float) -> tuple:
     mine = next((entry for entry in entries if entry.ticket == ticket), None)
     if mine is None:
         return None, None
-    before = [entry for entry in entries if entry.order(aging) < mine.order(aging)
-              and not entry.stopped_here()]
+    before = [entry for entry in entries if entry.order(aging) < mine.order(aging)]
+    stopped = [entry for entry in before if entry.stopped_here()]
+    if stopped and lane_key is not None:
+        _unblock(conn, stopped, lane_key)
+    before = [entry for entry in before if entry not in stopped]
     ahead = max(before, key=lambda entry: entry.order(aging), default=None)
     return ahead, next_step(mine.rank, mine.waited, aging)
+
+
+def _unblock(conn, stopped: list, lane_key: tuple) -> None:
+    """A stopped waiter passed over may already wait in the server for the lane's own lock: the
+    server would grant it there, stopped, at the release, and every turn would wait for it
+    again. Its blocked statement is cancelled (its session, ticket and place stay); continued, it
+    asks again (store.py _lock_lane)."""
+    backends = [entry.facts.get("backend") for entry in stopped
+                if isinstance(entry.facts.get("backend"), int)]
+    if not backends:
+        return
+    with conn.cursor() as cursor:
+        cursor.execute("SELECT pg_cancel_backend(l.pid) FROM pg_locks l WHERE l.locktype = "
+                       "'advisory' AND NOT l.granted AND l.pid = ANY(%s) AND l.classid = %s "
+                       "AND l.objid = %s AND l.objsubid = 2",
+                       (backends, lane_key[0] & 0xFFFFFFFF, lane_key[1] & 0xFFFFFFFF))
 
 
 def queued_at_or_above(conn, lane: str, rank: int, aging: float) -> bool:
@@ -128,8 +147,8 @@ def wait_behind(conn, entry: Entry, timeout: float | None, psycopg) -> None:
     wait, never a broken queue: the wait's timeout (this waiter's next step) is counted from the
     look's return, and a look that returns late (a busy machine, its DELETE of a gone row waiting
     on a row lock) leaves the waiter waiting past its step on an entry by then behind it -- which,
-    looking after the step, waits on it. The detector's error ends the wait like a timeout: the
-    waiter looks again."""
+    looking after the step, waits on it (the step is now counted from before the look, which narrows that to a round
+    trip). The detector's error ends the wait like a timeout: the waiter looks again."""
     millis = 0 if timeout is None else max(1, int(timeout * 1000))
     with conn.cursor() as cursor:
         cursor.execute(f"SET lock_timeout = {millis}")

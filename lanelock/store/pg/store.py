@@ -172,7 +172,8 @@ class PgStore(LaneStore):
         takes the server's order, as before there was a queue)."""
         try:
             return self._queue_call(handle, pg_queue.join, handle.lane, rank,
-                                    {**(handle.asker or {}), "pid": os.getpid()})
+                                    {**(handle.asker or {}), "pid": os.getpid(),
+                                     "backend": handle.backend_pid})
         except GateUnavailable as error:
             if handle.cancelled:
                 raise
@@ -203,6 +204,18 @@ class PgStore(LaneStore):
 
     def _lock_lane(self, handle: PgHandle, timeout: float | None) -> bool:
         psycopg = driver()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return self._lock_lane_once(handle, timeout, psycopg)
+            except psycopg.errors.QueryCanceled:
+                if handle.cancelled:
+                    return False
+                # Not our own cancel: another waiter passed this one over while it was stopped
+                # (queue.py _unblock). Its place is kept: it asks again, within its timeout.
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def _lock_lane_once(self, handle: PgHandle, timeout: float | None, psycopg) -> bool:
         millis = 0 if timeout is None else max(1, int(timeout * 1000))
         try:
             with handle.conn.cursor() as cursor:
@@ -214,6 +227,8 @@ class PgStore(LaneStore):
                     return self._try_lane(handle)
                 finally:
                     cursor.execute("SET lock_timeout = 0")
+        except psycopg.errors.QueryCanceled:
+            raise
         except psycopg.Error as error:
             if handle.cancelled:
                 return False
