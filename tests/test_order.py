@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TIMEOUT
+from conftest import LANELOCK, TIMEOUT
 
 ORDER_DRIVER = str(Path(__file__).with_name("order_driver.py"))
 STORE_DRIVER = str(Path(__file__).with_name("store_driver.py"))
@@ -153,6 +153,12 @@ def test_a_stopped_waiter_is_passed_over_and_goes_next_once_continued(kind, tmp_
     assert line(second)["look"] == str(first.pid)      # behind W1, waiting on its entry
     os.kill(first.pid, signal.SIGSTOP)
     assert line(second)["look"] is None                 # W1 stopped: passed over (a timed look)
+    where_flag = ["--store", where] if kind == "postgresql" else ["--lock-dir", where]
+    metrics = subprocess.run([*LANELOCK, "metrics", "-b", backend, *where_flag],
+                             capture_output=True, text=True, timeout=TIMEOUT)
+    assert f'lanelock_lane_waiters_stopped{{lane="' in metrics.stdout, metrics.stderr
+    assert [line_ for line_ in metrics.stdout.splitlines()
+            if line_.startswith("lanelock_lane_waiters_stopped{")][0].endswith(" 1.0")
     holder.stdin.write("go\n")
     holder.stdin.flush()
     assert holder.wait(TIMEOUT) == 0

@@ -72,6 +72,9 @@ class LaneCollector:
         class_wait = HistogramMetricFamily("lanelock_lane_class_wait_seconds",
                                            "how long turns that waited for the lane waited, by "
                                            "their priority class", labels=["lane", "class"])
+        waiters_stopped = GaugeMetricFamily(
+            "lanelock_lane_waiters_stopped", "queued turns stopped (^Z, SIGSTOP) where the store "
+            "can see it: passed over while stopped, they keep their place", labels=["lane"])
         queued = GaugeMetricFamily("lanelock_lane_queued",
                                    "turns waiting in the lane's queue, by the class they count "
                                    "as now (aging included)", labels=["lane", "class"])
@@ -114,6 +117,8 @@ class LaneCollector:
             # kernel sees only the first of the queue on the lane's lock).
             waiters.add_metric([lane], float(len(status.get("queue") or ()) or
                                              len(status["waiters"])))
+            waiters_stopped.add_metric([lane], float(sum(
+                1 for entry in status.get("queue") or () if entry.get("stopped"))))
             for klass in CLASSES:
                 queued.add_metric([lane, klass], float(sum(
                     1 for entry in status.get("queue") or () if entry["effective_class"] == klass)))
@@ -152,7 +157,7 @@ class LaneCollector:
                     cumulative.append((_bound(bound), float(total)))
                 cumulative.append(("+Inf", float(histogram["count"])))
                 family.add_metric(labels, cumulative, histogram["sum"])
-        yield from (gate, store, held, waiters, queued, since, stopped, turns, deflections, hold,
+        yield from (gate, store, held, waiters, waiters_stopped, queued, since, stopped, turns, deflections, hold,
                     wait, class_wait, readable, unseen, unseen_seconds, held_idle, generating)
 
 
