@@ -117,12 +117,13 @@ async def _off_loop(function, *args):
     return future.result()
 
 
-async def release(turn, exit_status) -> None:
+async def release(turn, exit_status, ended: str | None = None) -> None:
     """Let the lane go in a thread (a PostgreSQL release is a round trip); a cancellation of the
-    awaiting task does not stop it."""
+    awaiting task does not stop it. ended: as Turn.release's."""
     if turn.state is None:
         return
-    await _finished(asyncio.ensure_future(asyncio.to_thread(turn.release, exit_status)))
+    await _finished(asyncio.ensure_future(asyncio.to_thread(turn.release, exit_status,
+                                                            ended=ended)))
 
 
 async def settle(turn, outcome: str | None = None) -> None:

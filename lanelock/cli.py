@@ -196,7 +196,7 @@ def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
     """
     from .errors import GateUnavailable
     from .inspection import render
-    from .inspection.status import statuses
+    from .inspection.status import no_lanes, statuses
 
     if all_lanes and backend:
         raise click.UsageError("--all and --backend exclude each other")
@@ -217,12 +217,12 @@ def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
 
     if watch:
         try:
-            render.watch(fetch, as_json=json_, notes=notes)
+            render.watch(fetch, as_json=json_, notes=notes, none=no_lanes(gate))
             return exitcodes.OK   # its reader went away: not an error
         except KeyboardInterrupt:
             return exitcodes.OK
     results = fetch()
-    render.status(results, json_, notes=notes)
+    render.status(results, json_, notes=notes, none=no_lanes(gate))
     ungated = broken or (gate.gated or all_lanes) and any(
         result["gate"] == "unavailable" for result in results)
     return exitcodes.GATE_UNAVAILABLE if ungated else exitcodes.OK
@@ -238,16 +238,19 @@ def lane_notes(gate, all_lanes: bool = False) -> list[str]:
 
 
 def _other_keyings(place) -> list[str]:
-    """Lanes of the same backend keyed another way (--key-by model): separate gates, which a user
-    looking at one of them should know about. The store lists its lanes' names; only those of
-    this backend are judged."""
+    """Lanes of the same backend keyed another way (--key-by model) that are in use now (held,
+    or with turns waiting): separate gates, which a user looking at one of them should know
+    about while they run beside it. An idle one is not: its lock file stays for ever (never
+    unlinked), and a warning about it could never be cleared. The store lists its lanes' names;
+    only those of this backend are judged."""
     from .inspection.status import statuses
     from .lanes import lane_named
 
     base = place.lane.name.partition("#")[0]
     names = [name for name in place.store.lane_names()
              if name.partition("#")[0] == base and name != place.lane.name]
-    others = [status for name in names for status in statuses(place.store, lane_named(name))]
+    others = [status for name in names for status in statuses(place.store, lane_named(name))
+              if status["state"] == "held" or status.get("queue")]
     if not others:
         return []
     listed = ", ".join(f"{lane['lane']} ({lane['state']})" for lane in others)

@@ -35,6 +35,30 @@ def parse_utc(text: str) -> float | None:
         return None
 
 
+def shown_time(moment) -> str:
+    """The one way a person is shown a time, by every command: local time with its zone, as
+    date(1) prints it -- '2026-12-03 10:02:03.123 CET' -- from seconds since the epoch or a
+    recorded UTC text (utc_now()'s). JSON, the journal and the records keep UTC. Text that is no
+    time is shown as it is; nothing at all as '?'."""
+    if isinstance(moment, str):
+        parsed = parse_utc(moment)
+        if parsed is None:
+            return moment
+        # the text's own milliseconds (a float of them may fall a hair short of the digit)
+        millis = round(parsed * 1000)
+    elif isinstance(moment, bool) or not isinstance(moment, (int, float)) \
+            or not abs(moment) < 1e15:   # nan and the absurd too
+        return "?"
+    else:   # cut, as utc_now() cuts: one moment reads the same from its ts and its text
+        millis = int(moment // 1) * 1000 + int(moment % 1 * 1000)
+    try:
+        local = time.localtime(millis // 1000)
+    except (OverflowError, OSError, ValueError):
+        return "?"
+    return (time.strftime("%Y-%m-%d %H:%M:%S", local) + f".{millis % 1000:03d} "
+            + time.strftime("%Z", local))
+
+
 def boot_id() -> str | None:
     if "boot_id" not in _CACHE:
         try:

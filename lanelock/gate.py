@@ -78,7 +78,7 @@ class Gate(Place):
     def turn(self, *, session: str | None = None, model: str | None = None,
              argv: list[str] | None = None, wait: float | None = 0.0,
              labels: dict | None = None, askers=None, priority: str | None = None,
-             command_pid: int | None = None) -> "Turn":
+             command_pid: int | None = None, fallback: bool | None = None) -> "Turn":
         """A turn on this lane; the lock is taken on entering it (`with`, or `async with` in
         asyncio code, which never blocks the event loop), or by acquire(). wait: seconds to block
         for the lane (None: forever); 0 deflects after the short grace period. labels: more
@@ -87,11 +87,14 @@ class Gate(Place):
         handover.Asker values, called only when the lane is busy. priority: interactive, normal
         or batch -- who goes first among the turns that wait (default: the priority setting).
         command_pid: a process already started that the turn runs (`lanelock run`'s child): if
-        this process is killed first, the next turn waits for that one to end."""
+        this process is killed first, the next turn waits for that one to end. fallback: False
+        when nothing runs if the turn deflects (`run` with no fallback, a proxy with none for the
+        request): the journal and the metrics count it busy, not deflected."""
         check_arguments({"wait": wait, "priority": priority, "session": session, "model": model})
         wait = None if wait == float("inf") else wait
         return Turn(self, session=session, model=model or self.model, argv=argv, wait=wait,
-                    labels=labels, askers=askers, priority=priority, command_pid=command_pid)
+                    labels=labels, askers=askers, priority=priority, command_pid=command_pid,
+                    fallback=fallback)
 
     def probe(self) -> dict:
         """Take the lock without blocking and let go at once: 'free' or 'busy' (with the holder)."""
@@ -116,8 +119,12 @@ class Gate(Place):
 
 class Turn:
     def __init__(self, gate: Gate, *, session, model, argv, wait, labels=None, askers=None,
-                 priority=None, command_pid=None):
+                 priority=None, command_pid=None, fallback=None):
         self.gate = gate
+        # What a deflection leads to, when known before it: "busy" (nothing runs) or None (the
+        # caller says at settle()); the deflected event carries it, so history tells them apart.
+        self._outcome = None if fallback is None or fallback else "busy"
+        self._deflected_ts: float | None = None
         self.session = session or gate.settings.get("session") or default_session()
         self.priority = class_named(priority or gate.priority)
         if self.priority is None:
@@ -328,6 +335,7 @@ class Turn:
             self._nested(handle)
             return None
         if handed == handover.ITSELF:   # the holder's own request (the proxy's client)
+            self._outcome = "busy"   # told so, nothing runs
             self._decide(handle, False)   # deflects at once: waiting would wait for itself
             return None
         self._blocked = True
@@ -389,7 +397,16 @@ class Turn:
     def _deflect(self, handle, holder: dict | None = None) -> "Turn":
         self.state, self.reason = DEFLECTED, REASON_BUSY
         self.holder = holder or describe_holder(self.gate, handle)
-        self._log(self._event("deflected", reason=REASON_BUSY, holder=self.holder))
+        # What history needs to tell a turn that timed out waiting from one that never waited
+        # (wait: the seconds it asked for, None for ever), and busy (nothing ran) from deflected.
+        extra = {"priority": self.priority}
+        if self._had_to_wait:
+            extra.update(wait=self.wait, waited=round(self.waited, 6))
+        if self._outcome is not None:
+            extra["outcome"] = self._outcome
+        event = self._event("deflected", reason=REASON_BUSY, holder=self.holder, **extra)
+        self._deflected_ts = event["ts"]
+        self._log(event)
         self.gate.store.release(handle)
         self._handle = None
         return self
@@ -414,9 +431,10 @@ class Turn:
         return self
 
     # -- releasing -------------------------------------------------------------------------------
-    def release(self, exit_status: int | None = None) -> None:
+    def release(self, exit_status: int | None = None, *, ended: str | None = None) -> None:
         """Let the lane go (idempotent). exit_status is recorded in the holder record and the
-        journal."""
+        journal; ended, beside it, how a turn that did not finish its work ended, in words (the
+        proxy's 'the client hung up mid-answer'), so no view calls it a clean release."""
         if self.state != HELD:
             return
         if self.nested:
@@ -428,13 +446,14 @@ class Turn:
             # Update the record while still holding the lock: after unlock it is the next turn's.
             now = time.time()
             fields = {"released_at": utc_now(now), "exit_status": exit_status,
-                      "held_seconds": duration}
+                      "held_seconds": duration, **({"ended": ended} if ended else {})}
             try:
                 self.gate.store.write_release(self._handle, self._record, fields)
             except RecordNotWritten as error:
                 self.gate.warn(f"the holder record's release was not written: {error}")
             self._log(self._event("released", at=(now, fields["released_at"]),
-                                  duration=duration, exit_status=exit_status))
+                                  duration=duration, exit_status=exit_status,
+                                  **({"ended": ended} if ended else {})))
         _debug_pause("during-release")
         _HELD_HERE.pop(self._key, None)
         waited = self.waited if self._had_to_wait else None
@@ -506,9 +525,27 @@ class Turn:
         if self._settled or self.state != DEFLECTED:
             return
         self._settled = True
+        outcome = outcome or self._outcome or "deflected"
         waited = self.waited if self.wait != 0 else None
-        self.gate.store.count(self.gate.lane, outcome or "deflected", reason=self.reason,
+        self.gate.store.count(self.gate.lane, outcome, reason=self.reason,
                               waited=waited, priority=self.priority)
+        if outcome != (self._outcome or "deflected"):
+            self._journal_outcome(outcome)
+
+    def _journal_outcome(self, outcome: str) -> None:
+        """The deflected event said a fallback would run and none did (every one failed): say
+        so after it ('settled', naming the deflection's ts), for history to count it busy. A
+        store with no handle for it (event_handle None) leaves the deflection as it was."""
+        handle = self.gate.store.event_handle(self.gate.lane)
+        if handle is None:
+            return
+        try:
+            self.gate.store.append_event(handle, self._event("settled", outcome=outcome,
+                                                             of=self._deflected_ts))
+        except RecordNotWritten:
+            pass   # history reads the deflection as it was written
+        finally:
+            self.gate.store.release(handle)
 
     # -- records ---------------------------------------------------------------------------------
     def _record(self) -> dict:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from .facts import boot_id, hostname, own_start_ticks, parse_utc, user_name
+from .facts import boot_id, hostname, own_start_ticks, parse_utc, shown_time, user_name
 from .say import argv_text, sanitize
 
 SCHEMA = 1   # the holder record's version: a reader refuses a newer one
@@ -132,7 +132,7 @@ def stopped(wrapper: int, record: dict | None = None) -> dict | None:
     if pid is None:
         return None
     since = field(record, "stopped_at", str)
-    when = f" since {since}" if since else ""
+    when = f" since {shown_time(since)}" if since else ""
     how = f"fg in its shell, or kill -CONT {pid}" + (
         f" and kill -CONT {wrapper}" if pid != wrapper else "")
     # A stopped wrapper takes its TERM only once continued; a running one continues its command.
@@ -140,6 +140,15 @@ def stopped(wrapper: int, record: dict | None = None) -> dict | None:
     return {"pid": pid, "since": since,
             "words": f"pid {pid} is stopped{when}: it keeps the lane until resumed ({how}) or "
                      f"ended ({end})"}
+
+
+def exit_words(record: dict) -> str:
+    """'exit 3' for a command's status; 'HTTP 200' for a proxy turn's answer (its exit status is
+    the engine's HTTP status)."""
+    status = record.get("exit_status")
+    if isinstance(status, bool) or not isinstance(status, int):
+        return "no exit status"
+    return f"HTTP {status}" if record.get("via") == "proxy" else f"exit {status}"
 
 
 def seconds(value) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import select
 import signal
 import subprocess
@@ -91,7 +92,9 @@ def test_concurrent_turns_leave_exactly_the_right_journal_lines(lanelock, procs,
         assert local == ["acquired", "released"] * (len(local) // 2), (pid, sequence)
 
     summary = history_json(lanelock)["summary"]
-    assert (summary["turns"], summary["local"], summary["deflected"]) == (total, acquired, deflected)
+    # no fallback: every turn sent away was busy (nothing ran), as the metrics count it
+    assert (summary["turns"], summary["local"], summary["busy"], summary["deflected"]) == \
+        (total, acquired, deflected, 0)
 
 
 # -- the way back ------------------------------------------------------------------------------------
@@ -109,14 +112,14 @@ def test_a_deflection_then_a_local_turn_is_the_way_back(lanelock, holder, lock_d
     assert [e["way_back"] for e in data["events"] if e["event"] == "acquired"] == [False, True, False]
     deflection = data["events"][1]
     assert deflection["reason"] == "local_backend_busy" and deflection["holder"]["pid"] == held.pid
-    assert data["summary"]["way_back"] == 1 and data["summary"]["deflected"] == 1
+    assert data["summary"]["way_back"] == 1 and data["summary"]["busy"] == 1   # no fallback ran
     assert data["lane"] == LANE and data["unreadable_lines"] == 0
 
     done = lanelock("history")
     assert done.returncode == 0 and "\x1b" not in done.stdout
     lines = done.stdout.splitlines()
     assert sum("back on local" in line for line in lines) == 1
-    deflection_lines = [line for line in lines if line.split()[3:4] == ["deflected"]]
+    deflection_lines = [line for line in lines if line.split()[3:4] == ["busy"]]
     assert len(deflection_lines) == 1 and f"held by pid {held.pid}" in deflection_lines[0]
     assert "way back to local 1x" in lines[-1]
 
@@ -199,8 +202,10 @@ def test_summary_fields_match_the_journal(lanelock, holder, lock_dir):
     durations = [e["duration"] for e in lines if e["event"] == "released"]
     window = lines[-1]["ts"] - lines[0]["ts"]
     summary = history_json(lanelock)["summary"]
-    assert (summary["turns"], summary["local"], summary["deflected"], summary["fail_open"]) == (3, 2, 1, 0)
-    assert summary["deflection_rate"] == pytest.approx(1 / 3, abs=1e-4)
+    assert (summary["turns"], summary["local"], summary["deflected"], summary["busy"],
+            summary["fail_open"]) == (3, 2, 0, 1, 0)
+    assert summary["busy_rate"] == pytest.approx(1 / 3, abs=1e-4)
+    assert summary["deflection_rate"] == 0
     assert summary["longest_hold"] == pytest.approx(max(durations), abs=1e-3)
     assert summary["busy_fraction"] == pytest.approx(min(1.0, sum(durations) / window), abs=2e-3)
     assert 0 < summary["busy_fraction"] <= 1
@@ -210,7 +215,8 @@ def test_summary_fields_match_the_journal(lanelock, holder, lock_dir):
     done = lanelock("history")
     assert done.returncode == 0
     last = done.stdout.splitlines()[-1]
-    assert last.startswith("turns 3 (2 local, 1 deflected); deflection rate 33%; busy ")
+    assert last.startswith("turns 3 (2 local, 0 deflected, 1 busy); deflection rate 0% (a fallback "
+                           "ran); busy rate 33% (nothing ran); lane held ")
     assert f"longest hold {summary['longest_hold']:.1f}s" in last
 
 
@@ -271,7 +277,7 @@ def test_garbage_lines_are_counted_and_skipped(lanelock, lock_dir):
     done = lanelock("history")
     assert done.returncode == 0 and "Traceback" not in done.stderr
     assert f"{len(GARBAGE)} journal line(s) could not be read" in done.stderr
-    assert done.stdout.splitlines()[-1].startswith("turns 2 (2 local, 0 deflected)")
+    assert done.stdout.splitlines()[-1].startswith("turns 2 (2 local, 0 deflected, 0 busy)")
 
 
 MALFORMED = {
@@ -396,7 +402,7 @@ def test_a_killed_turn_shows_as_died_and_is_not_the_longest_hold(lanelock, holde
     done = lanelock("history")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    (killed_line,) = [line for line in lines if line.split()[3:6] == ["acquired", "killed", str(killed.pid)]]
+    (killed_line,) = [line for line in lines if line.split()[3:7] == ["acquired", "normal", "killed", str(killed.pid)]]
     assert "died without releasing" in killed_line, killed_line
     assert f"longest hold {summary['longest_hold']:.1f}s (1 died turn not counted)" in lines[-1]
 
@@ -406,7 +412,8 @@ def test_a_live_turn_without_a_release_is_still_holding(lanelock, holder):
     (acquired,) = history_json(lanelock)["events"]
     assert (acquired["pid"], acquired["ended"], acquired["ended_before"]) == (held.pid, "holding", None)
     shown = lanelock("history").stdout.splitlines()
-    assert "still holding" in shown[0] and "1 still holding" in shown[-1], shown
+    assert shown[0].split() == ["time", "event", "class", "session", "pid", "detail"]
+    assert "still holding" in shown[1] and "1 still holding" in shown[-1], shown
     assert held.release() == 0
     data = history_json(lanelock)
     assert data["events"][0]["ended"] == "released" and data["summary"]["holding"] == 0
@@ -445,3 +452,90 @@ def test_an_unreleased_turn_is_judged_by_its_holders_liveness(case, lanelock, ru
     assert data["events"][-1]["ended"] == LIVENESS[case]
     assert data["summary"]["died"] == (LIVENESS[case] == "died")
     assert data["summary"]["holding"] == (LIVENESS[case] == "holding")
+
+
+# -- issue 31 item 8: history says what the metrics say ----------------------------------------------
+def plain_rows(lanelock, *args) -> list[list[str]]:
+    """The plain table's rows, split in words (time is three: date, clock, zone), header and
+    summary left out."""
+    done = lanelock("history", *args)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["time", "event", "class", "session", "pid", "detail"], lines
+    return [line.split() for line in lines[1:-1]]
+
+
+def test_history_tells_busy_from_deflected_as_the_metrics_do(lanelock, holder, lock_dir):
+    """A turn sent away with nothing to run is busy, one whose fallback ran deflected, as the
+    metrics count them: 100 plain 503s once read as a 97% deflection rate. A turn whose every
+    fallback failed to start is busy too (a `settled` event after its deflection says so), and
+    an old journal's deflection, which says neither, still reads as deflected."""
+    held = holder("--session", "holder")
+    assert lanelock("run", "-s", "plain", "--", "true").returncode == BUSY
+    assert lanelock("run", "-s", "fell", "-f", "true", "--", "true").returncode == 0
+    assert lanelock("run", "-s", "nofb", "-f", "/nonexistent/fallback", "--",
+                    "true").returncode == BUSY
+    assert held.release() == 0
+
+    lines = journal_lines(journal(lock_dir))
+    assert [e["event"] for e in lines].count("settled") == 1
+    data = history_json(lanelock)
+    sent = [(e["session"], e["outcome"]) for e in data["events"] if e["event"] == "deflected"]
+    assert sent == [("plain", "busy"), ("fell", "deflected"), ("nofb", "busy")]
+    assert "settled" not in [e["event"] for e in data["events"]]
+    summary = data["summary"]
+    assert (summary["turns"], summary["local"], summary["deflected"], summary["busy"]) == \
+        (4, 1, 1, 2)
+    counted = json.loads((lock_dir / f"{STEM}.counts").read_text())["turns"]   # the metrics'
+    assert (counted["deflected"], counted["busy"]) == (summary["deflected"], summary["busy"])
+    rows = plain_rows(lanelock)
+    assert [(row[3], row[5]) for row in rows] == [("acquired", "holder"), ("busy", "plain"),
+                                                  ("deflected", "fell"), ("busy", "nofb"),
+                                                  ("released", "holder")]
+    last = lanelock("history").stdout.splitlines()[-1]
+    assert last.startswith("turns 4 (1 local, 1 deflected, 2 busy); deflection rate 25% (a "
+                           "fallback ran); busy rate 50% (nothing ran); lane held "), last
+
+    old = {key: value for key, value in lines[1].items() if key not in ("outcome", "priority")}
+    with open(journal(lock_dir), "a") as handle:   # a line from before outcomes were written
+        handle.write(json.dumps({**old, "ts": lines[-1]["ts"] + 1}) + "\n")
+    summary = history_json(lanelock)["summary"]
+    assert (summary["turns"], summary["deflected"], summary["busy"]) == (5, 2, 2)
+    assert plain_rows(lanelock)[-1][3:5] == ["deflected", "-"]   # its class is not known
+
+
+def test_a_timed_out_wait_is_told_from_a_deflection_and_shows_its_class(lanelock, holder):
+    held = holder("--session", "holder")
+    assert lanelock("run", "-s", "cron", "--wait", "200ms", "--priority", "batch", "--",
+                    "true").returncode == BUSY
+    assert held.release() == 0
+    data = history_json(lanelock)
+    (sent,) = [e for e in data["events"] if e["event"] == "deflected"]
+    assert (sent["wait"], sent["priority"], sent["outcome"]) == (0.2, "batch", "busy")
+    assert sent["waited"] >= 0.2 and data["summary"]["timed_out"] == 1
+    rows = plain_rows(lanelock)
+    assert [row[3:6] for row in rows] == [["acquired", "normal", "holder"],
+                                          ["busy", "batch", "cron"],
+                                          ["released", "normal", "holder"]]
+    detail = " ".join(rows[1][7:])
+    assert detail.startswith("timed out after waiting 0.") and "(its wait 0.2s); nothing ran" \
+        in detail, detail
+    assert "; 1 timed out waiting; " in lanelock("history").stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("zone, name", [("Europe/Berlin", "CET"), ("America/New_York", "EST"),
+                                        ("UTC", "UTC")])
+def test_status_and_history_show_one_moment_in_one_convention(lanelock, zone, name):
+    """`history` printed local time while `status` printed UTC for the same release: every
+    command shows a person local time with its zone (JSON keeps UTC)."""
+    turn(lanelock)
+    shown = lanelock("status", env={"TZ": zone}).stdout
+    found = re.search(r"released cleanly at (\S+ \S+ \S+) \(exit 0", shown)
+    assert found, shown
+    released = [row for row in plain_rows(lanelock) if row[3] == "released"]
+    done = lanelock("history", env={"TZ": zone})
+    (line,) = [line for line in done.stdout.splitlines() if " released " in line]
+    assert " ".join(line.split()[:3]) == found.group(1) and found.group(1).endswith(f" {name}")
+    assert released   # the same event, whatever the zone of the reader
+    stamp = json.loads(lanelock("status", "--json").stdout)["lanes"][0]["last"]["released_at"]
+    assert stamp.endswith("Z")   # the data stays UTC

@@ -89,7 +89,7 @@ def test_status_shows_the_queue_in_order(store, holder, procs, tmp_path, laneloc
     assert [entry["pid"] for entry in shown] == [waiters[1].pid, waiters[0].pid]
     assert all(entry["waited"] >= 0 for entry in shown)
     plain = lanelock("status", env=NO_AGING).stdout
-    assert "[2 waiting: 1. interactive" in plain
+    assert "[2 waiting]\n  1. interactive pid " in plain   # a line per waiter, in order
     assert plain.index("session chat") < plain.index("session cron")
     assert first.release() == 0
     finished(waiters)

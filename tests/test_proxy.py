@@ -1045,7 +1045,7 @@ def test_an_unreachable_fallback_is_skipped_and_the_next_one_answers(procs, hold
         assert (status, headers["X-Lanelock-State"]) == (200, "deflected")
         assert json.loads(body)["model"] == "cloud"
         log = proxy.stderr()
-        assert f"fallback 1 http://127.0.0.1:{dead}/v1 failed" in log
+        assert f"fallback 1 http://127.0.0.1:{dead}/v1 unreachable: cannot connect to " in log
         assert "fallback 2" in log and "no answer within 0.5s" in log
         assert busy.release() == 0
     finally:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (HOLD_SCRIPT, LANE, LANELOCK, STEM, TIMEOUT, ExitWatch, read_line, wait_exit,
-                      wait_for)
+from conftest import (HOLD_SCRIPT, LANE, LANELOCK, STEM, TIMEOUT, ExitWatch, is_queued, read_line,
+                      wait_exit, wait_for)
 from lanelock import locks, proc
 
 ESCAPE = "\x1b"
@@ -59,6 +59,16 @@ def status_line(lanelock, *args, env=None) -> str:
     assert len(lines) == 1 and done.stdout.endswith("\n"), done.stdout
     assert lines[0].startswith(f"{LANE}: "), lines
     return lines[0]
+
+
+def status_lines(lanelock, *args) -> list[str]:
+    """The piped human view of one lane: its line, then one indented line per waiter."""
+    done = lanelock("status", *args, timeout=30)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert ESCAPE not in done.stdout
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"{LANE}: ") and all(line.startswith("  ") for line in lines[1:])
+    return lines
 
 
 def one_turn(lanelock, lock_dir: Path) -> subprocess.CompletedProcess:
@@ -254,7 +264,11 @@ def test_a_waiting_turn_is_shown_as_a_waiter(lanelock, holder, procs, lock_dir):
     assert lane["verdict"] == "held" and lane["holders"][0]["pid"] == held.pid
     assert [w["pid"] for w in lane["waiters"]] == [waiter.pid]
     assert lane["waiters"][0]["lanelock"] is True
-    assert f"[1 waiting: 1. normal pid {waiter.pid} " in status_line(lanelock)
+    lines = status_lines(lanelock)   # the lane's line, then one line per waiter
+    assert lines[0].endswith(" [1 waiting]"), lines
+    assert re.fullmatch(rf"  1\. normal pid {waiter.pid} \(session [^)]+\), waited \d+\.\ds, no "
+                        r"estimate of the lane \(no hold in the last hour to go by\)", lines[1]), \
+        lines
 
     assert held.release() == 0
     out, err = waiter.communicate(timeout=TIMEOUT)
@@ -582,13 +596,127 @@ def test_status_of_one_backend_reads_only_its_own_lanes(lanelock, lock_dir, run_
     for port in range(9100, 9140):
         with Gate(f"127.0.0.1:{port}", lock_dir=str(lock_dir)).turn(session=f"other-{port}"):
             pass
-    with Gate("127.0.0.1:8080", lock_dir=str(lock_dir), key_by="model",
-              model="qwen").turn(session="keyed"):
-        pass
     trace = tmp_path / "trace"
-    done = run_cmd(["strace", "-f", "-qq", "-e", "trace=openat,open", "-o", str(trace),
-                    *LANELOCK, "status", "-b", "127.0.0.1:8080"])
+    with Gate("127.0.0.1:8080", lock_dir=str(lock_dir), key_by="model",
+              model="qwen").turn(session="keyed"):   # held: in use beside the lane asked about
+        done = run_cmd(["strace", "-f", "-qq", "-e", "trace=openat,open", "-o", str(trace),
+                        *LANELOCK, "status", "-b", "127.0.0.1:8080"])
     assert done.returncode == 0, done.stderr
     assert "localhost:8080#qwen" in done.stdout + done.stderr
     opened = [line for line in trace.read_text().splitlines() if "-91" in line and ".json" in line]
     assert opened == [], opened[:3]
+
+
+# -- issue 31 item 9: reading the queue --------------------------------------------------------------
+def queue_of(procs, lock_dir, classes) -> list[subprocess.Popen]:
+    """One `run --wait` turn per class, each queued (its entry file there) before the next."""
+    lock = lock_dir / f"{STEM}.lock"
+    waiters = []
+    for number, klass in enumerate(classes):
+        waiter = procs.start([*LANELOCK, "run", "--wait", "--priority", klass, "-s",
+                              f"waiter-{number}", "--", "true"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_for(lambda: is_queued(lock, waiter.pid), f"waiter {number} to queue")
+        waiters.append(waiter)
+    return waiters
+
+
+def test_plain_status_gives_each_waiter_its_line_and_estimate(lanelock, holder, procs, lock_dir):
+    """20 waiters were one 1,097-character line: now the lane's line, then one line per waiter
+    in the queue's order, with the estimate the proxy's Retry-After makes (estimate.py)."""
+    from lanelock.estimate import until_lane
+
+    one_turn(lanelock, lock_dir)   # a hold to go by
+    held = holder("--session", "holder")
+    waiters = queue_of(procs, lock_dir, ["batch", "normal", "interactive", "batch", "normal"])
+    lane = one_lane(lanelock)
+    lines = status_lines(lanelock)
+    assert len(lines) == 6 and lines[0].endswith(" [5 waiting]"), lines
+    assert max(len(line) for line in lines[1:]) < 120, lines
+    order = [row["pid"] for row in lane["queue"]]
+    assert order == [waiters[index].pid for index in (2, 1, 4, 0, 3)]   # class, then arrival
+    for position, (line, row) in enumerate(zip(lines[1:], lane["queue"]), 1):
+        assert line.startswith(f"  {position}. {row['class']} pid {row['pid']} (session "
+                               f"waiter-"), line
+        expected = until_lane(lane["typical_hold"], lane["holder"]["held_for"], position - 1)
+        assert row["estimate"] == expected and row["stopped"] is False
+        assert re.search(r", the lane in about \d+s$", line), line
+    assert held.release() == 0
+    for waiter in waiters:
+        assert waiter.wait(timeout=TIMEOUT) == 0
+
+
+def test_the_table_keeps_the_lane_whole_and_shows_each_waiter_at_40_columns(
+        lanelock, holder, procs, lock_dir):
+    held = holder("--session", "holder")
+    waiters = queue_of(procs, lock_dir, ["batch", "interactive"])
+    for columns in (40, 200):
+        child, pexpect = _spawn(procs, ["status"], env={"COLUMNS": str(columns), "NO_COLOR": "1"})
+        child.setwinsize(40, columns)
+        child.expect(pexpect.EOF)
+        child.close()
+        shown = re.sub(r"\x1b\[[0-9;]*m", "", child.before.decode().replace("\r", ""))
+        assert child.exitstatus == 0 and "Traceback" not in shown, shown
+        assert LANE in shown and "localh…" not in shown, shown
+        for waiter in waiters:
+            (row,) = [line for line in shown.splitlines() if str(waiter.pid) in line]
+            assert ("interactive" if waiter is waiters[1] else "batch") in row, shown
+        assert max(len(line) for line in shown.splitlines()) <= columns
+    assert held.release() == 0
+
+
+def line_of(watch, wanted) -> str:
+    """The first line the watch prints that is wanted, within TIMEOUT (the refreshes before it
+    are skipped; a watch that never prints one fails here, never hangs)."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        line = read_line(watch.stdout, max(0.1, deadline - time.monotonic()))
+        if wanted(line):
+            return line
+    raise AssertionError("the watch never printed the line wanted")
+
+
+def test_watch_shows_the_queue_change_live(lanelock, holder, procs, lock_dir):
+    """`status --watch`, piped: a line per waiter appears when it queues and goes when it has
+    its turn."""
+    held = holder("--session", "holder")
+    watch = procs.start([*LANELOCK, "status", "--watch"], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE)
+    assert read_line(watch.stdout, 30).startswith(f"{LANE}: held by")
+    (waiter,) = queue_of(procs, lock_dir, ["batch"])
+    line_of(watch, lambda line: line.startswith(f"  1. batch pid {waiter.pid} (session "
+                                                "waiter-0), waited "))
+    assert held.release() == 0
+    assert waiter.wait(timeout=TIMEOUT) == 0
+    line_of(watch, lambda line: line.startswith(f"{LANE}: free"))
+    line = read_line(watch.stdout, 30)
+    assert line.startswith(f"{LANE}: ") and not line.startswith("  "), line   # no waiter left
+    watch.send_signal(signal.SIGINT)
+    assert watch.wait(timeout=TIMEOUT) == 0
+
+
+def test_an_idle_lane_keyed_by_model_is_no_warning_for_ever(lanelock, procs, lock_dir):
+    """After one --key-by model turn, every `status -b` repeated a warning nobody could clear
+    (lock files are never deleted): it speaks only while that lane is in use."""
+    assert lanelock("run", "--key-by", "model", "-m", "qwen", "--", "true").returncode == 0
+    done = lanelock("status")
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    keyed = procs.start([*LANELOCK, "run", "--key-by", "model", "-m", "qwen", "--", "sh", "-c",
+                         HOLD_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert read_line(keyed.stdout).startswith("ready ")
+    done = lanelock("status")
+    assert "lanes keyed another way" in done.stderr and f"{LANE}#qwen (held)" in done.stderr
+    keyed.stdin.write(b"0\n")
+    keyed.stdin.close()
+    assert keyed.wait(timeout=TIMEOUT) == 0
+
+
+def test_status_all_on_a_root_not_made_yet_says_so(lanelock, tmp_path):
+    root = tmp_path / "not-yet"
+    done = lanelock("status", "--all", "--lock-dir", str(root))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (f"no lanes yet: the lock root {root} does not exist yet (the first "
+                           "turn makes it)\n"), done.stdout
+    root.mkdir()
+    done = lanelock("status", "--all", "--lock-dir", str(root))
+    assert done.stdout == f"no lanes yet under the lock root {root}\n"

@@ -1,8 +1,11 @@
 """`lanelock history`: the lane's night at a glance, from its journal.
 
 Turns are the journal's `acquired` (local) and `deflected` events; a local turn that follows a
-deflection is marked as the way back. The timeline divides each hour into 60 one-minute cells:
-local (held), deflected, or idle.
+deflection is marked as the way back. A deflected event is a turn sent away: "deflected" when a
+fallback ran, "busy" when nothing did (its `outcome`, or a later `settled` event naming it: the
+metrics' outcomes, told apart the same way); one with `waited` timed out waiting (--wait). An old
+journal's deflection, which says neither, reads as deflected. The timeline divides each hour into
+60 one-minute cells: local (held), deflected, busy, or idle.
 
 A local turn ends with its `released` event. One without (its holder was kill -9'd, or still runs)
 is judged by its holder: still running is "holding", gone is "died". A died turn never said when
@@ -19,7 +22,7 @@ import time
 from .. import duration
 
 
-LOCAL, DEFLECTED, IDLE, UNSEEN = "local", "deflected", "idle", "unseen"
+LOCAL, DEFLECTED, BUSY, IDLE, UNSEEN = "local", "deflected", "busy", "idle", "unseen"
 # How a local turn ended (its `acquired` event's "ended"); see the module docstring.
 RELEASED, DIED, HOLDING, UNKNOWN = "released", "died", "holding", "unknown"
 
@@ -30,7 +33,7 @@ class SinceError(ValueError):
 
 def parse_since(text: str | None, now: float | None = None) -> float | None:
     """A duration ago ('90', '90s', '30m', '2h', '1d', '1w': duration.py), or an ISO date/time
-    (local time unless it says otherwise, as the table and the timeline)."""
+    (local time unless it says otherwise, as every time lanelock shows: facts.shown_time)."""
     if not text:
         return None
     now = time.time() if now is None else now
@@ -53,9 +56,32 @@ def from_events(events: list[dict], bad: int, now: float | None = None) -> dict:
     """The history view of events from any store (journal lines or the events table)."""
     events = [e for e in events if isinstance(e.get("event"), str) and _number(e.get("ts")) is not None]
     events.sort(key=lambda e: e["ts"])
+    events = _settle(events)
     _mark_way_back(events)
     _mark_endings(events, time.time() if now is None else now)
     return {"events": events, "unreadable_lines": bad, "summary": summarise(events)}
+
+
+def _settle(events: list[dict]) -> list[dict]:
+    """Each deflection's outcome ("outcome": deflected or busy), folding in the `settled` events
+    that name one (by its pid and ts); the settled events themselves are no turns."""
+    deflections = {(e.get("pid"), e["ts"]): e for e in events if e["event"] == "deflected"}
+    kept = []
+    for event in events:
+        if event["event"] == "settled":
+            named = deflections.get((event.get("pid"), _number(event.get("of"))))
+            if named is not None and event.get("outcome") in (DEFLECTED, BUSY):
+                named["outcome"] = event["outcome"]
+            continue
+        if event["event"] == "deflected" and event.get("outcome") not in (DEFLECTED, BUSY):
+            event["outcome"] = DEFLECTED
+        kept.append(event)
+    return kept
+
+
+def outcome(event: dict) -> str:
+    """What the table calls an event: a deflection's outcome (busy or deflected), else its kind."""
+    return event.get("outcome", DEFLECTED) if event["event"] == "deflected" else event["event"]
 
 
 def _mark_way_back(events: list[dict]) -> None:
@@ -94,6 +120,7 @@ def _mark_endings(events: list[dict], now: float) -> None:
                 close(event, UNKNOWN)
         elif event["event"] == "released" and pid in open_turns:
             start = open_turns.pop(pid)
+            event.setdefault("priority", start.get("priority"))
             duration = _number(event.get("duration"))
             close(start, RELEASED, duration if duration is not None else event["ts"] - start["ts"])
     for start in open_turns.values():
@@ -113,22 +140,30 @@ def holds(events: list[dict]) -> list[tuple[float, float, dict]]:
 
 def summarise(events: list[dict]) -> dict:
     local = sum(1 for e in events if e["event"] == "acquired")
-    deflected = sum(1 for e in events if e["event"] == "deflected")
+    sent_away = [e for e in events if e["event"] == "deflected"]
+    busy = sum(1 for e in sent_away if e.get("outcome") == BUSY)
+    deflected = len(sent_away) - busy
     fail_open = sum(1 for e in events if e["event"] == "fail-open")
     ended = [e.get("ended") for e in events if e["event"] == "acquired"]
     spans = holds(events)
-    busy = sum(end - start for start, end, _ in spans)
+    held = sum(end - start for start, end, _ in spans)
     last = max([events[-1]["ts"]] + [end for _, end, _ in spans]) if events else 0.0
     window = (last - events[0]["ts"]) if events else 0.0
-    turns = local + deflected + fail_open
+    turns = local + deflected + busy + fail_open
     unseen = [e for e in events if e["event"] == "unseen"]
     return {
         # Generations the engine ran that no turn held the lane for (a witness saw them).
         "unseen": len(unseen),
         "unseen_seconds": round(sum(_number(e.get("duration")) or 0.0 for e in unseen), 3),
-        "turns": turns, "local": local, "deflected": deflected, "fail_open": fail_open,
+        # deflected: a fallback ran; busy: nothing ran (as the metrics' outcomes)
+        "turns": turns, "local": local, "deflected": deflected, "busy": busy,
+        "fail_open": fail_open,
         "deflection_rate": round(deflected / turns, 4) if turns else 0.0,
-        "busy_fraction": round(min(1.0, busy / window), 4) if window > 0 else (1.0 if spans else 0.0),
+        "busy_rate": round(busy / turns, 4) if turns else 0.0,
+        # turns sent away after waiting all of their --wait
+        "timed_out": sum(1 for e in sent_away if _number(e.get("waited")) is not None),
+        # the share of the span some turn held the lane
+        "busy_fraction": round(min(1.0, held / window), 4) if window > 0 else (1.0 if spans else 0.0),
         "longest_hold": round(max((end - start for start, end, _ in spans), default=0.0), 3),
         "died": ended.count(DIED), "holding": ended.count(HOLDING),
         "end_unknown": ended.count(UNKNOWN),
@@ -139,8 +174,8 @@ def summarise(events: list[dict]) -> dict:
 
 
 def timeline(events: list[dict]) -> list[tuple[str, list[str]]]:
-    """[(hour label, 60 cells)] from the first event's hour to the last's, local time (a turn
-    whose end is unknown shows in the minute it began)."""
+    """[(hour label, 60 cells)] from the first event's hour to the last's, local time as every
+    time shown (a turn whose end is unknown shows in the minute it began)."""
     if not events:
         return []
     spans = holds(events) + [(e["ts"], e["ts"], e) for e in events
@@ -155,8 +190,11 @@ def timeline(events: list[dict]) -> list[tuple[str, list[str]]]:
         _mark(cells, hour, [(start, end) for start, end, _ in spans], LOCAL)
         for event in events:
             if event["event"] == "deflected" and hour <= event["ts"] < hour + 3600:
-                # A deflection happens while someone holds the lane, so it outranks "local".
-                cells[int((event["ts"] - hour) // 60)] = DEFLECTED
+                # A deflection happens while someone holds the lane, so it outranks "local";
+                # a busy one (nothing ran) outranks one that reached a fallback.
+                cell = int((event["ts"] - hour) // 60)
+                if cells[cell] != BUSY:
+                    cells[cell] = outcome(event)
         _mark(cells, hour, unseen, UNSEEN)   # what nobody gated outranks all the gate did
         label = time.strftime("%Y-%m-%d %H:00 %Z", time.localtime(hour))
         rows.append((label, cells))
@@ -177,11 +215,13 @@ def _mark(cells: list[str], hour: float, spans, kind: str) -> None:
 def describe(event: dict) -> str:
     kind = event["event"]
     if kind == "released":
-        return f"held {_number(event.get('duration')) or 0:.1f}s, exit {event.get('exit_status')}"
+        from ..holder import exit_words
+
+        ended = event.get("ended")
+        return (f"held {_number(event.get('duration')) or 0:.1f}s, {exit_words(event)}"
+                + (f"; not a clean release: {str(ended)[:120]}" if ended else ""))
     if kind == "deflected":
-        holder = event.get("holder") if isinstance(event.get("holder"), dict) else {}
-        who = f"pid {holder.get('pid')}" + (f", session {holder['session']}" if holder.get("session") else "")
-        return f"{event.get('reason')}: held by {who}"
+        return _deflection(event)
     if kind == "waited":
         return f"waited {_number(event.get('waited')) or 0:.2f}s"
     if kind == "fail-open":
@@ -207,6 +247,20 @@ def describe(event: dict) -> str:
         parts = ["back on local after deflections"] if event.get("way_back") else []
         return "; ".join(parts + [_ending(event)]).strip("; ")
     return ""
+
+
+def _deflection(event: dict) -> str:
+    """'timed out after waiting 5.0s (--wait 5s); nothing ran: local_backend_busy: held by ...'"""
+    from ..holder import words
+
+    holder = event.get("holder") if isinstance(event.get("holder"), dict) else None
+    parts = []
+    waited, wait = _number(event.get("waited")), event.get("wait")
+    if waited is not None:
+        asked = f"its wait {_number(wait):g}s" if _number(wait) is not None else "its wait"
+        parts.append(f"timed out after waiting {waited:.1f}s ({asked})")
+    parts.append("nothing ran" if event.get("outcome") == BUSY else "sent to a fallback")
+    return "; ".join(parts) + f": {event.get('reason')}: held by {words(holder)}"
 
 
 def _ending(acquired: dict) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 
 from .. import holder as holder_facts
-from ..facts import boot_id, hostname, parse_utc
+from ..facts import boot_id, hostname, parse_utc, shown_time
 from ..holder import field
 
 FUTURE_SLACK = 300.0   # seconds a record's clock may run ahead before it counts as "from the future"
@@ -72,10 +72,12 @@ def judge(facts, gate_problem: str | None = None) -> dict:
         return _verdict(result, FREE, "sidecar-bad", "free; the sidecar names no usable pid")
     result["last"] = holder_facts.from_record(record)
     if released:
-        status = record.get("exit_status")
+        ended = field(record, "ended", str)   # a turn cut short (the proxy's client hung up)
+        how = f"released at {shown_time(record.get('released_at'))} after {ended[:200]}" \
+            if ended else f"released cleanly at {shown_time(record.get('released_at'))}"
         return _verdict(result, FREE, "released",
-                        f"free; last holder {_pid(record)} ({_who(record)}) released cleanly at "
-                        f"{record.get('released_at')} (exit {status if status is not None else '?'}, "
+                        f"free; last holder {_pid(record)} ({_who(record)}) {how} "
+                        f"({holder_facts.exit_words(record)}, "
                         f"held {holder_facts.seconds(record.get('held_seconds'))})")
     if facts.alive:
         return _verdict(result, FREE, "releasing",
@@ -130,7 +132,7 @@ def _held(result: dict, facts, record, released: bool, stale: str | None) -> dic
         if holder["held_for"] is not None:
             how_long = f"for {holder_facts.seconds(holder['held_for'])}"
         else:
-            how_long = f"since {record.get('acquired_at')}"
+            how_long = f"since {shown_time(record.get('acquired_at'))}"
         message = f"held by lanelock turn {_pid(record)} ({_who(record)}), {how_long}"
         if facts.stopped:
             holder["stopped"] = facts.stopped

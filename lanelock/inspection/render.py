@@ -10,6 +10,8 @@ import json
 import sys
 
 from .. import say
+from ..facts import shown_time
+from ..priority import CLASSES
 from ..holder import words as holder_words
 from ..say import sanitize
 
@@ -99,7 +101,9 @@ def duel(result: dict, as_json: bool) -> None:
 STATE_STYLE = {"held": "bold yellow", "free": "green", "unknown": "red"}
 
 
-def status(results: list[dict], as_json: bool, *, notes: list[str] | None = None) -> None:
+def status(results: list[dict], as_json: bool, *, notes: list[str] | None = None,
+           none: str = "no lanes yet") -> None:
+    """none: what to say when there are no lanes (status --all on a new root)."""
     for note in notes or []:
         warn(note)
     if as_json:
@@ -107,21 +111,23 @@ def status(results: list[dict], as_json: bool, *, notes: list[str] | None = None
     console = _console()
     if console is None:
         for result in results:
-            sys.stdout.write(_status_line(result) + "\n")
+            sys.stdout.write(_status_lines(result))
+        if not results:
+            sys.stdout.write(none + "\n")
         return
-    console.print(status_table(results))
+    console.print(status_table(results, none, console.width))
 
 
-def _status_line(result: dict) -> str:
+def _status_lines(result: dict) -> str:
+    """The lane's line, then one indented line per waiter in the queue's order."""
     count = _waiting(result)
     waiting = f" [{count} waiting]" if count else ""
     source = " (probe: /proc/locks unreadable)" if result["kernel_source"] == "probe" else ""
-    queued = queue_lines(result)
-    if queued:   # one line per lane (scripts read it so): the queue goes inside its brackets
-        waiting = f" [{count} waiting: " + "; ".join(queued) + "]"
     engine = engine_words(result.get("engine"), quiet=True)
     engine = f"; {engine}" if engine else ""
-    return sanitize(f"{result['lane']}: {result['message']}{waiting}{source}{engine}", 4000)
+    lines = [sanitize(f"{result['lane']}: {result['message']}{waiting}{source}{engine}", 4000)]
+    lines += [f"  {sanitize(line, 600)}" for line in queue_lines(result)]
+    return "".join(line + "\n" for line in lines)
 
 
 def engine_words(engine: dict | None, quiet: bool = False) -> str | None:
@@ -147,7 +153,7 @@ def engine_words(engine: dict | None, quiet: bool = False) -> str | None:
                 f"{f', {seconds:.1f} s' if isinstance(seconds, (int, float)) else ''}")
         if last:
             slots, turns = last.get("slots"), last.get("turns")
-            text += (f", last at {last.get('started')} ({last.get('duration')} s, {slots} "
+            text += (f", last at {shown_time(last.get('started'))} ({last.get('duration')} s, {slots} "
                      f"slot{'' if slots == 1 else 's'} generating, {turns} "
                      f"turn{'' if turns == 1 else 's'} holding)")
         return f"{now}; {text}"
@@ -162,48 +168,74 @@ def _waiting(result: dict) -> int:
 
 
 def queue_lines(result: dict) -> list[str]:
-    """'next: 1. interactive pid 42 (session chat), waited 3.1s' -- the queue in order."""
-    lines = []
-    for entry in result.get("queue") or ():
-        klass = entry["class"]
-        if entry["effective_class"] != klass:
-            klass = f"{entry['effective_class']} (aged from {klass})"
-        where = f" on {entry['host']}" if entry.get("host") and entry["host"] != _here() else ""
-        stopped = (f", stopped: those behind it wait until kill -CONT {entry['pid']} (or it ends)"
-                   if entry.get("stopped") else "")
-        lines.append(f"{entry['position']}. {klass} pid {entry['pid']}{where} "
-                     f"(session {entry.get('session') or '?'}), waited {entry['waited']:.1f}s"
-                     f"{stopped}")
-    return lines
+    """'1. interactive pid 42 (session chat), waited 3.1s, the lane in about 4s' -- the queue in
+    order, one line per waiter."""
+    from .waiters import line
+
+    return [line(row) for row in result.get("queue") or ()]
 
 
-def _here() -> str:
-    from ..facts import hostname
-
-    return hostname()
+NARROW = 80   # columns below which status stacks each lane's facts instead of a wide table
 
 
-def status_table(results: list[dict]):
+def status_table(results: list[dict], none: str = "no lanes yet", width: int = NARROW):
+    """The lanes' table, then one table per queue (a row per waiter); on a terminal narrower
+    than NARROW, each lane's facts stacked and one line per waiter (a wide table there cut the
+    lane's name and every word to a column of letters)."""
+    from rich.console import Group
     from rich.markup import escape
     from rich.table import Table
 
+    from . import waiters
+
+    if width < NARROW:
+        return Group(*(_status_stacked(result) for result in results)) if results else escape(none)
     table = Table(show_header=True, header_style="bold", expand=False)
-    for column in ("lane", "state", "what the kernel and the sidecar say", "waiting"):
-        table.add_column(column)
+    # The lane's name is never cut (it is what a reader looks for): the words wrap instead.
+    width = max((len(sanitize(result["lane"])) for result in results), default=4)
+    table.add_column("lane", no_wrap=True, min_width=min(width, 60))
+    table.add_column("state", no_wrap=True)
+    table.add_column("what the kernel and the sidecar say", overflow="fold")
+    table.add_column("waiting", no_wrap=True)
     for result in results:
         style = STATE_STYLE.get(result["state"], "")
         engine = engine_words(result.get("engine"))
         message = "\n".join([sanitize(result["message"], 2000)] +
-                            [sanitize(line, 300) for line in queue_lines(result)] +
                             ([sanitize(engine, 600)] if engine else []))
         table.add_row(escape(sanitize(result["lane"])), f"[{style}]{result['state']}[/{style}]",
                       escape(message), str(_waiting(result) or ""))
     if not results:
-        table.add_row("-", "-", "no lanes under the lock root yet", "")
-    return table
+        table.add_row("-", "-", escape(none), "")
+    queues = [waiters.table(result["lane"], result["queue"]) for result in results
+              if result.get("queue")]
+    return Group(table, *queues) if queues else table
 
 
-def watch(fetch, interval: float = 0.5, *, as_json: bool = False, notes=()) -> None:
+def _status_stacked(result: dict):
+    """One lane on a narrow terminal: its facts one under the other, then a line per waiter."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")
+    style = STATE_STYLE.get(result["state"], "")
+    grid.add_row("lane", escape(sanitize(result["lane"])))
+    grid.add_row("state", f"[{style}]{result['state']}[/{style}]")
+    grid.add_row("says", escape(sanitize(result["message"], 2000)))
+    engine = engine_words(result.get("engine"))
+    if engine:
+        grid.add_row("engine", escape(sanitize(engine, 600)))
+    if result.get("queue"):
+        grid.add_row("waiting", str(_waiting(result)))
+        for row, line in zip(result["queue"], queue_lines(result)):
+            grid.add_row("", f"[yellow]{escape(line)}[/yellow]" if row.get("stopped")
+                         else escape(line))
+    return grid
+
+
+def watch(fetch, interval: float = 0.5, *, as_json: bool = False, notes=(),
+          none: str = "no lanes yet") -> None:
     """Refresh the status table until ^C (rich Live on a terminal; plain lines otherwise; with
     as_json, JSON lines: one {"time", "lanes"} object per refresh), or until nobody reads stdout
     any more (`| head -1`, `>&-`): that ends the watch quietly, as a finished command."""
@@ -223,24 +255,32 @@ def watch(fetch, interval: float = 0.5, *, as_json: bool = False, notes=()) -> N
     console = _console()
     if console is None:
         while True:
-            for result in fetch():
-                sys.stdout.write(_status_line(result) + "\n")
+            results = fetch()
+            for result in results:
+                sys.stdout.write(_status_lines(result))
+            if not results:
+                sys.stdout.write(none + "\n")
             sys.stdout.flush()
             if stdout_gone(interval):
                 return
     from rich.live import Live
 
-    with Live(status_table(fetch()), console=console, refresh_per_second=4) as live:
+    with Live(status_table(fetch(), none, console.width), console=console,
+              refresh_per_second=4) as live:
         while not stdout_gone(interval):
-            live.update(status_table(fetch()))
+            live.update(status_table(fetch(), none, console.width))
 
 
-CELL = {"local": ("█", "green"), "deflected": ("▒", "yellow"), "idle": ("·", "dim"),
-        "unseen": ("!", "bold red")}
+CELL = {"local": ("█", "green"), "deflected": ("▒", "yellow"), "busy": ("x", "red"),
+        "idle": ("·", "dim"), "unseen": ("!", "bold red")}
+
+
+HISTORY_COLUMNS = (("time", 27), ("event", 9), ("class", 11), ("session", 24), ("pid", 8),
+                   ("detail", 0))
 
 
 def history(data: dict, lane: str, as_json: bool, rows: list) -> None:
-    from .history import describe
+    from .history import describe, outcome
 
     if as_json:
         return emit_json({"lane": lane, **data})
@@ -248,20 +288,23 @@ def history(data: dict, lane: str, as_json: bool, rows: list) -> None:
     console = _console()
     lines = []
     for event in data["events"]:
-        stamp = local_time(event.get("ts"))
-        who = sanitize(f"{event.get('session') or '?'}", 40)
-        lines.append((stamp, event["event"], who, str(event.get("pid", "?")),
+        stamp = shown_time(event.get("ts"))
+        who = sanitize(f"{event.get('session') or '-'}", 40)
+        klass = event.get("priority") if event.get("priority") in CLASSES else "-"
+        lines.append((stamp, outcome(event), klass, who, str(event.get("pid", "-")),
                       sanitize(describe(event), 200)))
     if console is None:
+        if lines:
+            lines.insert(0, tuple(name for name, _ in HISTORY_COLUMNS))
         for line in lines:
-            sys.stdout.write("  ".join(f"{cell:<{width}}" for cell, width in
-                                       zip(line, (28, 10, 24, 8, 0))).rstrip() + "\n")
+            sys.stdout.write("  ".join(f"{cell:<{width}}" for cell, (_, width) in
+                                       zip(line, HISTORY_COLUMNS)).rstrip() + "\n")
     else:
         from rich.markup import escape
         from rich.table import Table
 
         table = Table(show_header=True, header_style="bold")
-        for column in ("time", "event", "session", "pid", "detail"):
+        for column, _ in HISTORY_COLUMNS:
             table.add_column(column)
         for line in lines:
             table.add_row(*(escape(cell) for cell in line))
@@ -270,14 +313,18 @@ def history(data: dict, lane: str, as_json: bool, rows: list) -> None:
             bar = "".join(f"[{CELL[c][1]}]{CELL[c][0]}[/{CELL[c][1]}]" for c in cells)
             console.print(f"{label}  {bar}")
         if rows:
-            console.print("           █ local  ▒ deflected  · idle  ! unseen (one cell per "
-                          "minute)")
+            console.print("           █ local  ▒ deflected  x busy  · idle  ! unseen (one cell "
+                          "per minute)")
     if data["unreadable_lines"]:
         warn(f"{data['unreadable_lines']} journal line(s) could not be read and were skipped")
+    timed_out = summary["timed_out"]
     sys.stdout.write(
-        f"turns {summary['turns']} ({summary['local']} local, {summary['deflected']} deflected"
+        f"turns {summary['turns']} ({summary['local']} local, {summary['deflected']} deflected, "
+        f"{summary['busy']} busy"
         f"{', ' + str(summary['fail_open']) + ' fail-open' if summary['fail_open'] else ''}); "
-        f"deflection rate {summary['deflection_rate'] * 100:.0f}%; busy "
+        f"deflection rate {summary['deflection_rate'] * 100:.0f}% (a fallback ran); busy rate "
+        f"{summary['busy_rate'] * 100:.0f}% (nothing ran)"
+        f"{f'; {timed_out} timed out waiting' if timed_out else ''}; lane held "
         f"{summary['busy_fraction'] * 100:.0f}% of the span; longest hold "
         f"{summary['longest_hold']:.1f}s{_uncounted(summary)}"
         f"{'; ' + str(summary['holding']) + ' still holding' if summary['holding'] else ''}; "
@@ -298,21 +345,6 @@ def _uncounted(summary: dict) -> str:
         (summary["died"], "died turn", "died turns"),
         (summary["end_unknown"], "turn with no known end", "turns with no known end")) if count]
     return f" ({', '.join(parts)} not counted)" if parts else ""
-
-
-def local_time(ts) -> str:
-    """2026-12-03 10:02:03.123 CET: local time with its zone, as `date` shows it (history's
-    table, timeline and --since all speak local time)."""
-    import time
-
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
-        return "?"
-    try:
-        moment = time.localtime(ts)
-    except (OverflowError, OSError, ValueError):
-        return "?"
-    return (time.strftime("%Y-%m-%d %H:%M:%S", moment) + f".{int(ts % 1 * 1000):03d} "
-            + time.strftime("%Z", moment))
 
 
 def config(data: dict, as_json: bool) -> None:

@@ -15,8 +15,43 @@ from .judge import judge
 
 def statuses(store, lane=None, engine: bool = False) -> list[dict]:
     """The status of the lane, or of every lane the store knows when lane is None. engine: look
-    at each lane's engine once too ("engine", see engine_status)."""
-    return [status for status, _ in judged(store, lane, engine)]
+    at each lane's engine once too ("engine", see engine_status). Each waiter of a queue gets
+    its estimate (add_estimates)."""
+    found = [status for status, _ in judged(store, lane, engine)]
+    for status in found:
+        if status.get("queue"):
+            add_estimates(status, store, lane)
+    return found
+
+
+def add_estimates(status: dict, store, lane=None) -> None:
+    """Beside each waiter, "estimate": about how many seconds until the lane comes to it
+    (estimate.py's rule, the proxy's Retry-After's: the rest of the holder's typical hold, then
+    one per waiter going first; a stopped waiter is passed over, and has none: null), and on the
+    lane "typical_hold" (null when the journal knows no hold of the last hour: then no waiter
+    has an estimate)."""
+    from ..estimate import journal_typical, until_lane
+    from ..lanes import BackendError, lane_named
+
+    if lane is None or lane.name != status["lane"]:
+        try:
+            lane = lane_named(status["lane"])
+        except (BackendError, ValueError):
+            lane = None
+    typical = journal_typical(store, lane) if lane is not None else None
+    status["typical_hold"] = None if typical is None else round(typical, 3)
+    holder = status.get("holder") or {}
+    held_for = (holder.get("held_for") or 0.0) if status["state"] == "held" else None
+    rows, going_first = [], 0
+    for row in status["queue"]:
+        row = dict(row)
+        row["estimate"] = None
+        if not row.get("stopped"):
+            if typical is not None:
+                row["estimate"] = until_lane(typical, held_for, going_first)
+            going_first += 1
+        rows.append(row)
+    status["queue"] = rows
 
 
 def judged(store, lane=None, engine: bool = False) -> list[tuple]:
@@ -27,6 +62,18 @@ def judged(store, lane=None, engine: bool = False) -> list[tuple]:
         for status, facts in found:
             add_engine(status, facts, store.counts(facts), lane)
     return found
+
+
+def no_lanes(place) -> str:
+    """What `status --all` says when the store knows no lane yet, and where it looked."""
+    path = place.root.path if place.store.kind == "flock" else None
+    if path is None:
+        return f"no lanes yet in the {place.store.kind} store"
+    import os
+
+    if not os.path.isdir(path):
+        return f"no lanes yet: the lock root {path} does not exist yet (the first turn makes it)"
+    return f"no lanes yet under the lock root {path}"
 
 
 def add_engine(status: dict, facts, counts: dict, lane=None) -> None:

@@ -28,7 +28,7 @@ from ..holder import words as holder_words
 from . import asks, dialects
 from .chain import REASON_DOWN, Chain, Why
 from .peer import Client
-from .relay import Unreachable, error_response, relay, request_headers
+from .relay import CUT, GONE_BEFORE, Unreachable, error_response, relay, request_headers
 from .retry import RetryAfter
 from .routes import Routes
 
@@ -188,7 +188,8 @@ class Proxy:
             session=session[:200], model=model and model[:200], argv=[request.method, path[:200]],
             wait=asked.wait, labels={"via": "proxy", "client": request.remote or "?",
                                      "path": path[:200]},
-            askers=client.askers, priority=asked.priority)
+            askers=client.askers, priority=asked.priority,
+            fallback=any(fallback.serves(dialect) for fallback in self.options.fallbacks))
         status = None
         timing = request["lanelock_timing"] = Timing()
         try:
@@ -225,7 +226,8 @@ class Proxy:
             raise asyncio.CancelledError   # a cancelled wait: the client is gone
         finally:
             status = status or request.get("lanelock_status")
-            await self._end(turn, session, status, reused, timing.held_until_now())
+            await self._end(turn, session, status, reused, timing.held_until_now(),
+                            _ended(request, status))
 
     def _refused(self, dialect, error: asks.Malformed) -> web.Response:
         """A malformed X-Lanelock-* header: 400 in the client's dialect, naming the header,
@@ -246,7 +248,7 @@ class Proxy:
         held.in_use = True
         return held
 
-    async def _end(self, turn, session, status, reused, held_seconds) -> None:
+    async def _end(self, turn, session, status, reused, held_seconds, ended=None) -> None:
         if turn.state != HELD:
             return
         if not turn.nested:
@@ -259,7 +261,7 @@ class Proxy:
             held.timer = asyncio.get_running_loop().call_later(
                 linger, lambda: asyncio.ensure_future(self._end_linger(held)))
             return
-        await asyncturn.release(turn, status)
+        await asyncturn.release(turn, status, ended)
 
     async def _end_linger(self, held: Lingering) -> None:
         if held.in_use or self.lingering is not held:
@@ -299,8 +301,8 @@ class Proxy:
         response, failures = await self.chain.walk(request, path_qs, body, fields, why, applied)
         if response is not None:
             return response
-        failed = "; ".join(failures)
-        self.say.warn(why.sentence(f"every fallback failed ({failed})" if failed else
+        failed, said = "; ".join(failures), "; ".join(getattr(failures, "said", failures))
+        self.say.warn(why.sentence(f"every fallback failed ({said})" if failed else
                                    f"no fallback for {request.method} "
                                    f"{path_qs.partition('?')[0][:200]}: 502"))
         dialect = request["lanelock_dialect"]
@@ -323,8 +325,8 @@ class Proxy:
             await asyncturn.settle(turn, "deflected")
             return response
         await asyncturn.settle(turn, "busy")
-        failed = "; ".join(failures)
-        self.say.note(why.sentence((f"every fallback failed ({failed})" if failed else
+        failed, said = "; ".join(failures), "; ".join(getattr(failures, "said", failures))
+        self.say.note(why.sentence((f"every fallback failed ({said})" if failed else
                                     f"no fallback for {request.method} "
                                     f"{path_qs.partition('?')[0][:200]}")
                                    + f": {dialect.busy_status}"))
@@ -387,8 +389,21 @@ class Timing:
         return f"(waited {self.waited:.3f}s{held})"
 
 
+def _ended(request, status) -> str | None:
+    """How a relayed answer ended when it did not reach its end (relay.py's words), else None.
+    A stream relayed to its last byte is whole even if the client hung up right after."""
+    if request.get("lanelock_done"):
+        return None
+    if request.get("lanelock_cut"):
+        return request["lanelock_cut"]
+    return CUT["client"] if status is not None else GONE_BEFORE
+
+
 def _answer(status: int, body: bytes, headers: dict) -> web.Response:
-    response = web.Response(status=status, body=body, content_type="application/json")
+    # aiohttp knows no phrase for 529 (the Anthropic busy answer): its status line would end
+    # in an empty one.
+    response = web.Response(status=status, reason=dialects.REASON_PHRASES.get(status),
+                            body=body, content_type="application/json")
     for name, value in headers.items():
         response.headers[name] = value
     return response
@@ -419,6 +434,7 @@ def _json_fields(body: bytes) -> dict:
     except (ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
+
 
 async def _abandoned(turn) -> None:
     """A request whose client hung up while it waited for the lane: its wait is journaled as

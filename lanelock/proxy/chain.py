@@ -7,11 +7,16 @@ The entries that serve the request's dialect are tried in order; one that cannot
 even with an error, is the answer. A URL fallback is sent the request with its own model and key;
 an @HOST:PORT engine is taken on its own lane, and skipped when that is busy. The caller answers
 when none is left, naming what failed.
+
+A fallback that cannot be reached is said once per incident: the first failure warns in full
+(what was tried, why it failed), later ones only count in the answer and the busy line ("still
+unreachable"), and the first answer after it says it answers again. Every request still tries it.
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 from .. import asyncturn
 from ..gate import DEFLECTED, REASON_BUSY, BUSY_WORDS, busy_sentence
@@ -49,17 +54,48 @@ class Why:
         return f"{self.reason}: {self.words}" + (f"; {then}" if then else "")
 
 
+class Attempts(list):
+    """What failed on the way, in full (the client's answer); said: the same for the proxy's
+    log, where a fallback already known to be unreachable is only "still unreachable"."""
+
+    def __init__(self):
+        super().__init__()
+        self.said: list[str] = []
+
+    def add(self, full: str, said: str | None = None) -> None:
+        self.append(full)
+        self.said.append(said or full)
+
+
 class Chain:
     def __init__(self, proxy):
         self.proxy = proxy
         self.gates: dict[str, tuple] = {}   # backend -> fallback_lane.fallback_gate()
+        self.down: dict[str, float] = {}    # fallback -> since when it cannot be reached
+
+    def _unreachable(self, name: str, error, failures: "Attempts") -> None:
+        """name could not be reached: warn at the incident's start only."""
+        if name not in self.down:
+            self.down[name] = time.monotonic()
+            self.proxy.say.warn(f"{name} unreachable: {error}; trying the next (said once: "
+                                "every request still tries it, and a line says when it answers "
+                                "again)")
+            failures.add(f"{name} failed: {error}")
+        else:
+            failures.add(f"{name} failed: {error}", f"{name} still unreachable")
+
+    def _answered(self, name: str) -> None:
+        since = self.down.pop(name, None)
+        if since is not None:
+            self.proxy.say.note(f"{name} answers again (unreachable for "
+                                f"{time.monotonic() - since:.1f}s)")
 
     async def walk(self, request, path_qs: str, body: bytes, fields: dict, why: Why,
                    extra: dict):
         """(the first fallback's answer or None, the failures on the way). extra: lanelock's
         headers on a fallback's answer (the class and wait applied)."""
         dialect = request["lanelock_dialect"]
-        failures: list[str] = []
+        failures = Attempts()
         answer_headers = {"X-Lanelock-State": DEFLECTED, "X-Lanelock-Reason": why.reason, **extra}
         for index, fallback in enumerate(self.proxy.options.fallbacks, 1):
             if not fallback.serves(dialect):
@@ -91,13 +127,15 @@ class Chain:
                 if credential in request.headers:
                     headers[credential] = request.headers[credential]
         say.note(why.sentence(f"deflecting to fallback {index}: {fallback.url}"))
+        name = f"fallback {index} {fallback.url}"
         try:
-            return await relay(self.proxy.client, request, url, body, headers, answer_headers,
-                               answer_within=options.fallback_timeout)
+            response = await relay(self.proxy.client, request, url, body, headers,
+                                   answer_headers, answer_within=options.fallback_timeout)
         except Unreachable as error:
-            failures.append(f"fallback {index} {fallback.url} failed: {error}")
-            say.warn(f"fallback {index} {fallback.url} failed: {error}; trying the next")
+            self._unreachable(name, error, failures)
             return None
+        self._answered(name)
+        return response
 
     async def _local(self, request, path_qs, body, fallback, index, why, failures,
                      answer_headers):
@@ -112,7 +150,7 @@ class Chain:
         gate, skip = self.gates[fallback.backend]
         if skip:   # run's rule and words (fallback_lane.py)
             say.note(f"fallback {index} skipped: {skip}")
-            failures.append(f"fallback {index} skipped: {skip}")
+            failures.add(f"fallback {index} skipped: {skip}")
             return None
         path = path_qs.partition("?")[0][:200]
         turn = gate.turn(session=f"proxy:{request.remote or '?'}", argv=[request.method, path],
@@ -123,7 +161,7 @@ class Chain:
             if turn.state == DEFLECTED:
                 skip = busy_fallback(fallback.backend, turn.holder)
                 say.note(f"fallback {index} skipped: {skip}")
-                failures.append(f"fallback {index} @{fallback.backend} is busy")
+                failures.add(f"fallback {index} @{fallback.backend} is busy")
                 return None
             say.note(why.sentence(f"deflecting to fallback {index}: @{fallback.backend}"))
             from ..lanes import origin
@@ -135,10 +173,9 @@ class Chain:
                                        answer_headers,
                                        answer_within=self.proxy.options.fallback_timeout)
             except Unreachable as error:
-                failures.append(f"fallback {index} @{fallback.backend} failed: {error}")
-                say.warn(f"fallback {index} @{fallback.backend} failed: {error}; "
-                         "trying the next")
+                self._unreachable(f"fallback {index} @{fallback.backend}", error, failures)
                 return None
+            self._answered(f"fallback {index} @{fallback.backend}")
             status = response.status
             return response
         finally:

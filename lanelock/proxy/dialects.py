@@ -127,6 +127,10 @@ def _text_at(fields: dict, where) -> str | None:
     return value if isinstance(value, str) and where else None
 
 
+# Status lines' phrases for statuses aiohttp has none for: the Messages API's own 529.
+REASON_PHRASES = {529: "Overloaded"}
+
+
 def busy_answer(dialect: Dialect, kind: str, message: str) -> tuple[int, bytes]:
     """(status, JSON body) of a busy answer in the client's dialect."""
     return dialect.busy_status, json.dumps(dialect.busy_body(kind, message)).encode()

@@ -25,6 +25,11 @@ AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 PRIVATE = frozenset({HEADER.lower()})
 
 
+# How an answer that did not reach its end ended (the turn's release says it: never "cleanly").
+CUT = {"engine": "the engine cut the answer", "client": "the client hung up mid-answer"}
+GONE_BEFORE = "the client hung up before the answer"
+
+
 class Unreachable(Exception):
     """The upstream could not be reached, or failed before it answered."""
 
@@ -72,7 +77,7 @@ async def relay(session, request: web.BaseRequest, url: str, body: bytes, header
     except asyncio.TimeoutError:
         raise Unreachable(f"no answer within {answer_within:g}s") from None
     except (ClientError, OSError) as error:
-        raise Unreachable(str(error) or type(error).__name__) from None
+        raise Unreachable(unreachable_words(error)) from None
     request["lanelock_status"] = upstream.status   # the turn's record, even if the client leaves
     request["lanelock_state"] = extra.get("X-Lanelock-State", "-")
     try:
@@ -83,20 +88,61 @@ async def relay(session, request: web.BaseRequest, url: str, body: bytes, header
             response.headers[name] = value
         if "Content-Length" not in response.headers:
             response.enable_chunked_encoding()
+        side = "client"
         try:
             await response.prepare(request)
-            async for chunk in upstream.content.iter_any():
+            while True:
+                side = "engine"
+                chunk = await upstream.content.readany()
+                if not chunk:
+                    break
+                side = "client"
                 await response.write(chunk)
             await response.write_eof()
         except (ClientError, OSError):
             # The engine failed mid-answer, or the client went away (aiohttp's reset error is
-            # both): what was relayed stands; close the client's side.
+            # both; the side that was being read or written says which): what was relayed
+            # stands; close the client's side.
+            request["lanelock_cut"] = CUT[side]
             request.transport and request.transport.close()
             return response
         request["lanelock_done"] = True
         return response
     finally:
         await context.__aexit__(None, None, None)
+
+
+def unreachable_words(error: BaseException) -> str:
+    """Why an upstream could not be reached, in lanelock's words: what was tried and why it
+    failed ('cannot connect to api.example.com:443: connection refused'), not aiohttp's
+    ('Cannot connect to host ... ssl:default [...]')."""
+    import aiohttp
+
+    if isinstance(error, aiohttp.ClientConnectorError):
+        where = f"{error.host}:{error.port}"
+        cause = error.os_error
+        if isinstance(error, aiohttp.ClientConnectorDNSError):
+            return f"cannot resolve {error.host}: {_cause(cause)}"
+        if isinstance(error, aiohttp.ClientConnectorCertificateError):
+            return f"{where}: its TLS certificate is not trusted ({_cause(error.certificate_error)})"
+        if isinstance(error, aiohttp.ClientConnectorSSLError):
+            return f"{where}: the TLS handshake failed ({_cause(cause)})"
+        return f"cannot connect to {where}: {_cause(cause)}"
+    if isinstance(error, aiohttp.ServerDisconnectedError):
+        return "the server closed the connection before it answered"
+    if isinstance(error, aiohttp.InvalidURL):
+        return f"not a URL it can reach: {error.url}"
+    return _cause(error)
+
+
+def _cause(error) -> str:
+    """An OSError's own words, lower-cased as lanelock's lines are ('connection refused')."""
+    import os
+
+    number = getattr(error, "errno", None)
+    text = (os.strerror(number) if isinstance(number, int) and number > 0 else None) or \
+        getattr(error, "strerror", None) or str(error) or type(error).__name__
+    return text[:1].lower() + text[1:]
 
 
 def error_response(status: int, kind: str, message: str, extra: dict | None = None,

@@ -64,7 +64,8 @@ def run_turn(gate: Gate, argv: list[str], options: Options, say: Say) -> int:
     # Leaving the block without starting it (deflected, ^C while waiting) lets it go.
     with _starter(argv) as parked:
         turn = gate.turn(session=options.session, model=options.model, argv=argv,
-                         wait=options.wait, command_pid=parked.pid).acquire()
+                         wait=options.wait, command_pid=parked.pid,
+                         fallback=bool(options.fallbacks)).acquire()
         if turn.state == DEFLECTED:
             parked.cancel()   # before the fallbacks fork children of their own
             return _deflect(gate, turn, options, say)
