@@ -98,10 +98,12 @@ with FileLock(sys.argv[1]):
 SETTLE = 0.3   # seconds between the last waiter's readiness and the holder's release
 
 
-def handoff_once(kind: str, env: dict, work: str, index, waiters: int = 1) -> float | None:
+def handoff_once(kind: str, env: dict, work: str, index, waiters: int = 1,
+                 deflecting: bool = False) -> float | None:
     """One hand-off: a holder, `waiters` turns queued behind it (each blocked in the kernel before
     the holder is let go), then the ms from the holder's child exit to the next turn's child
-    start (the earliest start among the waiters)."""
+    start (the earliest start among the waiters). deflecting: meanwhile a turn that does not wait
+    deflects, again and again, from the release on (what a deflection reads, it reads then)."""
     fifo = os.path.join(work, f"go-{index}")
     end = os.path.join(work, f"end-{index}")
     starts = [os.path.join(work, f"start-{index}-{number}") for number in range(waiters)]
@@ -133,16 +135,29 @@ def handoff_once(kind: str, env: dict, work: str, index, waiters: int = 1) -> fl
     # Nothing reads /proc/locks during the measured window, as on a user's machine: the polls
     # above (which keep the kernel's file_rwsem path warm: PITFALLS 22-23) end well before it.
     time.sleep(SETTLE)
+    stop = threading.Event()
+    deflector = threading.Thread(target=_deflect_until, args=(stop, env, lane), daemon=True)
+    if deflecting:
+        deflector.start()
     with open(fifo, "w") as go:
         go.write("go\n")
     h.wait(30)
     for w in ws:
         w.wait(60)
+    stop.set()
+    if deflecting:
+        deflector.join(30)
     try:
         first = min(float(open(start).read()) for start in starts)
         return (first - float(open(end).read())) * 1000
     except (OSError, ValueError):
         return None
+
+
+def _deflect_until(stop: threading.Event, env: dict, lane: str) -> None:
+    while not stop.is_set():
+        subprocess.run([*LANELOCK, "run", "-q", "-b", lane, "--", "true"], env=env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _until_locked(env, kind, lock, pid):
@@ -215,6 +230,51 @@ def handoff_queued(env: dict, count: int) -> None:
                 f"within +{target:g} ms of flock(1)", extra <= target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+# 9 --------------------------------------------------------------------------------------------
+def deflections(env: dict, count: int) -> None:
+    """A turn that deflects (the lane held, 10 turns queued): its own time, and the hand-off of
+    measure 3 while turns deflect meanwhile (a deflection reads who holds the lane; nothing it
+    reads may slow the hand-off: PITFALLS 22)."""
+    work = tempfile.mkdtemp(prefix="lanelock-bench-deflect-")
+    lane = "127.0.0.1:18089"
+    fifo = os.path.join(work, "go")
+    os.mkfifo(fifo)
+    holder = subprocess.Popen([*LANELOCK, "run", "-q", "-b", lane, "--", "bash", "-c",
+                               'read -r _ < "$1"', "h", fifo], env=env)
+    waiters = []
+    try:
+        time.sleep(0.5)
+        waiters = [subprocess.Popen([*LANELOCK, "run", "-q", "-b", lane, "--wait", "60", "--",
+                                     "true"], env=env) for _ in range(10)]
+        time.sleep(1.0)
+        argv = [*LANELOCK, "run", "-q", "-b", lane, "--", "true"]
+        timed(argv, env)
+        values = [timed(argv, env) * 1000 for _ in range(count)]
+        row("9. a deflection, lane held and 10 queued (median / p95 ms)",
+            f"{statistics.median(values):.1f} / {percentile(values, 0.95):.1f}", "", None)
+    finally:
+        with open(fifo, "w") as go:
+            go.write("go\n")
+        holder.wait(30)
+        for waiter in waiters:
+            waiter.wait(60)
+        shutil.rmtree(work, ignore_errors=True)
+    results = {}
+    work = tempfile.mkdtemp(prefix="lanelock-bench-deflect-")
+    try:
+        for kind, deflecting in (("flock", False), ("lanelock", False), ("lanelock", True)):
+            values = [v for v in (handoff_once(kind, env, work, f"{kind}{deflecting}{i}",
+                                               deflecting=deflecting) for i in range(count))
+                      if v is not None]
+            results[(kind, deflecting)] = statistics.median(values)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    quiet = results[("lanelock", False)] - results[("flock", False)]
+    busy = results[("lanelock", True)] - results[("flock", False)]
+    row("9. hand-off above flock(1), turns deflecting meanwhile / not (median ms)",
+        f"{busy:+.2f} / {quiet:+.2f}", "within +2 ms of flock(1)", busy <= 2)
 
 
 def _has_filelock() -> bool:
@@ -307,7 +367,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer runs, for a smoke check")
     parser.add_argument("--skip-real", action="store_true", help="skip the real llama.cpp table")
-    parser.add_argument("--only", default="1,2,3,4,5,6,7,8", help="which measures, e.g. 3,8")
+    parser.add_argument("--only", default="1,2,3,4,5,6,7,8,9", help="which measures, e.g. 3,8")
     args = parser.parse_args()
     only = set(args.only.split(","))
     # The default root /run/lock/lanelock is on tmpfs; measure there too (an ext4 /tmp would add
@@ -324,7 +384,8 @@ def main() -> int:
                  "5": lambda: stress(env, 8, 20 if args.quick else 100),
                  "6": lambda: status_all(env),
                  "7": lambda: None if args.skip_real else real_engine(),
-                 "8": lambda: handoff_queued(env, 6 if args.quick else 20)}
+                 "8": lambda: handoff_queued(env, 6 if args.quick else 20),
+                 "9": lambda: deflections(env, 8 if args.quick else 30)}
         for number, step in steps.items():
             if number in only:
                 step()
