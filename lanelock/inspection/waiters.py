@@ -19,7 +19,7 @@ def cells(row: dict) -> tuple[str, ...]:
     return (str(row.get("position")), str(row.get("class")), str(row.get("effective_class")),
             sanitize(str(row.get("session") or "(none given)"), 60), sanitize(pid, 80),
             seconds(row.get("waited")), _lane_in(row),
-            "stopped" if row.get("stopped") else "no" if "stopped" in row else "cannot tell")
+            {True: "stopped", False: "no"}.get(row.get("stopped"), "cannot tell"))
 
 
 def line(row: dict) -> str:

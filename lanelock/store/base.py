@@ -229,6 +229,12 @@ class LaneStore(ABC):
         Default: from survey()."""
         return [facts.lane for facts in self.survey()]
 
+    def waiting(self, lane) -> list:
+        """The lane's queue rows in order (LaneFacts.queue's shape), asked as a turn asks -- for
+        an estimate on a busy answer's path, so a store whose survey() costs others something
+        (the flock store's /proc/locks) overrides it. Default: survey()."""
+        return self.survey(lane)[0].queue or []
+
     def holding(self, lane, handle=None) -> tuple:
         """(a turn holds the lane now: True, False or None when the store cannot tell; seconds
         since the last turn released it, or None), for a witness that asks several times a

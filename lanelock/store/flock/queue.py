@@ -194,6 +194,11 @@ class Queue:
             return [entry for entry in entries if self._alive(entry.name)]
         return [entry for entry in entries if self._held(entry.name, held)]
 
+    def live_asked(self) -> list[Entry]:
+        """The entries whose turn still waits, each asked itself (a turn's own path: no
+        /proc/locks); files of waiters gone are left for the waiters to remove."""
+        return [entry for entry in self.listed() if self._alive(entry.name)]
+
     def _held(self, name: str, held: set) -> bool:
         try:
             st = os.stat(name, dir_fd=self.dir_fd, follow_symlinks=False)
@@ -229,13 +234,14 @@ class Queue:
                                 if effective(entry.rank, entry.arrival, now, self.aging) >= rank) \
             is not None
 
-    def describe(self) -> list[dict]:
+    def describe(self, kernel: bool = True) -> list[dict]:
         """The live entries in order, for `status`: position, class, effective class, pid,
-        session, waited (seconds)."""
+        session, waited (seconds). kernel=False: on a turn's path, each entry asked itself."""
         now = time.monotonic_ns()
         rows = []
-        for position, entry in enumerate(sorted(self.live_for_status(),
-                                                key=lambda entry: entry.key(now, self.aging)), 1):
+        live = self.live_for_status() if kernel else self.live_asked()
+        for position, entry in enumerate(sorted(live, key=lambda entry: entry.key(now, self.aging)),
+                                         1):
             facts = self._facts(entry.name)
             rows.append({"position": position, "class": CLASSES[entry.rank],
                          "effective_class": CLASSES[effective(entry.rank, entry.arrival, now,

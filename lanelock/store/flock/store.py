@@ -378,7 +378,14 @@ class FlockStore(LaneStore):
         if lane is None:
             return [survey.facts(self.root.path, stem, aging=self.aging) for stem in
                     survey.lane_stems(self.root.path)]
-        return [survey.facts(self.root.path, lane.stem, lane.name, self.aging)]
+        # handle: a turn asks on its own path (a deflection, a hand-over): no /proc/locks read
+        return [survey.facts(self.root.path, lane.stem, lane.name, self.aging,
+                             kernel=handle is None)]
+
+    def waiting(self, lane) -> list:
+        from . import survey
+
+        return survey.queue_rows(self.root.path, lane.stem, self.aging, kernel=False)
 
     def holding(self, lane, handle=None) -> tuple:
         from . import survey

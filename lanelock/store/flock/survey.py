@@ -26,7 +26,13 @@ def lane_stems(root: str) -> list[str]:
     return sorted(name[:-5] for name in names if name.endswith(".lock") and not name.startswith("."))
 
 
-def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0) -> LaneFacts:
+def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0,
+          kernel: bool = True) -> LaneFacts:
+    """kernel=False: asked on a turn's own path (a deflection naming its holder, a hand-over
+    check), where /proc/locks must not be read (PITFALLS 22: each cold read stalls every flock()
+    on the machine, the hand-off under way included). The holder is then the record's, when the
+    record is a live turn's on this very lock file (only a holder writes it, while it holds); the
+    kernel is asked only when no record says so (a flock(1) holder, a record of another file)."""
     found = LaneFacts(lane or lane_name(stem), os.path.join(root, f"{stem}.lock"),
                       os.path.join(root, f"{stem}.json"))
     try:
@@ -41,12 +47,16 @@ def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0) -> 
         kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
         found.problem_lock = f"the lock path is {kind}"
         return found
-    found.queue = _queue(root, stem, aging)
+    found.queue = queue_rows(root, stem, aging, kernel)
     record, problem = sidecar.read(found.sidecar_path)
     found.record, found.record_problem = record, problem
     found.record_absent = problem == sidecar.MISSING
-    view = locks.kernel_view(st)
-    if view is None:
+    holder = None if kernel else _live_holder(record, st)
+    view = None if holder is not None else locks.kernel_view(st)
+    if holder is not None:
+        found.kernel_source = "record"
+        found.held, found.holders = True, [proc.describe_process(holder)]
+    elif view is None:
         found.kernel_source = "probe"
         found.held = _probe_held(found.lock_path)
     else:
@@ -84,6 +94,18 @@ def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0) -> 
     return found
 
 
+def _live_holder(record: dict | None, st: os.stat_result) -> int | None:
+    """The pid of a live turn the record names as holding this lock file now, else None."""
+    if record is None or "released_at" in record \
+            or sidecar.field(record, "lock_inode", int) != st.st_ino:
+        return None
+    pid = sidecar.field(record, "pid", int)
+    ticks = sidecar.field(record, "start_ticks", int)
+    if pid is None or ticks is None or proc.start_ticks(pid) != ticks:
+        return None
+    return pid
+
+
 def holding(sidecar_path: str) -> tuple:
     """(held, seconds since the release) from the holder record and the holder's /proc/PID/stat
     alone: never /proc/locks, whose every read stalls every flock() on the machine (PITFALLS
@@ -107,7 +129,7 @@ def holding(sidecar_path: str) -> tuple:
     return running_command(record) is not None, None
 
 
-def _queue(root: str, stem: str, aging: float) -> list[dict]:
+def queue_rows(root: str, stem: str, aging: float, kernel: bool = True) -> list[dict]:
     """The lane's waiting turns in order (store/flock/queue.py); [] when there are none to read."""
     from .queue import Queue
 
@@ -117,7 +139,7 @@ def _queue(root: str, stem: str, aging: float) -> list[dict]:
         return []
     waiting = Queue(root_fd, stem, aging)
     try:
-        return waiting.describe()
+        return waiting.describe(kernel)
     except OSError:
         return []
     finally:

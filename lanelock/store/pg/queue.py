@@ -45,12 +45,16 @@ class Entry:
         """A waiter of this host stopped (kill -STOP, ^Z): passed over while it is stopped, as on
         the flock store. Another host's cannot be seen: it is waited for, and `status` names it
         and how long it has waited."""
-        from ...facts import hostname
         from ...proc import is_stopped
 
         pid = self.facts.get("pid")
-        return self.facts.get("hostname") == hostname() and isinstance(pid, int) \
-            and is_stopped(pid)
+        return self.here() and isinstance(pid, int) and is_stopped(pid)
+
+    def here(self) -> bool:
+        """Is the waiter a process of this host (one whose state can be read)?"""
+        from ...facts import hostname
+
+        return self.facts.get("hostname") == hostname()
 
     def effective(self, aging: float) -> int:
         return effective(self.rank, 0, int(self.waited * 1e9), aging)
@@ -137,7 +141,9 @@ def describe(conn, lane: str, aging: float) -> list[dict]:
     return [{"position": position, "class": CLASSES[entry.rank],
              "effective_class": CLASSES[entry.effective(aging)], "pid": entry.facts.get("pid"),
              "session": entry.facts.get("session"), "host": entry.facts.get("hostname"),
-             "waited": round(entry.waited, 3), "stopped": entry.stopped_here()}
+             "waited": round(entry.waited, 3),
+             # another host's waiter cannot be seen stopped: None, "cannot tell", never "no"
+             "stopped": entry.stopped_here() if entry.here() else None}
             for position, entry in enumerate(entries, 1)]
 
 
