@@ -261,20 +261,23 @@ def deflections(env: dict, count: int) -> None:
         for waiter in waiters:
             waiter.wait(60)
         shutil.rmtree(work, ignore_errors=True)
+    # Both sides with the same turns deflecting meanwhile (each a Python process: the machine is
+    # busier for flock(1) too), so the difference is what lanelock itself costs then.
     results = {}
     work = tempfile.mkdtemp(prefix="lanelock-bench-deflect-")
     try:
-        for kind, deflecting in (("flock", False), ("lanelock", False), ("lanelock", True)):
-            values = [v for v in (handoff_once(kind, env, work, f"{kind}{deflecting}{i}",
-                                               deflecting=deflecting) for i in range(count))
-                      if v is not None]
-            results[(kind, deflecting)] = statistics.median(values)
+        for kind in ("flock", "lanelock"):
+            values = [v for v in (handoff_once(kind, env, work, f"{kind}d{i}", deflecting=True)
+                                  for i in range(count)) if v is not None]
+            results[kind] = (statistics.median(values), percentile(values, 0.95))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    quiet = results[("lanelock", False)] - results[("flock", False)]
-    busy = results[("lanelock", True)] - results[("flock", False)]
-    row("9. hand-off above flock(1), turns deflecting meanwhile / not (median ms)",
-        f"{busy:+.2f} / {quiet:+.2f}", "within +2 ms of flock(1)", busy <= 2)
+    for kind, (median, p95) in results.items():
+        row(f"9. hand-off, turns deflecting meanwhile: {kind} (median / p95 ms)",
+            f"{median:.2f} / {p95:.2f}", "", None)
+    extra = results["lanelock"][0] - results["flock"][0]
+    row("9. lanelock above flock(1), turns deflecting meanwhile (median ms)", f"{extra:+.2f}",
+        "within +2 ms of flock(1)", extra <= 2)
 
 
 def _has_filelock() -> bool:

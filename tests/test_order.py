@@ -47,6 +47,29 @@ def waiter(procs, store, backend, session, priority, *mode):
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def holding(procs, store, backend):
+    """A process holding the lane until let_go()."""
+    holder = procs.start([sys.executable, STORE_DRIVER, *store, backend, "hold", "holder"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().startswith("held ")
+    return holder
+
+
+def let_go(holder) -> None:
+    holder.stdin.write("go\n")
+    holder.stdin.flush()
+    assert holder.wait(TIMEOUT) == 0
+
+
+def two_in_line(procs, store, backend) -> tuple:
+    """Two normal waiters: the first waits for the lane, the second on the first's entry."""
+    first = waiter(procs, store, backend, "w1", "normal")
+    assert line(first)["look"] is None
+    second = waiter(procs, store, backend, "w2", "normal")
+    assert line(second)["look"] == str(first.pid)
+    return first, second
+
+
 def line(process) -> dict:
     text = process.stdout.readline()
     assert text, process.stderr.read()
@@ -62,9 +85,7 @@ def until_held(process) -> dict:
 def test_an_aging_step_between_a_look_and_its_wait_stalls_nobody(store, backend, procs,
                                                                   monkeypatch):
     monkeypatch.setenv("LANELOCK_PRIORITY_AGING", str(AGING))
-    holder = procs.start([sys.executable, STORE_DRIVER, *store, backend, "hold", "holder"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().startswith("held ")
+    holder = holding(procs, store, backend)
     first = waiter(procs, store, backend, "x", "interactive")
     assert line(first)["look"] is None                      # X: first in the queue
     batch = waiter(procs, store, backend, "w1", "batch", "stall=2")
@@ -84,9 +105,7 @@ def test_an_aging_step_between_a_look_and_its_wait_stalls_nobody(store, backend,
     # look again at once -- its step has passed -- rather than wait on W2, who waits on it.
     time.sleep(max(0.0, looked["step"] - (time.monotonic() - looked_at)) + 0.05)   # the clock
     released = time.monotonic()
-    holder.stdin.write("go\n")
-    holder.stdin.flush()
-    assert holder.wait(TIMEOUT) == 0
+    let_go(holder)
     one, two = until_held(batch), until_held(normal)
     assert one["state"] == two["state"] == "held"
     assert one["stalled"], "the step never fell between a look and its wait"
@@ -108,13 +127,8 @@ def test_a_queue_that_breaks_while_a_turn_waits_never_lets_it_run_beside_the_hol
     import psycopg
 
     store = ("postgresql", postgres.dsn)
-    holder = procs.start([sys.executable, STORE_DRIVER, *store, backend, "hold", "holder"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().startswith("held ")
-    ahead = waiter(procs, store, backend, "w1", "normal")
-    assert line(ahead)["look"] is None
-    behind = waiter(procs, store, backend, "w2", "normal")
-    assert line(behind)["look"] == str(ahead.pid)
+    holder = holding(procs, store, backend)
+    ahead, behind = two_in_line(procs, store, backend)
     with psycopg.connect(postgres.dsn, autocommit=True) as admin:
         admin.execute("ALTER TABLE lanelock_queue RENAME TO lanelock_queue_away")
         try:
@@ -126,9 +140,7 @@ def test_a_queue_that_breaks_while_a_turn_waits_never_lets_it_run_beside_the_hol
             admin.execute("DROP TABLE IF EXISTS lanelock_queue")
             admin.execute("ALTER TABLE lanelock_queue_away RENAME TO lanelock_queue")
     released = time.monotonic()
-    holder.stdin.write("go\n")
-    holder.stdin.flush()
-    assert holder.wait(TIMEOUT) == 0
+    let_go(holder)
     got = until_held(behind)
     assert got["state"] == "held" and got["at"] > released
     assert behind.wait(TIMEOUT) == 0
@@ -144,13 +156,8 @@ def test_a_stopped_waiter_is_passed_over_and_goes_next_once_continued(kind, tmp_
     where = request.getfixturevalue("postgres").dsn if kind == "postgresql" \
         else str(tmp_path / "root")
     store = (kind, where)
-    holder = procs.start([sys.executable, STORE_DRIVER, *store, backend, "hold", "holder"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().startswith("held ")
-    first = waiter(procs, store, backend, "w1", "normal")
-    assert line(first)["look"] is None
-    second = waiter(procs, store, backend, "w2", "normal")
-    assert line(second)["look"] == str(first.pid)      # behind W1, waiting on its entry
+    holder = holding(procs, store, backend)
+    first, second = two_in_line(procs, store, backend)   # W2 waits on W1's entry
     os.kill(first.pid, signal.SIGSTOP)
     assert line(second)["look"] is None                 # W1 stopped: passed over (a timed look)
     where_flag = ["--store", where] if kind == "postgresql" else ["--lock-dir", where]
@@ -159,9 +166,7 @@ def test_a_stopped_waiter_is_passed_over_and_goes_next_once_continued(kind, tmp_
     assert f'lanelock_lane_waiters_stopped{{lane="' in metrics.stdout, metrics.stderr
     assert [line_ for line_ in metrics.stdout.splitlines()
             if line_.startswith("lanelock_lane_waiters_stopped{")][0].endswith(" 1.0")
-    holder.stdin.write("go\n")
-    holder.stdin.flush()
-    assert holder.wait(TIMEOUT) == 0
+    let_go(holder)
     assert until_held(second)["state"] == "held"
     assert second.wait(TIMEOUT) == 0
     plain = procs.start([sys.executable, STORE_DRIVER, *store, backend, "turn", "plain", "0"],
