@@ -19,7 +19,7 @@ import time
 import pytest
 
 from lanelock.store.flock import store as lock_store
-from conftest import TIMEOUT, is_waiting, needs_flock, wait_for
+from conftest import STEM, TIMEOUT, is_waiting, needs_flock, wait_for
 from lanelock import BUSY_WORDS, REASON_BUSY, Gate
 from lanelock.lanes import BackendError
 
@@ -412,3 +412,32 @@ def test_a_turns_steps_are_the_asyncio_drivers_not_public_api():
     public = {name for name in dir(Turn) if not name.startswith("_")}
     assert not public & {"take", "commit", "prepare", "conclude", "own_by", "cancel_wait"}
     assert {"acquire", "release", "held", "env", "headers", "lane", "lock_path"} <= public
+
+
+def test_a_turn_given_up_in_a_thread_leaves_no_kernel_wait(holder, lock_dir, procs):
+    """issue 31 item 6: a turn that stops waiting calls its kernel wait off (store/flock/
+    interrupt.py: a signal to the waiter thread). The signal's handler can be installed only
+    from the main thread: a program whose turns wait only in threads it started (a worker pool)
+    kept the abandoned wait until the holder let go, a phantom waiter in /proc/locks. The gate,
+    built on the main thread, installs it."""
+    script = """
+import sys, threading
+from lanelock import Gate
+gate = Gate("127.0.0.1:8080")
+seen = []
+worker = threading.Thread(target=lambda: seen.append(gate.turn(session="pool", wait=0.2)
+                                                     .acquire().state))
+worker.start()
+worker.join()
+print(seen[0], flush=True)
+sys.stdin.readline()
+"""
+    held = holder()
+    asker = procs.start([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, text=True)
+    assert asker.stdout.readline().strip() == "deflected"
+    assert not is_waiting(lock_dir / f"{STEM}.lock", asker.pid)
+    asker.stdin.write("\n")
+    asker.stdin.flush()
+    assert asker.wait(TIMEOUT) == 0
+    assert held.release() == 0

@@ -25,7 +25,7 @@ from ...errors import GateUnavailable, RecordNotWritten
 from ...paths import UNGATED, Root, creation_problem, open_root
 from ...priority import CLASSES, DEFAULT_AGING, DEFAULT_RANK
 from .. import order, outlived
-from . import journal, queue, sidecar, waiting
+from . import interrupt, journal, queue, sidecar, waiting
 from .line import FlockLine
 from ..base import LaneStore, LockHandle
 
@@ -88,6 +88,10 @@ class FlockStore(LaneStore):
         self.aging = priority_aging
         self._caveat_checked: str | None = None
         self._queue_warned = False
+        # The signal that calls an abandoned kernel wait off (interrupt.py) can be handled only
+        # if installed from the main thread: a gate is usually built there, its turns may wait
+        # in any thread (a worker pool's).
+        interrupt.prepare()
 
     @staticmethod
     def names(stem: str) -> dict[str, str]:
