@@ -39,11 +39,11 @@ def queue(env=None) -> list[dict]:
         os.environ.pop("LANELOCK_PRIORITY_AGING", None)
 
 
-def queued(procs, order_file, name: str, klass: str, env=None, extra=()):
+def queued(procs, order_file, name: str, klass: str, env=None, extra=(), prefix=()):
     """A `lanelock run --wait --priority KLASS` that appends NAME to order_file once it holds;
-    returned once it shows in the queue."""
+    returned once it shows in the queue. prefix: words before it (strace ...)."""
     before = len(queue(env))
-    waiter = procs.start([*LANELOCK, "run", "--wait", "120", "--priority", klass, "-s", name,
+    waiter = procs.start([*prefix, *LANELOCK, "run", "--wait", "120", "--priority", klass, "-s", name,
                           "-b", BACKEND, *extra, "--", "sh", "-c", f'echo {name} >> "$0"',
                           str(order_file)],
                          env={**os.environ, **(env or {})}, stderr=subprocess.PIPE)
@@ -369,3 +369,19 @@ def test_a_deflection_never_reads_proc_locks(holder, procs, tmp_path, run_cmd):
     assert "/proc/locks" not in trace.read_text()
     assert held.release() == 0
     finished([waiter])
+
+
+@pytest.mark.skipif(not shutil.which("strace"), reason="needs strace")
+def test_a_waiting_turn_never_reads_proc_locks(holder, procs, tmp_path):
+    """issue 30: the waiter that got the lane read /proc/locks to see which queue entries lived
+    (8-15 ms cold, every flock() on the machine waiting meanwhile). A waiter queued behind
+    another, then first, then holding: each entry is asked itself, and /proc/locks never."""
+    order, trace = tmp_path / "order", tmp_path / "trace"
+    held = holder("-b", BACKEND, "-s", "first")
+    ahead = queued(procs, order, "ahead", "normal", NO_AGING)
+    behind = queued(procs, order, "behind", "normal", NO_AGING,
+                    prefix=["strace", "-f", "-qq", "-e", "trace=openat,open", "-o", str(trace)])
+    assert held.release() == 0
+    finished([ahead, behind])
+    assert order.read_text().split() == ["ahead", "behind"]
+    assert "/proc/locks" not in trace.read_text()
