@@ -19,17 +19,20 @@ import pytest
 import pg_server
 from conftest import LANELOCK, TIMEOUT
 
-ENGINE_IP = "10.213.77.1"   # the engine box's address on the first host's link
+# One /24 per pytest-xdist worker (10.213.77.0/24 for the first, or without xdist): two workers'
+# namespaces on one address would send each other's packets to the wrong link.
+NET = f"10.213.{77 + int(os.environ.get('PYTEST_XDIST_WORKER', 'gw0')[2:] or 0)}"
+ENGINE_IP = f"{NET}.1"   # the engine box's address on the first host's link
 
 
 class Namespace:
     """A test host: a network namespace joined to this one by a veth pair, the /30 numbered
-    `subnet` in 10.213.77.0/24 (0: 10.213.77.1 on this side, 10.213.77.2 inside; 1: .5 and .6)."""
+    `subnet` in NET's /24 (0: NET.1 on this side, NET.2 inside; 1: .5 and .6)."""
 
     def __init__(self, subnet: int = 0):
         tag = uuid.uuid4().hex[:6]
         self.name, self.outer, self.inner = f"ll{tag}", f"llh{tag}", f"lln{tag}"
-        self.host_ip, self.ns_ip = f"10.213.77.{4 * subnet + 1}", f"10.213.77.{4 * subnet + 2}"
+        self.host_ip, self.ns_ip = f"{NET}.{4 * subnet + 1}", f"{NET}.{4 * subnet + 2}"
 
     def up(self) -> "Namespace":
         for argv in (["ip", "netns", "add", self.name],
@@ -124,7 +127,7 @@ class Host:
 
 def two_hosts(lock_roots, hostnames: tuple[str, str], host=Host) -> list:
     """[host(namespace, hostname, store) for each hostname]: two hosts linked to this namespace,
-    the engine box, where a PostgreSQL server listens on 10.213.77.1 and trusts both hosts'
+    the engine box, where a PostgreSQL server listens on ENGINE_IP and trusts both hosts'
     addresses (the store). The namespaces go down after the teardown check, so procs kills the
     processes on them while their links are up and the server sees their sessions end at once (a
     link taken down first would leave a lane held for the vanished-host bound)."""
@@ -137,6 +140,6 @@ def two_hosts(lock_roots, hostnames: tuple[str, str], host=Host) -> list:
         namespace.route_everything_here()
         namespaces.append(namespace)
     assert namespaces[0].host_ip == ENGINE_IP
-    server = reachable_postgres(lock_roots, ENGINE_IP, "10.213.77.0/29")   # .2 and .6
+    server = reachable_postgres(lock_roots, ENGINE_IP, f"{NET}.0/29")   # .2 and .6
     store = f"postgresql://postgres@{ENGINE_IP}:{server.port}/postgres"
     return [host(namespace, name, store) for namespace, name in zip(namespaces, hostnames)]
