@@ -235,3 +235,56 @@ def test_a_killed_run_hands_the_lane_on_only_once_its_command_is_gone(lanelock, 
         os.kill(held.child_pid, signal.SIGKILL)
     out, err = waiter.communicate(timeout=TIMEOUT)
     assert (waiter.returncode, out) == (0, "ran\n"), err
+
+
+def test_a_deflection_whose_fallbacks_all_fail_is_busy_in_history_too(postgres, lanelock, holder,
+                                                                        monkeypatch):
+    """issue 31 (items 6 and 8): events no lock handle carries -- a deflection settled busy, an
+    abandoned wait -- were never journaled on this store (no event handle): a turn whose every
+    fallback failed read as deflected here and as busy on the flock store."""
+    import json
+
+    monkeypatch.setenv("LANELOCK_STORE", postgres.dsn)
+    backend = "127.0.0.1:28931"
+    held = holder("-b", backend, "--session", "holder")
+    assert lanelock("run", "-b", backend, "-s", "nofb", "-f", "/nonexistent/fallback", "--",
+                    "true").returncode == 75
+    assert held.release() == 0
+    done = lanelock("history", "-b", backend, "--json")
+    assert done.returncode == 0, done.stderr
+    sent = [(event["session"], event["outcome"]) for event in json.loads(done.stdout)["events"]
+            if event["event"] == "deflected"]
+    assert sent == [("nofb", "busy")], sent
+
+
+def test_an_unreachable_store_is_asked_once_by_a_turn_that_fails_open(lanelock):
+    """The event handle (above) must not make a fail-open turn wait out a second connect timeout
+    to record that the store cannot be reached: a server that accepts and never answers sees
+    one connection from the turn, and the turn says one line."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    accepted = []
+
+    def accept() -> None:
+        while True:
+            try:
+                accepted.append(listener.accept()[0])   # kept open, never answered
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        dsn = f"postgresql://postgres@127.0.0.1:{listener.getsockname()[1]}/postgres" \
+              "?sslmode=disable"
+        done = lanelock("run", "--store", dsn, "-b", "127.0.0.1:28932", "--", "true")
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()
+    assert done.returncode == 0 and "gate unavailable" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert len(accepted) == 1, len(accepted)

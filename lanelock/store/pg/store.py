@@ -66,6 +66,7 @@ class PgHandle(LockHandle):
 class PgStore(LaneStore):
     kind = "postgresql"
     _queue_warned = False   # the one warning of a queue that cannot be used, per process
+    _unreachable = False    # this process found the server unreachable (event_handle: no retry)
 
     def __init__(self, dsn: str, priority_aging: float = DEFAULT_AGING):
         self.dsn = dsn
@@ -100,7 +101,11 @@ class PgStore(LaneStore):
 
     def open(self, lane_obj, *, create: bool = True) -> PgHandle:
         lane = lane_obj.name
-        conn = self.connect(f"lanelock {lane}")
+        try:
+            conn = self.connect(f"lanelock {lane}")
+        except GateUnavailable:
+            self._unreachable = True
+            raise
         psycopg = driver()
         # The tables only label turns: a schema that cannot be set up (no CREATE privilege) must
         # not decide whether a turn is gated, so its failure shows later, as record warnings.
@@ -451,6 +456,20 @@ class PgStore(LaneStore):
 
             facts.stopped = stopped(pid, record)
         return facts
+
+    def event_handle(self, lane) -> PgHandle | None:
+        """A connection of its own for an event no lock handle carries (an abandoned wait, a
+        deflection settled busy, a fail-open turn whose store answered); None once this process
+        found the server unreachable: a fail-open turn must not wait out a second connect
+        timeout to say so."""
+        if self._unreachable:
+            return None
+        try:
+            conn = self.connect(f"lanelock {lane.name}")
+        except GateUnavailable:
+            self._unreachable = True
+            return None
+        return PgHandle(conn, lane.name, lane_key(lane.name), 0)
 
     def claim_witness(self, lane, who: str | None = None) -> tuple:
         """A session advisory lock on (WITNESS_NAMESPACE, the lane's key) in a connection of its
