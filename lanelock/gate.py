@@ -266,8 +266,9 @@ class Turn:
         return self._deflect(self._handle, detail)
 
     def _give_back(self) -> None:
-        """An asyncio turn cancelled before its decision was recorded: let go of whatever it took (a lock its
-        wait got as it was cancelled, a decision not yet recorded), record nothing."""
+        """An asyncio turn cancelled before its decision was recorded: let go of whatever it
+        took (a lock its wait got as it was cancelled, a decision not yet recorded), record
+        nothing."""
         if self.state is not None and self._pending is None:
             return   # decided and recorded, or nothing taken (ungated, nested, fail-open)
         self._pending = None
@@ -500,18 +501,9 @@ class Turn:
         cancelled turn that was waiting has one; a store with no handle for it records nothing."""
         if self.state != CANCELLED or not self._blocked:
             return
-        handle = self.gate.store.event_handle(self.gate.lane)
-        if handle is None:
-            return
         self.waited = time.monotonic() - self._started_wait
-        try:
-            self.gate.store.append_event(handle, self._event(
-                "abandoned", reason=reason, wait=self.wait, waited=round(self.waited, 6),
-                priority=self.priority))
-        except RecordNotWritten:
-            pass   # the line is lost, nothing else: the client is gone already
-        finally:
-            self.gate.store.release(handle)
+        self._journal_aside(self._event("abandoned", reason=reason, wait=self.wait,
+                                        waited=round(self.waited, 6), priority=self.priority))
 
     @property
     def unsettled(self) -> bool:
@@ -534,16 +526,20 @@ class Turn:
 
     def _journal_outcome(self, outcome: str) -> None:
         """The deflected event said a fallback would run and none did (every one failed): say
-        so after it ('settled', naming the deflection's ts), for history to count it busy. A
-        store with no handle for it (event_handle None) leaves the deflection as it was."""
+        so after it ('settled', naming the deflection's ts), for history to count it busy."""
+        self._journal_aside(self._event("settled", outcome=outcome, of=self._deflected_ts))
+
+    def _journal_aside(self, event: dict) -> None:
+        """An event of a turn that holds no handle any more (settled, abandoned), through the
+        store's event handle; a store with none records nothing, and a line not written is
+        only lost (history reads what was)."""
         handle = self.gate.store.event_handle(self.gate.lane)
         if handle is None:
             return
         try:
-            self.gate.store.append_event(handle, self._event("settled", outcome=outcome,
-                                                             of=self._deflected_ts))
+            self.gate.store.append_event(handle, event)
         except RecordNotWritten:
-            pass   # history reads the deflection as it was written
+            pass
         finally:
             self.gate.store.release(handle)
 

@@ -344,7 +344,7 @@ def test_retry_after_counts_holds_not_the_time_requests_waited(procs, holder):
 
 def test_retry_after_is_the_holders_rest_then_a_hold_per_waiter_ahead():
     """The estimate itself: the waiters of the request's class and higher (as aged) go first."""
-    from lanelock.proxy.retry import ahead, estimate
+    from lanelock.estimate import ahead, until_lane as estimate
 
     queue = [{"effective_class": klass} for klass in
              ("interactive", "interactive", "normal", "batch", "batch", "batch")]

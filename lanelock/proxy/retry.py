@@ -13,8 +13,6 @@ import asyncio
 
 from ..estimate import KEPT, ahead, journal_typical, median, until_lane
 
-estimate = until_lane   # the name its tests and readers know
-
 
 class RetryAfter:
     def __init__(self, gate):
@@ -38,6 +36,3 @@ class RetryAfter:
             return self.gate.store.waiting(self.gate.lane)
         except Exception:  # noqa: BLE001 - an estimate is a nicety
             return []
-
-
-__all__ = ["RetryAfter", "ahead", "estimate"]

@@ -96,8 +96,15 @@ def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0,
 
 def _live_holder(record: dict | None, st: os.stat_result) -> int | None:
     """The pid of a live turn the record names as holding this lock file now, else None."""
-    if record is None or "released_at" in record \
-            or sidecar.field(record, "lock_inode", int) != st.st_ino:
+    if record is None or sidecar.field(record, "lock_inode", int) != st.st_ino:
+        return None
+    return _live_turn(record)
+
+
+def _live_turn(record: dict) -> int | None:
+    """The pid of the turn an unreleased record names, while that process lives (the same
+    start time: not a reused pid), else None."""
+    if "released_at" in record:
         return None
     pid = sidecar.field(record, "pid", int)
     ticks = sidecar.field(record, "start_ticks", int)
@@ -120,9 +127,7 @@ def holding(sidecar_path: str) -> tuple:
         return False, None
     if "released_at" in record:
         return False, released_ago(record)
-    pid = sidecar.field(record, "pid", int)
-    ticks = sidecar.field(record, "start_ticks", int)
-    if pid is not None and ticks is not None and proc.start_ticks(pid) == ticks:
+    if _live_turn(record) is not None:
         return True, None
     from ..outlived import running_command
 
