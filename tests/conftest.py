@@ -701,6 +701,7 @@ class Server:
         self.proc = procs.start(argv, env=environ(env), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
         self.lines: list[str] = []
+        self._more = threading.Condition()
         pattern = re.compile(listening)
         while True:
             line = read_line(self.proc.stderr)
@@ -718,10 +719,33 @@ class Server:
 
     def _drain(self) -> None:
         for raw in iter(self.proc.stderr.readline, b""):
-            self.lines.append(raw.decode(errors="replace"))
+            with self._more:
+                self.lines.append(raw.decode(errors="replace"))
+                self._more.notify_all()
+        with self._more:
+            self.lines_ended = True
+            self._more.notify_all()
+
+    lines_ended = False
 
     def log(self) -> str:
         return "".join(self.lines)
+
+    def until(self, condition, what: str, timeout: float = TIMEOUT) -> str:
+        """The log once condition(log) holds, woken by each line the drain reads: a line the
+        server wrote before an answer may still be in the pipe when the answer arrives."""
+        deadline = time.monotonic() + timeout
+        with self._more:
+            while not condition(self.log()):
+                left = deadline - time.monotonic()
+                if left <= 0 or self.lines_ended:
+                    raise AssertionError(f"no {what} in {self.log()!r}")
+                self._more.wait(left)
+        return self.log()
+
+    def said(self, text: str, timeout: float = TIMEOUT) -> str:
+        """The log once `text` is in it (see until)."""
+        return self.until(lambda log: text in log, repr(text), timeout)
 
     def stop(self, signo=signal.SIGTERM) -> int:
         """Signal the server, wait for it and for the end of its stderr; its exit status."""

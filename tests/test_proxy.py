@@ -472,7 +472,7 @@ def test_local_fallback_takes_its_own_lane_and_is_skipped_when_busy(procs, lanel
     second = holder("-b", small.backend, "-s", "small-holder")
     status, headers, _ = request(proxy.port, "POST", "/completion", b'{"prompt": "hi"}')
     assert (status, headers["X-Lanelock-State"]) == (503, "busy")
-    assert "fallback 1 skipped" in proxy.stderr()
+    proxy.said("fallback 1 skipped")
     assert first.release() == 0 and second.release() == 0
     assert engine.stats()["total"] == 0 and small.stats()["total"] == 1
 
@@ -488,7 +488,8 @@ def test_a_fallback_on_the_busy_lane_itself_is_skipped_in_runs_words(procs, lane
     status, headers, body = request(proxy.port, "POST", CHAT, chat_body())
     assert (status, headers["X-Lanelock-State"]) == (503, "busy")
     words = f"fallback 1 skipped: @{spelled} is the busy lane itself"
-    assert words in proxy.stderr() and words in json.loads(body)["error"]["message"], body
+    assert words in json.loads(body)["error"]["message"], body
+    proxy.said(words)
     ran = lanelock("run", "-b", engine.backend, "-f", f"@{spelled} true", "--", "true")
     assert ran.returncode == 75 and words in ran.stderr, ran.stderr
     assert held.release() == 0
@@ -575,7 +576,7 @@ def test_client_hang_up_while_waiting_abandons_the_wait(procs, lanelock, holder,
              what="the proxied request to wait for the lane")
     sock.close()
     # The proxy's -v line for the request comes once it is done with it (on its stderr pipe).
-    wait_for(lambda: " client gone " in proxy.stderr(), what="the proxy to see the hang-up")
+    proxy.said(" client gone ")
     assert not is_waiting(lock, proxy.proc.pid), locks.kernel_view(os.stat(lock))
     lane = lane_status(lanelock, engine.backend)
     assert (lane["waiters"], lane["queue"]) == ([], []), lane
@@ -692,7 +693,7 @@ def test_dead_backend_answers_502_and_frees_the_lane(procs, lanelock):
     released = [event for event in history(lanelock, backend) if event["event"] == "released"]
     assert len(released) == 1 and released[0]["exit_status"] == 502
     assert released[0]["session"] == "dora"        # no session header: the body's "user"
-    assert "local_backend_down: local model not answering" in proxy.stderr()
+    proxy.said("local_backend_down: local model not answering")
 
 
 def test_oversized_bodies_and_headers_are_refused(procs, lanelock):
@@ -1044,7 +1045,7 @@ def test_an_unreachable_fallback_is_skipped_and_the_next_one_answers(procs, hold
         status, headers, body = request(proxy.port, "POST", CHAT, chat_body())
         assert (status, headers["X-Lanelock-State"]) == (200, "deflected")
         assert json.loads(body)["model"] == "cloud"
-        log = proxy.stderr()
+        log = proxy.said("no answer within 0.5s")
         assert f"fallback 1 http://127.0.0.1:{dead}/v1 unreachable: cannot connect to " in log
         assert "fallback 2" in log and "no answer within 0.5s" in log
         assert busy.release() == 0
@@ -1099,9 +1100,8 @@ def test_verbose_says_200_for_a_stream_read_to_its_end(procs):
                                "--data-binary", chat_body(stream=True).decode(), proxy.url + CHAT],
                               capture_output=True, timeout=TIMEOUT)
         assert done.returncode == 0 and b"data: [DONE]" in done.stdout
-    lines = wait_for(lambda: (lambda found: found if len(found) == 5 else None)(
-        [line for line in proxy.stderr().splitlines() if "proxy: POST" in line]),
-        what="the proxy to log the five requests")
+    proxy.until(lambda log: log.count("proxy: POST") == 5, "five request lines")
+    lines = [line for line in proxy.stderr().splitlines() if "proxy: POST" in line]
     assert all(" 200 held " in line for line in lines), lines
 
 

@@ -273,8 +273,8 @@ def test_a_dead_engine_sends_the_request_down_the_fallback_chain(procs, lanelock
                 "answer from recorder"
             assert cloud.next_request()["path"] == CHAT
             assert probe(lanelock, backend) == 0
-            assert "local_backend_down: local model not answering (the local engine at " \
-                   f"http://{backend} did not answer: " in proxy.stderr()
+            proxy.said("local_backend_down: local model not answering (the local engine at "
+                       f"http://{backend} did not answer: ")
             released = [event for event in history(lanelock, backend)
                         if event["event"] == "released"]
             assert [event["exit_status"] for event in released] == [502]
@@ -330,9 +330,8 @@ def test_retry_after_counts_holds_not_the_time_requests_waited(procs, holder):
     status, headers, _ = request(proxy.port, "POST", CHAT, chat_body(), {"X-Lanelock-Wait": "0"})
     assert (status, headers["Retry-After"]) == (503, "1")
     assert second.release() == 0
-    lines = wait_for(lambda: (lambda found: found if len(found) == 9 else None)(
-        [line for line in proxy.stderr().splitlines() if "proxy: POST" in line]),
-        what="the proxy to log the nine requests")
+    proxy.until(lambda log: log.count("proxy: POST") == 9, "nine request lines")
+    lines = [line for line in proxy.stderr().splitlines() if "proxy: POST" in line]
     times = [re.search(r" 200 held \(waited (\d+\.\d+)s, held (\d+\.\d+)s\)$", line)
              for line in lines[:8]]
     assert all(times), lines

@@ -86,8 +86,7 @@ def test_an_unreachable_fallback_is_said_once_per_incident_in_lanelocks_words(pr
         assert status == 503
         assert f"fallback 1 http://127.0.0.1:{gone}/v1 failed: cannot connect to " \
                f"127.0.0.1:{gone}: connection refused" in body.decode()   # every client is told
-    log = wait_for(lambda: (lambda text: text if text.count("still unreachable") == 2 else None)(
-        proxy.stderr()), "the third busy line")
+    log = proxy.until(lambda text: text.count("still unreachable") == 2, "the third busy line")
     assert "ssl:default" not in log and "Cannot connect to host" not in log, log
     warnings = [line for line in log.splitlines() if "unreachable:" in line]
     assert warnings == [f"lanelock: warning: fallback 1 http://127.0.0.1:{gone}/v1 unreachable: "
@@ -101,5 +100,4 @@ def test_an_unreachable_fallback_is_said_once_per_incident_in_lanelocks_words(pr
                           str(gone)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert "Serving HTTP" in read_line(server.stdout)
     assert request(proxy.port, "POST", CHAT, chat_body())[0] == 501   # its answer is relayed
-    wait_for(lambda: f"fallback 1 http://127.0.0.1:{gone}/v1 answers again (unreachable for "
-             in proxy.stderr(), "the incident's end")
+    proxy.said(f"fallback 1 http://127.0.0.1:{gone}/v1 answers again (unreachable for ")
