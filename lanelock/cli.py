@@ -617,6 +617,41 @@ def completion(shell, line, word):
 _NEGATIVE = __import__("re").compile(r"-\d+(\.\d*)?|-\.\d+")
 
 
+def _glued_dash_value(ctx, argv: list[str]) -> click.BadParameter | None:
+    """What is wrong with a value glued to an option whose value is optional, when it starts
+    with a dash (`--wait=-nan`, `-w-1`, `-qw-nan`): click puts a glued value back among the
+    words, where a dash makes it options (a bare --wait, then "No such option '-n'"). Judged as
+    the value the user wrote; None when no such word is there or the value is one."""
+    if ctx is None:
+        return None
+    for word in argv[:argv.index("--") if "--" in argv else len(argv)]:
+        for param, value in _glued_values(ctx.command.params, word):
+            if value.startswith("-") and isinstance(param.type, Seconds) and param.type.optional:
+                try:   # judged as any glued value: no hint to glue it
+                    Seconds(param.type.flag).convert(value, param, ctx)
+                except click.BadParameter as error:
+                    return error
+    return None
+
+
+def _glued_values(params, word: str):
+    """(option, value) for a value glued to an option in one word: --name=value, -nvalue, or
+    -fnvalue after short flags."""
+    if word.startswith("--"):
+        name, equals, value = word.partition("=")
+        yield from ((param, value) for param in params if equals and name in param.opts)
+        return
+    short = {spelling[1]: param for param in params for spelling in param.opts
+             if len(spelling) == 2 and spelling[0] == "-"}
+    for index in range(1, len(word)):
+        param = short.get(word[index])
+        if param is None:
+            return
+        if not getattr(param, "is_flag", False) or getattr(param, "_flag_needs_value", False):
+            yield param, word[index + 1:]
+            return
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one-line `lanelock:` errors with documented codes, never a traceback."""
     from .guard import guarded, output_status
@@ -642,6 +677,9 @@ def _click_main(argv: list[str] | None):
         say.usage_help(error.format_message())
         return exitcodes.USAGE
     except click.NoSuchOption as error:
+        lost = _glued_dash_value(error.ctx, sys.argv[1:] if argv is None else argv)
+        if lost is not None:
+            return guard.usage(lost.format_message(), error.ctx.command_path)
         if _NEGATIVE.fullmatch(error.option_name or ""):
             error.message = (f"{error.option_name} is a negative number, not an option: seconds "
                              "and counts are 0 or more")

@@ -28,7 +28,7 @@ def test_a_path_without_a_scheme_says_so(lanelock):
 @pytest.mark.parametrize("args, words", [
     (["run", "-w", "echo", "hi"], "--wait's value is optional: write --wait=SECONDS"),
     (["run", "--wait", "-1", "--", "true"], "-1 is a negative number, not an option"),
-    (["run", "--wait=-1", "--", "true"], "-1 is a negative number"),
+    (["run", "--wait=-1", "--", "true"], "-1 is negative: SECONDS must be 0 or more"),
     (["run", "--grace", "-1", "--", "true"], "-1 is negative: SECONDS must be 0 or more"),
     (["run", "--kill-after", "soon", "--", "true"], "'soon' is not a duration (SECONDS: 90, "),
     (["run", "--grace", "nan", "--", "true"], "'nan' is not a duration (SECONDS: 90, "),
@@ -159,6 +159,24 @@ def test_nan_is_not_a_duration_not_a_negative_number(args, lanelock):
     assert "is not a duration (SECONDS: 90, 0.5, 500ms, 30s, 5m, 2h, 1d)" in line, line
     assert "negative" not in line and "optional" not in line, line
 
+
+@pytest.mark.parametrize("args", [
+    ["run", "--wait=-nan", "--", "true"], ["run", "-w-nan", "--", "true"],
+    ["run", "--wait=-5m", "--", "true"], ["proxy", "--wait=-nan"], ["proxy", "-w-1"],
+    ["run", "-qw-nan", "--", "true"],
+])
+def test_a_value_glued_to_wait_that_starts_with_a_dash_is_judged_as_a_value(args, lanelock):
+    """click reads `--wait=-nan` as a bare --wait followed by the options -n -a -n ("No such
+    option '-n'"): --wait's value is optional, and click puts a glued value back among the words
+    where a dash means an option. It is the value the user wrote: judge it."""
+    value = args[1].partition("=")[2] if "=" in args[1] else args[1][args[1].index("w") + 1:]
+    result = lanelock(*args)
+    line = one_line(result)
+    assert result.returncode == 2
+    assert line.startswith(f"lanelock: Invalid value for '--wait' / '-w': {value} is negative"
+                           if value[1:2].isdigit() else
+                           f"lanelock: Invalid value for '--wait' / '-w': {value!r} is not a "
+                           "duration (SECONDS: 90, 0.5, 500ms, 30s, 5m, 2h, 1d) (see"), line
 
 @pytest.mark.parametrize("backend, works", [
     ("8080", "127.0.0.1:8080"), ("localhost", "localhost:8080"), ("10.0.0.5", "10.0.0.5:8080")])
