@@ -182,6 +182,29 @@ def test_since_takes_durations_and_iso_dates(lanelock, lock_dir):
     assert history_json(lanelock, "--since", "1h")["summary"]["turns"] == 1
 
 
+def test_since_reads_the_journals_end_and_finds_every_event_of_the_span(lanelock, lock_dir):
+    """`status` asks for the last hour's holds every half second under --watch: the journal's
+    end is read back to a line older than the span (a minute's slack for appends that land out
+    of time order), not its 2 MiB of days. The older generation (.1), here all garbage, is read
+    only when the span reaches into it."""
+    turn(lanelock)
+    recent = journal_lines(journal(lock_dir))
+    days = [event for hours in range(48, 2, -1) for event in _age(recent, hours + 0.5)
+            for _ in range(40)]                               # ~1 MiB of two days' turns
+    late = _age(recent[:1], 59 / 60) + _age(recent[:1], 1 + 30 / 3600)   # in the span, then
+    span = _age(recent, 0.5) + _age(recent, 0.25)                     # 30 s before it
+    lines = days + late + span + recent
+    journal(lock_dir).write_text("".join(json.dumps(event) + "\n" for event in lines))
+    Path(f"{journal(lock_dir)}.1").write_bytes(b"".join(line + b"\n" for line in GARBAGE))
+
+    data = history_json(lanelock, "--since", "1h")
+    assert [event["ts"] for event in data["events"]] == \
+        sorted(event["ts"] for event in late[:1] + span + recent)   # history: in time order
+    assert data["unreadable_lines"] == 0                      # .1 was not read
+    whole = history_json(lanelock, "--since", "3d")
+    assert len(whole["events"]) == len(lines) and whole["unreadable_lines"] == len(GARBAGE)
+
+
 @pytest.mark.parametrize("since", ["yesterdayish", "2 hours", "1y", "1e3h", "2026-13-45", "h"])
 def test_since_garbage_is_a_usage_error_in_one_line(lanelock, lock_dir, since):
     turn(lanelock)

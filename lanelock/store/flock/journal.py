@@ -87,34 +87,98 @@ def _open(dir_fd: int, name: str) -> int:
     return fd
 
 
-def read(path: str, *, max_bytes: int = 64 << 20) -> tuple[list[dict], int]:
-    """(events, number of unreadable lines), oldest first, from PATH.1 then PATH. Never raises."""
+# Lines from several processes land a little out of time order (each takes its time, then
+# appends): a line this much older than `since` is taken to have none newer than `since` before it.
+SLACK = 60.0
+CHUNK = 64 * 1024
+
+
+def read(path: str, *, since: float | None = None,
+         max_bytes: int = 64 << 20) -> tuple[list[dict], int]:
+    """(events, number of unreadable lines), oldest first, from PATH.1 then PATH. Never raises.
+    With since, only the journal's end is read -- back from its last line to one older than
+    since by SLACK, and PATH.1 only when PATH does not go back that far: a status refreshed
+    every half second asks for the last hour of a journal that may hold 2 MiB of days."""
+    chunks = []
+    for candidate in (path, path + ".1"):
+        raw, reached = _read_file(candidate, since, max_bytes)
+        chunks.insert(0, raw)
+        if reached:
+            break
     events: list[dict] = []
     bad = 0
-    for candidate in (path + ".1", path):
-        try:
-            fd = os.open(candidate, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
-            continue
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                continue
-            with os.fdopen(os.dup(fd), "rb") as handle:
-                raw = handle.read(max_bytes)
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
+    for raw in chunks:
         for line in raw.splitlines():
-            if not line.strip():
-                continue
-            try:
-                event = json.loads(line.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError, RecursionError):
-                bad += 1
-                continue
-            if isinstance(event, dict) and isinstance(event.get("event"), str):
-                events.append(event)
+            event = _event(line)
+            if event is None:
+                bad += bool(line.strip())
             else:
-                bad += 1
+                events.append(event)
     return events, bad
+
+
+def _read_file(path: str, since: float | None, max_bytes: int) -> tuple[bytes, bool]:
+    """(the file's lines -- with since, whole lines from its end; whether those go back past
+    since - SLACK)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return b"", False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return b"", False
+        if since is None:
+            return os.pread(fd, min(max_bytes, st.st_size), 0), False
+        return _tail(fd, st.st_size, since - SLACK, max_bytes)
+    except OSError:
+        return b"", False
+    finally:
+        os.close(fd)
+
+
+def _tail(fd: int, size: int, before: float, max_bytes: int) -> tuple[bytes, bool]:
+    """Chunks read back from the end until the first whole line in them is older than
+    `before` (then True) or the file's start or max_bytes is reached."""
+    chunks: list[bytes] = []   # the earliest last
+    start = size
+    while start > 0 and size - start < max_bytes:
+        step = min(CHUNK, start)
+        start -= step
+        chunks.append(os.pread(fd, step, start))
+        head = 0 if start == 0 else chunks[-1].find(b"\n") + 1
+        if head or not start:
+            ts = _ts(_event(_line_at(chunks, head)))
+            if ts is not None and ts < before:
+                return b"".join(reversed(chunks))[head:], True
+    data = b"".join(reversed(chunks))
+    return (data if start == 0 else data[data.find(b"\n") + 1:]), False
+
+
+def _line_at(chunks: list[bytes], head: int) -> bytes:
+    """The line that begins at `head` of the earliest chunk, up to its newline (or MAX_LINE:
+    longer is no line of ours)."""
+    parts, length = [], 0
+    for index in range(len(chunks) - 1, -1, -1):
+        piece = chunks[index][head if index == len(chunks) - 1 else 0:]
+        end = piece.find(b"\n")
+        parts.append(piece if end < 0 else piece[:end])
+        length += len(parts[-1])
+        if end >= 0 or length > MAX_LINE:
+            break
+    return b"".join(parts)
+
+
+def _event(line: bytes) -> dict | None:
+    if not line.strip():
+        return None
+    try:
+        event = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return event if isinstance(event, dict) and isinstance(event.get("event"), str) else None
+
+
+def _ts(event: dict | None) -> float | None:
+    ts = None if event is None else event.get("ts")
+    return float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else None

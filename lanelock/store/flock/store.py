@@ -416,7 +416,7 @@ class FlockStore(LaneStore):
         return [survey.lane_name(stem) for stem in survey.lane_stems(self.root.path)]
 
     def events(self, lane, since: float | None) -> tuple:
-        events, bad = journal.read(self.where(lane)["journal_path"])
+        events, bad = journal.read(self.where(lane)["journal_path"], since=since)
         if since is not None:
             events = [event for event in events if _number(event.get("ts")) >= since]
         return events, bad
