@@ -446,15 +446,15 @@ class Turn:
         if not self.lost:   # a lost lane already belongs to someone else: leave its record alone
             # Update the record while still holding the lock: after unlock it is the next turn's.
             now = time.time()
+            ending = {"ended": ended} if ended else {}
             fields = {"released_at": utc_now(now), "exit_status": exit_status,
-                      "held_seconds": duration, **({"ended": ended} if ended else {})}
+                      "held_seconds": duration, **ending}
             try:
                 self.gate.store.write_release(self._handle, self._record, fields)
             except RecordNotWritten as error:
                 self.gate.warn(f"the holder record's release was not written: {error}")
             self._log(self._event("released", at=(now, fields["released_at"]),
-                                  duration=duration, exit_status=exit_status,
-                                  **({"ended": ended} if ended else {})))
+                                  duration=duration, exit_status=exit_status, **ending))
         _debug_pause("during-release")
         _HELD_HERE.pop(self._key, None)
         waited = self.waited if self._had_to_wait else None

@@ -701,6 +701,7 @@ class Server:
         self.proc = procs.start(argv, env=environ(env), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
         self.lines: list[str] = []
+        self.lines_ended = False   # the drain read the pipe's end
         self._more = threading.Condition()
         pattern = re.compile(listening)
         while True:
@@ -725,8 +726,6 @@ class Server:
         with self._more:
             self.lines_ended = True
             self._more.notify_all()
-
-    lines_ended = False
 
     def log(self) -> str:
         return "".join(self.lines)

@@ -301,7 +301,7 @@ class Proxy:
         response, failures = await self.chain.walk(request, path_qs, body, fields, why, applied)
         if response is not None:
             return response
-        failed, said = "; ".join(failures), "; ".join(getattr(failures, "said", failures))
+        failed, said = failures.texts()
         self.say.warn(why.sentence(f"every fallback failed ({said})" if failed else
                                    f"no fallback for {request.method} "
                                    f"{path_qs.partition('?')[0][:200]}: 502"))
@@ -325,7 +325,7 @@ class Proxy:
             await asyncturn.settle(turn, "deflected")
             return response
         await asyncturn.settle(turn, "busy")
-        failed, said = "; ".join(failures), "; ".join(getattr(failures, "said", failures))
+        failed, said = failures.texts()
         self.say.note(why.sentence((f"every fallback failed ({said})" if failed else
                                     f"no fallback for {request.method} "
                                     f"{path_qs.partition('?')[0][:200]}")

@@ -66,6 +66,10 @@ class Attempts(list):
         self.append(full)
         self.said.append(said or full)
 
+    def texts(self) -> tuple[str, str]:
+        """(every failure in full, as the log says them), each one line ('' when none)."""
+        return "; ".join(self), "; ".join(self.said)
+
 
 class Chain:
     def __init__(self, proxy):

@@ -96,9 +96,10 @@ CHUNK = 64 * 1024
 def read(path: str, *, since: float | None = None,
          max_bytes: int = 64 << 20) -> tuple[list[dict], int]:
     """(events, number of unreadable lines), oldest first, from PATH.1 then PATH. Never raises.
-    With since, only the journal's end is read -- back from its last line to one older than
-    since by SLACK, and PATH.1 only when PATH does not go back that far: a status refreshed
-    every half second asks for the last hour of a journal that may hold 2 MiB of days."""
+    With since, the events from then on (a ts that is no number counts as 0), and only the
+    journal's end is read -- back from its last line to one older than since by SLACK, and
+    PATH.1 only when PATH does not go back that far: a status refreshed every half second asks
+    for the last hour of a journal that may hold 2 MiB of days."""
     chunks = []
     for candidate in (path, path + ".1"):
         raw, reached = _read_file(candidate, since, max_bytes)
@@ -112,7 +113,7 @@ def read(path: str, *, since: float | None = None,
             event = _event(line)
             if event is None:
                 bad += bool(line.strip())
-            else:
+            elif since is None or (_ts(event) or 0.0) >= since:
                 events.append(event)
     return events, bad
 

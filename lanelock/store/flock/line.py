@@ -33,9 +33,7 @@ class FlockLine(Line):
 
     # -- the lane's own lock ---------------------------------------------------------------------------
     def lock(self, timeout: float | None, cancel=None) -> bool:
-        if timeout is not None and timeout <= 0 and cancel is None:
-            return self.store._flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        try:
+        try:   # a zero timeout: one try without blocking (waiting.wait)
             return waiting.wait(self.handle, timeout, cancel)
         except OSError as error:
             return self.store._contended(self.handle, error)

@@ -416,16 +416,7 @@ class FlockStore(LaneStore):
         return [survey.lane_name(stem) for stem in survey.lane_stems(self.root.path)]
 
     def events(self, lane, since: float | None) -> tuple:
-        events, bad = journal.read(self.where(lane)["journal_path"], since=since)
-        if since is not None:
-            events = [event for event in events if _number(event.get("ts")) >= since]
-        return events, bad
-
-
-def _number(value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return 0.0
-    return float(value)
+        return journal.read(self.where(lane)["journal_path"], since=since)
 
 
 NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "9p",

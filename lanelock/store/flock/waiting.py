@@ -260,7 +260,10 @@ class _Waiter:
     def idle(self) -> bool:
         """Does the thread wait in the kernel with nobody in its queue, a wait to call off?"""
         with self.guard:
-            return self.interruptible and self.fd is not None and not self.queue
+            return self._idle()
+
+    def _idle(self) -> bool:   # under self.guard
+        return self.interruptible and self.fd is not None and not self.queue
 
     def call_off(self) -> None:
         """Nobody wants the lock any more: interrupt the thread's flock, so it leaves the kernel's
@@ -268,8 +271,7 @@ class _Waiter:
         meanwhile: the wait is that turn's now)."""
         for pause in CALL_OFF_PAUSES:
             with self.guard:
-                if not (self.interruptible and self.fd is not None and not self.queue
-                        and interrupt.ready()):
+                if not (self._idle() and interrupt.ready()):
                     return
                 interrupt.send(self.thread.ident)   # alive: it leaves only under the guard
             if self.left.wait(pause):

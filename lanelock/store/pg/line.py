@@ -29,9 +29,7 @@ class PgLine(Line):
         self.store._unlock_lane(self.handle)
 
     def sees_stop(self, entry) -> bool:
-        from ...facts import hostname
-
-        return entry.facts.get("hostname") == hostname()
+        return entry.here()   # a waiter of this host: its state can be read
 
     def behind(self, entry, timeout: float | None, cancel=None) -> None:
         self._queue(pg_queue.wait_behind, entry, timeout, driver(), default=None)

@@ -153,8 +153,9 @@ def wait_behind(conn, entry: Entry, timeout: float | None, psycopg) -> None:
     wait, never a broken queue: the wait's timeout (this waiter's next step) is counted from the
     look's return, and a look that returns late (a busy machine, its DELETE of a gone row waiting
     on a row lock) leaves the waiter waiting past its step on an entry by then behind it -- which,
-    looking after the step, waits on it (the step is now counted from before the look, which narrows that to a round
-    trip). The detector's error ends the wait like a timeout: the waiter looks again."""
+    looking after the step, waits on it (the step is now counted from before the look, which
+    narrows that to a round trip). The detector's error ends the wait like a timeout: the waiter
+    looks again."""
     millis = 0 if timeout is None else max(1, int(timeout * 1000))
     with conn.cursor() as cursor:
         cursor.execute(f"SET lock_timeout = {millis}")

@@ -28,7 +28,7 @@ from . import queue as pg_queue
 from ..base import LaneFacts, LaneStore, LockHandle
 from ...priority import DEFAULT_AGING
 from .line import PgLine
-from .session import BOUND, NAMESPACE, SCHEMA_SQL, connect, driver, ensure_schema, first_line, redact
+from .session import BOUND, NAMESPACE, connect, driver, ensure_schema, first_line, redact
 
 NO_ROW = "no holder row yet"
 WITNESS_NAMESPACE = 0x4C4E5754   # "LNWT": the lane's one witness, never a lane's or a queue's key
