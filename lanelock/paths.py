@@ -132,7 +132,7 @@ def open_root(root: Root, *, create: bool) -> int:
     except OSError as error:
         raise GateUnavailable(_why(root.path, error)) from None
     try:
-        _check_trust(root.path, os.fstat(fd))
+        _check_trust(root, os.fstat(fd))
     except GateUnavailable:
         os.close(fd)
         raise
@@ -157,14 +157,37 @@ def _make_root(path: str) -> None:
         raise GateUnavailable(_why(path, error, creating=True)) from None
 
 
-def _check_trust(path: str, st: os.stat_result) -> None:
-    """Refuse a root another user could swap lock files in: group/other-writable without sticky."""
-    if st.st_uid in (0, os.geteuid()):
-        return
+def _check_trust(root: Root, st: os.stat_result) -> None:
+    """Refuse a root in which someone else could remove, replace or lock out our lock files
+    (PITFALLS 28): removing a lock file under its holder splits the lane in two, a chmod switches
+    the gate off for everyone. So: never one writable by group or others without the sticky bit,
+    whoever owns it; and never a default root owned by another unprivileged user, who may do all
+    of that in it sticky or not (a "root squat": made first after boot). Another root is not
+    taken instead: every process must compute the same path (one gate, not two), so the turn
+    fails open with the fix named, once."""
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
         raise GateUnavailable(
-            f"lock root {path} is owned by uid {st.st_uid} and writable by others without the "
-            "sticky bit; not trusting it")
+            f"lock root {root.path} is owned by uid {st.st_uid} and writable by others without "
+            f"the sticky bit; not trusting it: {_fix(root)}")
+    if root.source == "default" and st.st_uid not in (0, os.geteuid()):
+        raise GateUnavailable(
+            f"lock root {root.path} is owned by {_user(st.st_uid)}, who could remove or lock "
+            f"out every lane in it; not trusting it: {_fix(root)}")
+
+
+def _fix(root: Root) -> str:
+    if root.source == "default":
+        return f"as root, rm -rf {root.path} && install -d -m 1777 {root.path}"
+    return f"chmod +t {root.path}, or choose another lock_dir"
+
+
+def _user(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (KeyError, ImportError):
+        return f"uid {uid}"
 
 
 def _why(path: str, error: OSError, creating: bool = False) -> str:
