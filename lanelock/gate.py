@@ -158,6 +158,7 @@ class Turn:
         self._started = 0.0
         self._acquired_at = ""
         self._stopped_at: str | None = None
+        self._unjournaled: tuple = ()   # a held turn's events the journal had no room for
 
     @property
     def held(self) -> bool:
@@ -569,12 +570,18 @@ class Turn:
             self.gate.warn(f"lane held, but the holder record was not written: {error}")
 
     def _log(self, *events: dict) -> None:
-        """Events as one append (one write() on a flock store's journal)."""
+        """Events as one append (one write() on a flock store's journal). A held turn's events
+        that could not be written (a full disk) go with its next ones: a release carries the
+        acquired event the disk had no room for, and history still has the whole turn."""
+        events = (*self._unjournaled, *events)
+        self._unjournaled = ()
         try:
             self.gate.store.append_event(self._handle, *events)
         except RecordNotWritten as error:
             if self.state == HELD or events[-1]["event"] == "released":
                 self.gate.warn(f"journal not written: {error}")
+            if self.state == HELD and events[-1]["event"] != "released":
+                self._unjournaled = events
 
 
 def _debug_pause(step: str) -> None:

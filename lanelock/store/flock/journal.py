@@ -4,6 +4,14 @@ Each event is one write() on an O_APPEND descriptor, so concurrent turns never i
 line (Linux appends a single write to a regular file atomically with respect to other appenders).
 Rotation renames the journal to NAME.1 and happens only while holding the lane (open_for_append), so
 two rotators can never race; an appender still holding the old descriptor lands its line in NAME.1.
+
+A line is written whole or not at all. A full disk (or a file size limit) can store part of a
+write; the part is blanked in place -- spaces and a newline over the very bytes that write was
+given, which no other appender can have been given and which need no new block -- so the next
+line starts a line of its own. Truncating instead would race with another appender landing a line
+after ours. A writer killed between the two leaves the torn part: a reader counts it unreadable
+and resynchronises at the next line of ours glued to it (every line starts with '{"event": ').
+Long values are cut field by field before serialising (fit()), never the JSON text.
 """
 
 from __future__ import annotations
@@ -32,7 +40,9 @@ def append(dir_fd: int, name: str, events: list[dict], fd: int | None = None) ->
     try:
         written = os.write(fd, data)
         if written != len(data):
-            raise JournalError(0, f"short write to {name} ({written} of {len(data)} bytes)")
+            _blank(fd, written)
+            raise JournalError(0, f"short write to {name} ({written} of {len(data)} bytes; "
+                                  "the disk is full?): not written")
     except OSError as error:
         if isinstance(error, JournalError):
             raise
@@ -42,13 +52,78 @@ def append(dir_fd: int, name: str, events: list[dict], fd: int | None = None) ->
             os.close(fd)
 
 
+def _blank(fd: int, written: int) -> None:
+    """After a short append of `written` bytes: spaces and a newline over exactly those bytes.
+    They are ours (O_APPEND gave this write that range, whatever others appended since), and
+    they are allocated already, so overwriting them needs no space the disk lacks. pwrite() on
+    an O_APPEND descriptor appends on Linux, so O_APPEND is off for the moment (the descriptor
+    is this process's own)."""
+    if written <= 0:
+        return
+    import fcntl
+
+    try:
+        end = os.lseek(fd, 0, os.SEEK_CUR)   # where this write ended
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_APPEND)
+        try:
+            os.pwrite(fd, b" " * (written - 1) + b"\n", end - written)
+        finally:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    except OSError:
+        pass   # the torn part stays: readers count it unreadable and resynchronise after it
+
+
+FIELD_LIMITS = (1024, 256, 64)   # characters kept of one long value, tried in turn
+
+
 def _line(event: dict) -> str:
-    line = json.dumps(event)   # ASCII; keys in the order built (json's cached C encoder)
-    if len(line) >= MAX_LINE:
-        event = {k: v for k, v in event.items() if k not in ("argv", "holder")}
-        event["truncated"] = True
-        line = json.dumps(event)[:MAX_LINE - 2]
-    return line + "\n"
+    return json.dumps(fit(event)) + "\n"   # ASCII; keys in the order built
+
+
+def fit(event: dict, max_line: int = MAX_LINE) -> dict:
+    """The event as it fits one journal line: when its JSON is too long, its long values are cut
+    field by field (strings, and those inside lists and dicts: a holder's command) to 1,024
+    characters, then 256, then 64, each ending in '…', and "cut" lists the top-level fields
+    that were; a line still too long keeps only what history needs. JSON escapes make a
+    character up to 12 bytes ("\\ud83d\\ude00"), so the limit is the serialised length."""
+    if len(json.dumps(event)) < max_line:
+        return event
+    for limit in FIELD_LIMITS:
+        cut = [key for key, value in event.items() if _longer(value, limit)]
+        fitted = {key: _cut(value, limit) for key, value in event.items()}
+        fitted["cut"] = cut
+        if len(json.dumps(fitted)) < max_line:
+            return fitted
+    kept = {key: _cut(value, 64) for key, value in event.items() if key in ESSENTIAL}
+    kept["cut"] = sorted(set(event) - set(kept))
+    return kept
+
+
+# What history, metrics and status's estimate read of an event: kept when nothing else fits.
+ESSENTIAL = ("event", "time", "ts", "monotonic", "lane", "pid", "turn", "outcome", "priority",
+             "duration", "exit_status", "wait", "waited", "of", "start_ticks", "boot_id",
+             "hostname", "reason", "via", "ended")
+
+
+def _longer(value, limit: int) -> bool:
+    if isinstance(value, str):
+        return len(value) > limit
+    if isinstance(value, dict):
+        return any(_longer(item, limit) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return len(value) > limit or any(_longer(item, limit) for item in value)
+    return False
+
+
+def _cut(value, limit: int):
+    if isinstance(value, str):
+        return value if len(value) <= limit else value[:limit] + "…"
+    if isinstance(value, dict):
+        return {key: _cut(item, limit) for key, item in list(value.items())[:limit]}
+    if isinstance(value, (list, tuple)):
+        return [_cut(item, limit) for item in value[:limit]]
+    return value
 
 
 def open_for_append(dir_fd: int, name: str, max_bytes: int) -> int:
@@ -109,13 +184,29 @@ def read(path: str, *, since: float | None = None,
     events: list[dict] = []
     bad = 0
     for raw in chunks:
-        for line in raw.splitlines():
+        for line in raw.split(b"\n"):
             event = _event(line)
-            if event is None:
-                bad += bool(line.strip())
-            elif since is None or (_ts(event) or 0.0) >= since:
+            if event is None and line.strip():
+                bad += 1
+                event = _glued(line)
+            if event is not None and (since is None or (_ts(event) or 0.0) >= since):
                 events.append(event)
     return events, bad
+
+
+START = b'{"event": '   # how every line of ours starts; inside a JSON string a quote is escaped
+
+
+def _glued(line: bytes) -> dict | None:
+    """A line of ours glued to the end of a torn one (its writer was killed between a short
+    write and blanking it): the last start of a line in it that parses."""
+    start = line.rfind(START)
+    while start > 0:
+        event = _event(line[start:])
+        if event is not None:
+            return event
+        start = line.rfind(START, 0, start)
+    return None
 
 
 def _read_file(path: str, since: float | None, max_bytes: int) -> tuple[bytes, bool]:
