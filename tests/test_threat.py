@@ -20,7 +20,7 @@ import tempfile
 import pytest
 
 from conftest import LANE, STEM, read_line
-from test_users import AS_USER
+from test_users import AS_USER, shared_root  # noqa: F401 - a fixture
 
 NOWHERE = "/nonexistent-lanelock"   # config files another user could not read: none at all
 
@@ -144,3 +144,78 @@ def test_a_root_owned_default_root_writable_without_the_sticky_bit_is_refused(na
         done = run_cmd(namespace.lanelock(user, "run", "-b", LANE, "--", "echo", "ran"))
         ran_ungated_saying(done, "without the sticky bit", "not trusting it")
     assert run_cmd(namespace.argv("ls", "-A", "/run/lock/lanelock")).stdout == ""
+
+
+# -- nothing written through a link or to a file of the wrong type ---------------------------------
+WRITTEN = ("journal", "counts", "witness", "json")   # every file a turn or a witness writes
+
+
+@pytest.fixture
+def hardlinks_allowed():
+    """fs.protected_hardlinks=0 (as on some distributions): anyone may hard-link a file they
+    cannot even read. Restored after the test."""
+    path = "/proc/sys/fs/protected_hardlinks"
+    with open(path) as handle:
+        before = handle.read().strip()
+    with open(path, "w") as handle:
+        handle.write("0")
+    yield
+    with open(path, "w") as handle:
+        handle.write(before)
+
+
+def claim_witness(root: str) -> list[str]:
+    """A witness's claim on the lane, in a process of its own (what `lanelock watch` takes)."""
+    return [sys.executable, "-c", f"""
+import types
+from lanelock.paths import Root
+from lanelock.store.flock.store import FlockStore
+from lanelock.errors import GateUnavailable
+try:
+    claim, _ = FlockStore(Root({root!r}, "flag", "test")).claim_witness(types.SimpleNamespace(stem={STEM!r}))
+    print("claimed" if claim else "not claimed")
+except GateUnavailable as error:
+    print("refused:", error)
+"""]
+
+
+def test_no_write_goes_through_a_hard_link_another_user_planted(two_users, shared_root,
+                                                                 hardlinks_allowed, lanelock,
+                                                                 run_cmd):
+    """mallory links root's private file at every name a turn writes; root's turn and witness
+    run and write none of it."""
+    mallory, _ = two_users
+    os.mkdir(shared_root)
+    os.chmod(shared_root, 0o1777)
+    secret = os.path.join(os.path.dirname(shared_root), "secret")
+    with open(secret, "w") as handle:
+        handle.write("root's own\n")
+    os.chmod(secret, 0o600)
+    for kind in WRITTEN:
+        link = run_cmd(["runuser", "-u", mallory, "--", "ln", secret,
+                        os.path.join(shared_root, f"{STEM}.{kind}")])
+        assert link.returncode == 0, link
+    done = lanelock("run", "-b", LANE, "--", "echo", "ran")
+    assert (done.returncode, done.stdout) == (0, "ran\n"), done
+    assert "hard link" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    claimed = run_cmd(claim_witness(shared_root))
+    assert claimed.stdout.startswith("refused:") and "hard link" in claimed.stdout, claimed
+    with open(secret) as handle:
+        assert handle.read() == "root's own\n"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_fifo_or_directory_planted_where_a_turn_writes_hangs_nothing(shared_root, lanelock,
+                                                                       run_cmd, kind):
+    os.mkdir(shared_root)
+    os.chmod(shared_root, 0o1777)
+    for name in ("journal", "counts", "witness"):
+        path = os.path.join(shared_root, f"{STEM}.{name}")
+        os.mkfifo(path) if kind == "fifo" else os.mkdir(path)
+    done = lanelock("run", "-b", LANE, "--", "echo", "ran", timeout=30)
+    assert (done.returncode, done.stdout) == (0, "ran\n"), done
+    said = "not a regular file" if kind == "fifo" else "Is a directory"
+    assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
+    claimed = run_cmd(claim_witness(shared_root), timeout=30)
+    assert claimed.stdout.startswith("refused:"), claimed

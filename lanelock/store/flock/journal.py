@@ -21,6 +21,8 @@ import json
 import os
 import stat
 
+from ..shared_file import checked
+
 DEFAULT_MAX_BYTES = 1 << 20   # rotate past 1 MiB; one generation (.1) is kept
 MAX_LINE = 16 * 1024
 _FLAGS = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -156,10 +158,10 @@ def _open(dir_fd: int, name: str) -> int:
     except OSError as error:
         reason = "is a symlink; not writing through it" if error.errno == errno.ELOOP else error.strerror
         raise JournalError(error.errno, f"cannot open {name}: {reason}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):   # a FIFO or device planted at the name
-        os.close(fd)
-        raise JournalError(0, f"{name} is not a regular file")
-    return fd
+    try:   # a FIFO, a directory or a hard link to someone's file planted at the name
+        return checked(fd, name)
+    except OSError as error:
+        raise JournalError(error.errno, error.strerror) from None
 
 
 # Lines from several processes land a little out of time order (each takes its time, then
