@@ -157,3 +157,115 @@ def test_a_long_cjk_label_is_cut_field_by_field_and_the_turn_kept(lanelock, lock
     assert first["session"].startswith("語" * 100) and first["session"].endswith("…")
     assert first["cut"] == ["session"]
     assert data["events"][4]["model"].startswith("模" * 100)
+
+
+# -- what reaches the terminal --------------------------------------------------------------------
+ESC_PAYLOAD = "\x1b]0;owned\x07\x1b[2J\x9b31m\x1bP+q\x1b\\"
+FIELDS = ("event", "time", "lane", "pid", "session", "model", "turn", "reason", "outcome",
+          "priority", "ended", "exit_status", "duration", "waited", "wait", "witness", "engine",
+          "tokens", "slots", "turns", "via", "client", "of")
+
+
+def forged_journal(lock_dir: Path, now: float) -> None:
+    """Lines with ESC/OSC/C1 in every field a journal line can carry, of every kind of event."""
+    lock_dir.mkdir(exist_ok=True)
+    bad = ESC_PAYLOAD
+    lines = []
+    for kind in ("acquired", "released", "deflected", "waited", "fail-open", "abandoned",
+                 "unseen", "settled", bad):
+        event = {name: bad for name in FIELDS}
+        event.update(event=kind, ts=now - 30, monotonic=1.0,
+                     holder={"pid": bad, "session": bad, "model": bad, "command": bad,
+                             "host": bad, "note": bad, "lanelock": True, "held_for": bad})
+        lines.append(event)
+    lines.append({"event": "acquired", "ts": now - 20, "pid": 4242, "session": bad,
+                  "model": bad, "priority": "normal"})
+    (lock_dir / f"{STEM}.journal").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (lock_dir / f"{STEM}.lock").touch()
+
+
+def assert_no_forged_bytes(output: bytes, ours=rb"\x1b\[[0-9;]*m") -> None:
+    """No ESC, BEL or C1 byte the journal brought: only rich's own style codes (SGR), if any."""
+    rest = re.sub(ours, b"", output)
+    for byte in (b"\x1b", b"\x07", b"\xc2\x9b", b"\x9b"):
+        assert byte not in rest, (byte, rest[max(0, rest.find(byte) - 80):rest.find(byte) + 80])
+
+
+def test_esc_in_every_journal_field_never_reaches_the_terminal_piped(procs, lock_dir):
+    import time
+
+    forged_journal(lock_dir, time.time())
+    for args in (("history",), ("status",), ("status", "--all")):
+        done = raw(procs, *args, env={"NO_COLOR": "1"})
+        assert done.returncode in (0, 69), done
+        assert b"Traceback" not in done.stderr
+        assert_no_forged_bytes(done.stdout + done.stderr)
+
+
+def test_esc_in_every_journal_field_never_reaches_the_terminal_on_a_tty(lanelock, lock_dir, procs):
+    """The rich views (history's table and timeline, status's table) on a terminal."""
+    import time
+
+    pexpect = pytest.importorskip("pexpect")
+    forged_journal(lock_dir, time.time())
+    for args, env in ((["history"], {"NO_COLOR": "1"}), (["history"], {}),
+                      (["status"], {"NO_COLOR": "1"}), (["status"], {"COLUMNS": "60"})):
+        merged = {**os.environ, "TERM": "xterm", "COLUMNS": "200", "LINES": "40", **env}
+        child = pexpect.spawn(sys.executable, ["-m", "lanelock", *args], env=merged, timeout=30,
+                              dimensions=(40, int(merged["COLUMNS"])))
+        procs.spawns.append(child)
+        child.expect(pexpect.EOF)
+        child.close()
+        output = child.before
+        assert b"Traceback" not in output, output
+        assert child.exitstatus in (0, 69), output
+        if args == ["history"]:
+            assert "per minute".encode() in output, output   # the timeline was drawn
+        assert_no_forged_bytes(output)
+
+
+# -- JSON for strict parsers --------------------------------------------------------------------------
+def strict(raw: bytes):
+    """Parse as a strict parser would: UTF-8 without errors, and no lone surrogate in any string
+    (Python's json accepts "\\udcff"; Go's, Rust's serde_json and jq do not)."""
+    data = json.loads(raw.decode("utf-8"))
+
+    def walk(value):
+        if isinstance(value, str):
+            value.encode("utf-8")   # UnicodeEncodeError on a lone surrogate
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(key)
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    walk(data)
+    return data
+
+
+def test_json_output_is_valid_utf8_for_strict_parsers(procs, lock_dir, holder):
+    """A session given as undecodable bytes (the holder record and the journal keep it as a lone
+    surrogate), and forged journal lines holding lone surrogates, \\u escapes and raw bytes."""
+    held = holder("--session", os.fsdecode(b"bad\xff\xfe"), "--model", os.fsdecode(b"m\xc3"))
+    with open(lock_dir / f"{STEM}.journal", "ab") as handle:
+        handle.write(b'{"event": "deflected", "ts": 1.5e9, "pid": 7, "session": "\\ud800x\\udcff",'
+                     b' "reason": "\\udfff", "\\udc80key": 1}\n')
+        handle.write(b'{"event": "deflected", "ts": 1.5e9, "pid": 8, "session": "raw\xff"}\n')
+    for args in (("history", "--json"), ("status", "--json"), ("status", "--all", "--json")):
+        done = raw(procs, *args)
+        assert done.returncode == 0, done
+        data = strict(done.stdout)
+        assert data
+    history = strict(raw(procs, "history", "--json").stdout)
+    sessions = [event.get("session") for event in history["events"]]
+    assert "bad\ufffd\ufffd" in sessions and "\ufffdx\ufffd" in sessions, sessions
+    status = strict(raw(procs, "status", "--json").stdout)
+    assert status["lanes"][0]["holder"]["session"] == "bad\ufffd\ufffd"
+    assert held.release() == 0
+    # the plain views print them too, without an error
+    for args in (("history",), ("status",)):
+        done = raw(procs, *args)
+        assert done.returncode == 0 and b"Traceback" not in done.stderr, done
+        done.stdout.decode("utf-8")

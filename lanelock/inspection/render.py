@@ -17,7 +17,24 @@ from ..say import sanitize
 
 
 def emit_json(data) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    sys.stdout.write(json.dumps(valid_text(data), indent=2, sort_keys=True) + "\n")
+
+
+def valid_text(data):
+    """data with every lone surrogate (an undecodable byte of an argument or a file, or a
+    "\\udcff" escape in a journal line) replaced by U+FFFD: json.dumps writes one as a \\u
+    escape that strict parsers (Go, serde_json, jq) reject."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+            return data
+        except UnicodeEncodeError:
+            return "".join("\ufffd" if "\ud800" <= ch <= "\udfff" else ch for ch in data)
+    if isinstance(data, dict):
+        return {valid_text(key): valid_text(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [valid_text(item) for item in data]
+    return data
 
 
 fail = say.error
@@ -247,8 +264,8 @@ def watch(fetch, interval: float = 0.5, *, as_json: bool = False, notes=(),
         warn(note)
     if as_json:
         while True:
-            sys.stdout.write(json.dumps({"time": time.time(), "lanes": fetch()}, sort_keys=True)
-                             + "\n")
+            sys.stdout.write(json.dumps(valid_text({"time": time.time(), "lanes": fetch()}),
+                                        sort_keys=True) + "\n")
             sys.stdout.flush()
             if stdout_gone(interval):
                 return
@@ -288,11 +305,13 @@ def history(data: dict, lane: str, as_json: bool, rows: list) -> None:
     console = _console()
     lines = []
     for event in data["events"]:
+        # Every cell made printable: any local user can write the journal, and its fields
+        # (pid and event too) must never reach the terminal as escape sequences.
         stamp = shown_time(event.get("ts"))
         who = sanitize(f"{event.get('session') or '-'}", 40)
         klass = event.get("priority") if event.get("priority") in CLASSES else "-"
-        lines.append((stamp, outcome(event), klass, who, str(event.get("pid", "-")),
-                      sanitize(describe(event), 200)))
+        lines.append((sanitize(stamp, 40), sanitize(outcome(event), 20), klass, who,
+                      sanitize(event.get("pid", "-"), 20), sanitize(describe(event), 200)))
     if console is None:
         if lines:
             lines.insert(0, tuple(name for name, _ in HISTORY_COLUMNS))
