@@ -106,7 +106,7 @@ async def _take_without_a_thread(turn) -> None:
         got = await gate.store.wait_lock_async(handle, timeout, rank=turn.rank)
         await _off_loop(turn._decide, handle, got)
     except GateUnavailable as error:
-        turn.fail_open(str(error))
+        turn.cannot_take(error)   # crowded: deflect; broken: fail open
 
 
 async def _off_loop(function, *args):

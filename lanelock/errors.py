@@ -3,6 +3,8 @@
 A store never lets an OSError or a driver's exception out: callers decide on these alone.
 """
 
+import errno
+
 
 class LanelockError(Exception):
     """Base of lanelock's own errors."""
@@ -10,6 +12,30 @@ class LanelockError(Exception):
 
 class GateUnavailable(LanelockError):
     """The gate cannot be taken here; the turn runs without it (fail open)."""
+
+
+class GateCrowded(GateUnavailable):
+    """The gate is there, but this process cannot take it now: it ran out of file descriptors
+    (EMFILE, ENFILE), memory (ENOMEM) or lock records (ENOLCK). Crowded is not broken: the turn
+    cannot tell whether the lane is held, so it deflects (reason gate_crowded), never runs
+    ungated beside a holder as a turn on a broken gate does."""
+
+    reason = "gate_crowded"
+
+
+# The errnos that say "out of resources", not "no gate here".
+CROWDED_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOLCK, errno.ENOBUFS})
+
+
+def crowded(error: BaseException | None) -> bool:
+    """Does error (or the OSError it was raised from: a store's GateUnavailable says why in
+    words and keeps the OSError as its context) say the process or machine is out of
+    descriptors, memory or locks?"""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in CROWDED_ERRNOS:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class RecordNotWritten(LanelockError):

@@ -11,6 +11,7 @@ USAGE = 2             # bad flags, malformed backend, bad config for read comman
 GATE_UNAVAILABLE = 69  # EX_UNAVAILABLE: `status`: a lane's gate cannot be taken (turns run ungated)
 CANNOT_LISTEN = 69     # EX_UNAVAILABLE: `proxy`: its address is in use or not ours to take
 INTERNAL = 70         # EX_SOFTWARE: a lanelock bug (LANELOCK_DEBUG=1 shows the traceback)
+RESOURCES = 71        # EX_OSERR: too few file descriptors (ulimit -n) or no memory to start anything
 BUSY = 75             # EX_TEMPFAIL: lane busy and no fallback ran (--busy-exit-code)
 CANNOT_EXECUTE = 126  # command found but not executable
 NOT_FOUND = 127       # command not found

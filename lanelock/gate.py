@@ -18,7 +18,7 @@ import time
 
 from . import holder as holder_facts
 from . import handover, say
-from .errors import GateUnavailable, RecordNotWritten, WouldBlock
+from .errors import GateCrowded, GateUnavailable, RecordNotWritten, WouldBlock
 from .facts import boot_id, default_session, hostname, own_start_ticks, user_name, utc_now
 from .place import Place, check_arguments
 from .proc import start_ticks
@@ -159,6 +159,7 @@ class Turn:
         self._acquired_at = ""
         self._stopped_at: str | None = None
         self._unjournaled: tuple = ()   # a held turn's events the journal had no room for
+        self.crowded: str | None = None   # why a crowded gate could not be taken (deflected)
 
     @property
     def held(self) -> bool:
@@ -253,7 +254,7 @@ class Turn:
         try:
             self._take_gated(try_only)
         except GateUnavailable as error:
-            return self._fail_open(str(error), self._handle)
+            return self.cannot_take(error)
         return self
 
     def _record_decision(self) -> "Turn":
@@ -416,6 +417,29 @@ class Turn:
     def fail_open(self, why: str) -> "Turn":
         """The gate cannot be taken: the turn goes ahead ungated, with one warning."""
         return self._fail_open(why, self._handle)
+
+    def cannot_take(self, error: GateUnavailable) -> "Turn":
+        """The store could not take the gate: a crowded one (GateCrowded: out of descriptors,
+        memory or locks) deflects, a broken one fails open."""
+        if isinstance(error, GateCrowded):
+            return self._crowded(str(error))
+        return self._fail_open(str(error), self._handle)
+
+    def _crowded(self, why: str) -> "Turn":
+        """Crowded is not broken: the gate is there, this process only cannot open or read it
+        now, so it cannot tell whether another turn holds the lane (with no descriptor, nothing
+        can be asked of the kernel). Running beside a holder is what the gate exists to prevent,
+        so the turn deflects (reason gate_crowded) -- at once: the descriptors it lacks are its
+        own, and waiting would not bring them back. Nothing is journaled or counted (that needs
+        the descriptors it lacks); the caller says the one line."""
+        if self._handle is not None:
+            self.gate.store.release(self._handle)
+            self._handle = None
+        self._pending = None
+        self.state, self.reason, self.holder = DEFLECTED, GateCrowded.reason, None
+        self.crowded = why
+        self._settled = True
+        return self
 
     def _fail_open(self, why: str, handle) -> "Turn":
         self.state, self.reason = FAIL_OPEN, why
@@ -596,10 +620,13 @@ def _debug_pause(step: str) -> None:
 def describe_holder(gate: Gate, handle) -> dict:
     """Who holds the lane (a deflection's line, probe): the one judge's holder of the store's
     facts, read through the handle where the store can."""
-    from .inspection.judge import holder
-
     try:
+        from .inspection.judge import holder
+
         facts = gate.store.survey(gate.lane, handle)[0]
     except GateUnavailable as error:
         return holder_facts.unlabelled(None, None, f"the store could not say: {error}")
+    except OSError as error:   # out of descriptors (an import opens a file too): the kernel said
+        # busy, only who holds it cannot be read now
+        return holder_facts.unlabelled(None, None, f"who, cannot be read now: {error.strerror}")
     return holder(facts)

@@ -8,6 +8,7 @@ import os
 import sys
 
 from . import exitcodes, say
+from .errors import crowded
 
 
 def guarded(call) -> int:
@@ -16,13 +17,24 @@ def guarded(call) -> int:
         result = call()
     except KeyboardInterrupt:
         return die_of_sigint()
+    except OSError as error:
+        if not crowded(error) or os.environ.get("LANELOCK_DEBUG"):
+            return _internal(error)
+        # Out of descriptors or memory where nothing could be done about it (a module to
+        # import opens a file too): no bug, a limit -- one line and EX_OSERR.
+        say.error(f"out of resources: {error.strerror or error}")
+        return exitcodes.RESOURCES
     except Exception as error:  # a bug: one line, not a traceback, unless asked for
-        if os.environ.get("LANELOCK_DEBUG"):
-            raise
-        say.error(f"internal error: {type(error).__name__}: {error} "
-                  "(LANELOCK_DEBUG=1 shows the traceback)")
-        return exitcodes.INTERNAL
+        return _internal(error)
     return result if isinstance(result, int) else exitcodes.OK
+
+
+def _internal(error: Exception) -> int:
+    if os.environ.get("LANELOCK_DEBUG"):
+        raise error
+    say.error(f"internal error: {type(error).__name__}: {error} "
+              "(LANELOCK_DEBUG=1 shows the traceback)")
+    return exitcodes.INTERNAL
 
 
 def die_of_sigint() -> int:

@@ -63,7 +63,7 @@ def test_exit_status_table_is_documented():
     text, readme = man_text(), README.read_text()
     for code in (exitcodes.BUSY, exitcodes.CANNOT_EXECUTE, exitcodes.NOT_FOUND, exitcodes.USAGE,
                  exitcodes.INTERNAL, exitcodes.GATE_UNAVAILABLE, exitcodes.OUTPUT_FAILED,
-                 exitcodes.CANNOT_LISTEN):
+                 exitcodes.CANNOT_LISTEN, exitcodes.RESOURCES):
         assert re.search(rf"^\| {code} \|", readme, re.M), f"{code} missing from README table"
         assert re.search(rf"^{code}$", text, re.M), f"{code} missing from man EXIT STATUS"
     assert "128+N" in readme and "128+" in text

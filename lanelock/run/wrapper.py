@@ -7,6 +7,7 @@ before anything else is done.
 
 from __future__ import annotations
 
+import errno
 import os
 
 from .. import exitcodes, lanes
@@ -62,7 +63,12 @@ def start(request: Request) -> int:
 def run_turn(gate: Gate, argv: list[str], options: Options, say: Say) -> int:
     # The child is forked now and parked: after the lock, every millisecond delays the hand-off.
     # Leaving the block without starting it (deflected, ^C while waiting) lets it go.
-    with _starter(argv) as parked:
+    try:
+        parked = _starter(argv)
+    except OSError as error:   # too few descriptors to start any child: the command, a fallback
+        say.error(f"cannot start {argv[0]}: {_resources(error)}; nothing ran")
+        return exitcodes.RESOURCES
+    with parked:
         turn = gate.turn(session=options.session, model=options.model, argv=argv,
                          wait=options.wait, command_pid=parked.pid,
                          fallback=bool(options.fallbacks)).acquire()
@@ -81,10 +87,25 @@ def run_turn(gate: Gate, argv: list[str], options: Options, say: Say) -> int:
 
 
 def _starter(argv: list[str]):
+    """The parked child, or Unforked when it cannot be forked now (_run tries again once the
+    turn is decided). OSError (EMFILE) when this process is short of descriptors: the child
+    needs 4 at once for its pipes, and a turn only adds its own -- no child could start later."""
     try:
         return runner.Starter(argv)
-    except OSError:   # cannot fork now: _run tries again once the turn is decided
+    except OSError as error:
+        if error.errno == errno.EMFILE:
+            raise
         return runner.Unforked()
+
+
+def _resources(error: OSError) -> str:
+    """'Too many open files (the open-file limit, ulimit -n, is 6)'."""
+    words = error.strerror or str(error)
+    if error.errno == errno.EMFILE:
+        import resource
+
+        words += f" (the open-file limit, ulimit -n, is {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
+    return words
 
 
 def _run(argv, changes, options: Options, say: Say, turn: Turn | None,
@@ -109,7 +130,7 @@ def _run(argv, changes, options: Options, say: Say, turn: Turn | None,
     except OSError as error:
         if starter is not None:
             starter.cancel()
-        say.error(f"cannot start {argv[0]}: {error.strerror}")
+        say.error(f"cannot start {argv[0]}: {_resources(error)}")
     finally:
         if watch:
             watch.stop()
@@ -171,7 +192,7 @@ def _deflect(gate: Gate, turn: Turn, options: Options, say: Say) -> int:
     who = holder_words(turn.holder)
     waited = f", waited {turn.waited:.2f}s" if options.verbose or options.wait else ""
     if not options.fallbacks:
-        say.note(busy_sentence(who + waited, f"no fallback, exit {options.busy_exit_code}"))
+        say.note(_sent_away(gate, turn, who + waited, f"no fallback, exit {options.busy_exit_code}"))
         turn.settle("busy")
         return options.busy_exit_code
     for index, entry in enumerate(options.fallbacks, 1):
@@ -179,7 +200,7 @@ def _deflect(gate: Gate, turn: Turn, options: Options, say: Say) -> int:
         if skip:
             say.note(f"fallback {index} skipped: {skip}")
             continue
-        say.note(busy_sentence(who + waited, f"deflecting to fallback {index}: {entry.text}"))
+        say.note(_sent_away(gate, turn, who + waited, f"deflecting to fallback {index}: {entry.text}"))
         changes = env_changes(turn, fallback_turn, index)
         outcome = _run(list(entry.argv), changes, options, say, fallback_turn)
         if outcome is None or outcome.error:
@@ -190,8 +211,17 @@ def _deflect(gate: Gate, turn: Turn, options: Options, say: Say) -> int:
         runner.reraise_terminal_signal(outcome)
         return outcome.exit_code
     turn.settle("busy")
-    say.note(busy_sentence(who, f"no fallback could run, exit {options.busy_exit_code}"))
+    say.note(_sent_away(gate, turn, who, f"no fallback could run, exit {options.busy_exit_code}"))
     return options.busy_exit_code
+
+
+def _sent_away(gate: Gate, turn: Turn, who: str, then: str) -> str:
+    """The deflection's one line: the holder's words, or -- a crowded gate's turn could not
+    look (gate.Turn._crowded) -- why it cannot tell whether anyone holds the lane."""
+    if turn.crowded:
+        return (f"{turn.reason}: cannot tell whether lane {gate.lane.name} is held "
+                f"({turn.crowded}), so not running beside a holder; {then}")
+    return busy_sentence(who, then)
 
 
 def _fallback_gate(primary: Gate, entry: Entry, options: Options) -> tuple[Turn | None, str | None]:

@@ -21,7 +21,7 @@ import os
 import stat
 
 from ... import locks, proc, say
-from ...errors import GateUnavailable, RecordNotWritten
+from ...errors import GateCrowded, GateUnavailable, RecordNotWritten, crowded
 from ...paths import UNGATED, Root, creation_problem, open_root
 from ...priority import CLASSES, DEFAULT_AGING, DEFAULT_RANK
 from .. import order, outlived
@@ -122,6 +122,10 @@ class FlockStore(LaneStore):
             dir_fd = open_root(self.root, create=create)
         except FileNotFoundError:
             return Handle(-1, None, self.names(stem)["lock"], None, stem=stem)
+        except GateUnavailable as error:
+            if crowded(error):   # out of descriptors, not out of a gate: it may be held
+                raise GateCrowded(str(error)) from None
+            raise
         handle = Handle(dir_fd, None, self.names(stem)["lock"], None, stem=stem)
         try:
             if self._caveat_checked != self.root.path:   # once per store: mounts do not move
@@ -133,7 +137,8 @@ class FlockStore(LaneStore):
             raise
         except OSError as error:
             handle.close()
-            raise GateUnavailable(f"cannot open {self.path(handle.name)}: {error.strerror}") from None
+            kind = GateCrowded if crowded(error) else GateUnavailable
+            raise kind(f"cannot open {self.path(handle.name)}: {error.strerror}") from None
         return handle
 
     def _open_file(self, handle: Handle, create: bool) -> None:
@@ -198,7 +203,8 @@ class FlockStore(LaneStore):
             return found.join(rank, {**(handle.asker or {}), "class": CLASSES[rank],
                                      "pid": os.getpid()})
         except OSError as error:
-            self._queue_broken(found, error)
+            if not crowded(error):   # out of descriptors: the queue is fine, this turn
+                self._queue_broken(found, error)   # waits in the kernel's order unannounced
             return None
 
     def _waiters_first(self, handle: Handle, rank: int) -> bool:
@@ -208,6 +214,10 @@ class FlockStore(LaneStore):
         try:
             return found.queued_at_or_above(rank)
         except OSError as error:
+            if crowded(error):   # who waits cannot be read: never take the lane past them
+                self._hand_on(handle)
+                raise GateCrowded(f"cannot read the queue {self.path(found.name)}: "
+                                  f"{error.strerror}") from None
             self._queue_broken(found, error)
             return False
 
@@ -243,7 +253,8 @@ class FlockStore(LaneStore):
     def _contended(self, handle: Handle, error: OSError) -> bool:
         if error.errno in CONTENDED:
             return False
-        raise GateUnavailable(f"flock failed on {self.path(handle.name)}: {error.strerror}") from None
+        kind = GateCrowded if crowded(error) else GateUnavailable   # ENOLCK: the kernel's locks
+        raise kind(f"flock failed on {self.path(handle.name)}: {error.strerror}") from None
 
     def _ours(self, handle: Handle, got: bool) -> bool | None:
         """After a lock was tried: True (the lane is ours), False (busy), None (the file was
@@ -315,9 +326,12 @@ class FlockStore(LaneStore):
     def _add_count(self, dir_fd, stem: str, count: dict) -> None:
         if dir_fd is None or dir_fd < 0:
             return
-        from .. import counts
-
         outcome = count.pop("outcome")
+        try:
+            from .. import counts
+        except OSError as error:   # out of descriptors: an import opens a file too
+            self.warn(f"turn not counted in {self.path(stem + '.counts')}: {error.strerror}")
+            return
         try:
             counts.add(dir_fd, f"{stem}.counts", outcome, **count)
         except counts.NotCounted as error:   # the turn goes on; silence would hide a reset

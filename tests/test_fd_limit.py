@@ -1,0 +1,119 @@
+"""Crowded is not broken: `lanelock run` at any open-file limit runs the command, its fallback, or
+exits with a documented status and one line -- never 70 (internal error), never a traceback --
+and a turn that cannot open the gate for lack of descriptors never runs beside the holder: the
+gate is there, the turn only cannot see it. The Python API deflects the same way.
+
+Limits are real (prlimit(1) on a real `lanelock run`, setrlimit in a real API process).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import LANELOCK, TIMEOUT
+
+RESOURCES = 71   # exitcodes.RESOURCES: EX_OSERR, too few descriptors (or no memory) to start
+BUSY = 75
+
+pytestmark = pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit(1)")
+
+
+def limited(run_cmd, limit: int, *args: str) -> subprocess.CompletedProcess:
+    return run_cmd(["prlimit", f"--nofile={limit}:{limit}", *LANELOCK, "run", *args])
+
+
+def assert_documented(done: subprocess.CompletedProcess, *, may_run: bool) -> str:
+    """What `run` did: 'command', 'fallback', or the status it exited with after one line."""
+    assert "Traceback" not in done.stderr and "internal error" not in done.stderr, done
+    assert done.returncode != 70, done
+    out = done.stdout.strip()
+    if out == "command":
+        assert may_run, f"the command ran beside the holder: {done}"
+        assert done.returncode == 0, done
+        return out
+    if out == "fallback":
+        assert done.returncode == 0, done
+        return out
+    assert out == "", done
+    assert done.returncode in (RESOURCES, BUSY), done
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lanelock: "), done
+    return str(done.returncode)
+
+
+# On a free lane: at 6 no child can be started at all (the parked child's pipes need 4 descriptors
+# at once, 3 are stdio): one line and 71 before the gate is touched. At 7 the lock opens but the
+# lane's queue cannot be read -- whether someone waits first cannot be told: deflected as crowded.
+# From 8 the command runs (the record and journal may be short of a descriptor: warnings only).
+FREE_LANE = {6: {str(RESOURCES)}, 7: {"fallback", str(BUSY)}, 8: {"command"}}
+
+
+@pytest.mark.parametrize("limit", [6, 7, 8])
+@pytest.mark.parametrize("fallback", [False, True], ids=["no-fallback", "fallback"])
+def test_run_at_a_low_fd_limit_on_a_free_lane(run_cmd, lanelock, limit, fallback):
+    extra = ["--fallback", "echo fallback"] if fallback else []
+    done = limited(run_cmd, limit, *extra, "--", "echo", "command")
+    what = assert_documented(done, may_run=True)
+    assert what in FREE_LANE[limit] and (fallback or what != "fallback"), done
+    if what == str(RESOURCES):
+        assert "Too many open files (the open-file limit, ulimit -n, is 6)" in done.stderr, done
+        assert "nothing ran" in done.stderr, done
+    if limit == 7:
+        assert "gate_crowded: cannot tell whether lane" in done.stderr, done
+    assert lanelock("probe").returncode == 0   # and nothing left held
+
+
+@pytest.mark.parametrize("limit", [6, 7, 8])
+@pytest.mark.parametrize("fallback", [False, True], ids=["no-fallback", "fallback"])
+def test_run_at_a_low_fd_limit_never_runs_beside_the_holder(run_cmd, holder, limit, fallback):
+    held = holder()
+    extra = ["--fallback", "echo fallback"] if fallback else []
+    done = limited(run_cmd, limit, *extra, "--", "echo", "command")
+    what = assert_documented(done, may_run=False)
+    if what == str(BUSY):
+        assert "no fallback" in done.stderr, done
+    assert held.release() == 0
+
+
+API_TURN = textwrap.dedent("""
+    import os, resource, sys
+    from lanelock import Gate
+
+    gate = Gate()
+    with gate.turn(session="warm-up") as turn:   # everything a held turn imports, imported
+        assert turn.state in ("held", "deflected"), turn.state
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    hoard = []
+    try:
+        while True:
+            hoard.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    with gate.turn(session="crowded") as turn:
+        crowded = (turn.state, turn.proceed, turn.reason)
+    for fd in hoard:
+        os.close(fd)
+    with gate.turn(session="after") as turn:
+        after = turn.state
+    print(*crowded, after)
+""")
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held", "free"])
+def test_an_api_turn_out_of_descriptors_deflects_and_never_fails_open(run_cmd, holder, held):
+    """EMFILE while taking the lane: the turn cannot tell whether the lane is held, so it
+    deflects ("gate_crowded") -- it never runs beside a holder as a broken gate's turn would."""
+    keeper = holder() if held else None
+    done = run_cmd([sys.executable, "-c", API_TURN], timeout=TIMEOUT)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done
+    state, proceed, reason, after = done.stdout.split()
+    assert (state, proceed, reason) == ("deflected", "False", "gate_crowded"), done
+    assert after == ("deflected" if held else "held"), done
+    assert "running without it" not in done.stderr, done
+    if keeper is not None:
+        assert keeper.release() == 0
