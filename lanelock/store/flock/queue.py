@@ -176,10 +176,11 @@ class Queue:
         ^Z) is passed over while it is stopped: its file, arrival and class stay, and it goes
         next again once continued if it is still first (issue 31)."""
         for entry in entries:
-            if self._alive(entry.name):
+            alive = self._alive(entry)
+            if alive:
                 if not proc.is_stopped(entry.pid):
                     return entry
-            else:
+            elif alive is not None:
                 self._remove(entry.name)
         return None
 
@@ -191,20 +192,20 @@ class Queue:
         entries = self.listed()
         held = locks.held_files() if entries else None
         if held is None:
-            return [entry for entry in entries if self._alive(entry.name)]
-        return [entry for entry in entries if self._held(entry.name, held)]
+            return [entry for entry in entries if self._alive(entry)]
+        return [entry for entry in entries if self._held(entry, held)]
 
     def live_asked(self) -> list[Entry]:
         """The entries whose turn still waits, each asked itself (a turn's own path: no
         /proc/locks); files of waiters gone are left for the waiters to remove."""
-        return [entry for entry in self.listed() if self._alive(entry.name)]
+        return [entry for entry in self.listed() if self._alive(entry)]
 
-    def _held(self, name: str, held: set) -> bool:
+    def _held(self, entry: Entry, held: set) -> bool:
         try:
-            st = os.stat(name, dir_fd=self.dir_fd, follow_symlinks=False)
+            st = os.stat(entry.name, dir_fd=self.dir_fd, follow_symlinks=False)
         except OSError:
             return False
-        return (locks.device_of(st), st.st_ino) in held
+        return (locks.device_of(st), st.st_ino) in held and genuine(st, entry.pid)
 
     def _remove(self, name: str) -> None:
         try:   # nobody holds it: its waiter is gone, and the file can never be locked again
@@ -212,13 +213,17 @@ class Queue:
         except OSError:
             pass   # another user's (sticky directory) or removed already: skipped all the same
 
-    def _alive(self, name: str) -> bool:
+    def _alive(self, entry: Entry) -> bool | None:
+        """True while the entry's waiter waits (its file locked), False when it is gone; None
+        for a file that is no waiter's entry (not genuine(): left alone, counted by no one)."""
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+            fd = os.open(entry.name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
                          dir_fd=self.dir_fd)
         except OSError:
             return False
         try:
+            if not genuine(os.fstat(fd), entry.pid):
+                return None
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as error:
             return error.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
@@ -266,6 +271,34 @@ class Queue:
         finally:
             os.close(fd)
         return data if isinstance(data, dict) else {}
+
+
+def genuine(st: os.stat_result, pid: int) -> bool:
+    """Is the file a waiter's own entry: a regular file made by the user its pid runs as? Anyone
+    can put a file in the queue directory (1777); one named for another user's process (a
+    locked "pid 1"), or a FIFO, must queue no one and blame no one. A user's entry naming one of
+    their own processes can only make them wait in line, as a real turn of theirs could."""
+    return stat.S_ISREG(st.st_mode) and st.st_uid == _files_uid(pid)
+
+
+def _files_uid(pid: int) -> int | None:
+    """The uid a process makes files as (its fsuid, from /proc/PID/status, which every user may
+    read; /proc/PID's own owner is root for a process that changed its uid), None when gone."""
+    try:
+        fd = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        text = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    at = text.find(b"\nUid:")
+    try:
+        return int(text[at + 1:text.index(b"\n", at + 1)].split()[4]) if at >= 0 else None
+    except (ValueError, IndexError):
+        return None
 
 
 def is_mine(entry: Entry) -> bool:
