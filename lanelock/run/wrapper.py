@@ -102,8 +102,10 @@ def _resources(error: OSError) -> str:
     """'Too many open files (the open-file limit, ulimit -n, is 6)'."""
     words = error.strerror or str(error)
     if error.errno == errno.EMFILE:
-        import resource
-
+        try:
+            import resource   # a C extension: loading it needs a descriptor too
+        except (ImportError, OSError):
+            return words
         words += f" (the open-file limit, ulimit -n, is {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
     return words
 

@@ -80,7 +80,10 @@ FIELD_LIMITS = (1024, 256, 64)   # characters kept of one long value, tried in t
 
 
 def _line(event: dict) -> str:
-    return json.dumps(fit(event)) + "\n"   # ASCII; keys in the order built
+    line = json.dumps(event)   # ASCII; keys in the order built (json's cached C encoder)
+    if len(line) >= MAX_LINE:   # rare: serialised a second time only then
+        line = json.dumps(fit(event))
+    return line + "\n"
 
 
 def fit(event: dict, max_line: int = MAX_LINE) -> dict:
