@@ -269,3 +269,17 @@ def test_json_output_is_valid_utf8_for_strict_parsers(procs, lock_dir, holder):
         done = raw(procs, *args)
         assert done.returncode == 0 and b"Traceback" not in done.stderr, done
         done.stdout.decode("utf-8")
+
+
+def test_the_proxys_status_json_is_valid_utf8_for_strict_parsers(procs, holder):
+    """GET /lanelock/status of a lane whose holder's session is undecodable bytes."""
+    from test_proxy import Proxy, request
+
+    held = holder("-b", "127.0.0.1:9", "--session", os.fsdecode(b"bad\xff\xfe"))
+    proxy = Proxy(procs, "127.0.0.1:9")
+    status, _, body = request(proxy.port, "GET", "/lanelock/status")
+    assert status == 200, body
+    data = strict(body)
+    assert data["lanes"][0]["holder"]["session"] == "bad\ufffd\ufffd"
+    assert proxy.stop() == 0
+    assert held.release() == 0

@@ -364,8 +364,10 @@ class Proxy:
         here = {"in_flight": self.in_flight - 1, "taking_the_lane": self.waiting}  # less this one
         if self.witness is not None:   # the witness now: what it saw last, or why it cannot
             here["witness"] = self.witness.now()
-        return web.json_response({"lanes": lanes, "proxy": here}, dumps=lambda data: json.dumps(data, indent=2,
-                                                                                 sort_keys=True))
+        from ..inspection.render import valid_text   # strict parsers reject lone surrogates
+
+        return web.json_response(valid_text({"lanes": lanes, "proxy": here}),
+                                 dumps=lambda data: json.dumps(data, indent=2, sort_keys=True))
 
 
 class Timing:
