@@ -21,7 +21,6 @@ from . import handover, say
 from .errors import GateCrowded, GateUnavailable, RecordNotWritten, WouldBlock
 from .facts import boot_id, default_session, hostname, own_start_ticks, user_name, utc_now
 from .place import Place, check_arguments
-from .proc import start_ticks
 from .priority import CLASSES, class_named
 from .settings import Settings
 
@@ -311,8 +310,7 @@ class Turn:
         # would delay the hand-off.
         own_start_ticks(), boot_id(), user_name(), hostname()
         if self.command_pid is not None and self._command is None:
-            ticks = start_ticks(self.command_pid)
-            self._command = (self.command_pid, ticks) if ticks is not None else None
+            self._command = holder_facts.command_facts(self.command_pid)
         self._handle = None
         handle = self._handle = store.open(gate.lane)
         handle.asker = {"session": self.session, "hostname": hostname()}
@@ -504,9 +502,9 @@ class Turn:
         if self.state != HELD or self.nested or self._handle is None or pid is None \
                 or (self._command is not None and self._command[0] == pid):
             return
-        ticks = start_ticks(pid)
-        if ticks is not None:
-            self.command_pid, self._command = pid, (pid, ticks)
+        command = holder_facts.command_facts(pid)
+        if command is not None:
+            self.command_pid, self._command = pid, command
             self._write_record(self._record())
 
     def mark_stopped(self, stopped: bool) -> None:

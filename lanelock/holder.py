@@ -18,8 +18,9 @@ def record(*, lane, session: str, model: str | None, argv: dict, acquired_at: st
            acquired_monotonic: float, turn: str | None, stopped_at: str | None = None,
            labels: dict | None = None, command: tuple[int, int] | None = None) -> dict:
     """The holder record of this process's turn on lane (a Lane). argv: argv_fields().
-    command: (pid, start ticks) of the process the turn runs (`lanelock run`'s child), which the
-    next turn waits for should this one be killed first (store/outlived.py)."""
+    command: command_facts() of the process the turn runs (`lanelock run`'s child), which the
+    next turn waits for -- with its whole process group -- should this one be killed first
+    (store/outlived.py)."""
     found = {
         "schema": SCHEMA, "lane": lane.name, "backend": lane.given,
         "pid": os.getpid(), "start_ticks": own_start_ticks(), "boot_id": boot_id(),
@@ -28,12 +29,44 @@ def record(*, lane, session: str, model: str | None, argv: dict, acquired_at: st
         "acquired_at": acquired_at, "acquired_monotonic": acquired_monotonic, "turn": turn,
     }
     if command is not None:
-        found["command_pid"], found["command_start_ticks"] = command
+        found["command_pid"], found["command_start_ticks"], pgid, sid = command
+        if pgid is not None:
+            found["command_pgid"], found["command_sid"] = pgid, sid
     if stopped_at is not None:
         found["stopped_at"] = stopped_at
     if labels:
         found.update(labels)
     return found
+
+
+def command_facts(pid: int) -> tuple | None:
+    """(pid, start ticks, pgid, session) of the process a turn runs; pgid and session are None
+    unless it leads a process group of its own, as `lanelock run`'s command does: then the
+    whole group is the turn (store/outlived.py). None when the process is gone."""
+    from .proc import start_ticks
+
+    ticks = start_ticks(pid)
+    if ticks is None:
+        return None
+    try:
+        if os.getpgid(pid) == pid:
+            return pid, ticks, pid, os.getsid(pid)
+    except OSError:   # gone meanwhile: its record names the pid alone
+        pass
+    return pid, ticks, None, None
+
+
+def group_words(pids: list[int], limit: int = 3) -> str:
+    """'pid 41 (curl -sN ...), pid 40 (sh -c ...)': processes of a turn's process group that
+    still run, as /proc shows them."""
+    from .proc import command_words
+
+    shown = []
+    for pid in pids[:limit]:
+        words = command_words(pid)
+        shown.append(f"pid {pid} ({argv_text(words, 60) if words else '?'})")
+    more = f", and {len(pids) - limit} more" if len(pids) > limit else ""
+    return ", ".join(shown) + more if shown else "not shown in /proc"
 
 
 def argv_fields(argv: list[str]) -> dict:

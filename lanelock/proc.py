@@ -110,3 +110,28 @@ def stopped_process(pid: int) -> int | None:
         if state(candidate) in (b"T", b"t"):
             return candidate
     return None
+
+
+def group_members(pgid: int) -> tuple[list[tuple[int, int, int]], bool]:
+    """([(pid, session, start ticks)] of the live processes of process group pgid, any seen):
+    one pass over /proc. any seen is True when a process of the group was seen at all, zombies
+    included -- False with a group the kernel says exists means /proc hides it (hidepid).
+    Racy as every /proc read: a process may fork or end during the pass."""
+    members, seen = [], False
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return [], False
+    for name in names:
+        if not name.isdigit():
+            continue
+        fields = _stat_fields(int(name))
+        try:
+            if int(fields[2]) != pgid:
+                continue
+            seen = True
+            if fields[0] not in (b"Z", b"X"):
+                members.append((int(name), int(fields[3]), int(fields[19])))
+        except (IndexError, ValueError):
+            continue
+    return members, seen

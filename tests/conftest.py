@@ -390,6 +390,11 @@ class Processes:
 
     def cleanup(self) -> None:
         for proc in self.popens:
+            if proc.own_group:
+                # Its session, even once it was reaped (a session id is not reused while the
+                # session has a process): the groups `lanelock run` gives its commands too.
+                for pid in session_members(proc.pid):
+                    self.adopt(pid)
             if proc.returncode is None:       # not reaped yet: its pid (and group id) is still ours
                 if proc.own_group:
                     try:
@@ -411,6 +416,8 @@ class Processes:
                     except OSError:
                         pass
         for child in self.spawns:
+            for pid in session_members(child.pid):
+                self.adopt(pid)
             if child.isalive():
                 try:
                     os.killpg(child.pid, signal.SIGKILL)
@@ -432,6 +439,21 @@ class Processes:
                 death.close()
                 continue
             death.wait()   # not our child: whoever adopted it reaps it; a zombie no longer runs
+
+
+def session_members(sid: int) -> list[int]:
+    """The processes of session sid, from /proc (those that end meanwhile are left out)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != sid:
+            try:
+                with open(f"/proc/{name}/stat", "rb") as handle:
+                    fields = handle.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[3]) == sid:
+                found.append(int(name))
+    return found
 
 
 @pytest.fixture

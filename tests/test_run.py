@@ -686,7 +686,8 @@ def test_a_command_that_outlives_its_killed_wrapper_keeps_the_lane_until_it_ends
         assert lane["holder"]["pid"] == held.child_pid
         words = lanelock("status").stdout
         assert f"held by pid {held.child_pid}, the command of lanelock turn pid {held.pid}" in words
-        assert "which was killed: the lane frees when it ends" in words
+        assert (f"which was killed: the lane frees when its process group {held.child_pid} "
+                "is empty") in words
         probe = lanelock("probe")
         assert probe.returncode == 1 and f"pid {held.child_pid}" in probe.stdout, probe
         assert Gate().busy() is True
@@ -701,7 +702,8 @@ def test_a_command_that_outlives_its_killed_wrapper_keeps_the_lane_until_it_ends
         assert waiter.poll() is None, waiter.communicate()
         waiting = json.loads(lanelock("status", "--json").stdout)["lanes"][0]
         assert waiting["verdict"] == "ending", waiting   # the waiter holds the lock meanwhile
-        assert f"pid {waiter.pid} takes the lane when it ends" in waiting["message"], waiting
+        assert f"pid {waiter.pid} takes the lane when its process group" in waiting["message"], \
+            waiting
     finally:
         os.kill(held.child_pid, signal.SIGKILL)
     out, err = waiter.communicate(timeout=TIMEOUT)
@@ -779,9 +781,12 @@ def test_the_child_does_not_inherit_the_lock_fd(holder, lock_dir):
 
 
 def test_a_daemon_the_child_starts_cannot_keep_the_lane(procs, lanelock, lock_dir, tmp_path):
+    """A daemon leaves the turn's process group (setsid): it is outside the turn. (A background
+    job that stays in the group is the turn's, and keeps the lane: test_turn_tree.py.)"""
     out = tmp_path / "daemon-pid"
     with open(out, "w") as stdout:
-        wrapper = procs.start([*LANELOCK, "run", "--", "sh", "-c", "sleep 30 & echo $!"], stdout=stdout)
+        wrapper = procs.start([*LANELOCK, "run", "--", "sh", "-c", "setsid sleep 30 & echo $!"],
+                              stdout=stdout)
         assert wrapper.wait(timeout=TIMEOUT) == 0
     daemon = procs.adopt(int(out.read_text()))
     assert daemon is not None and daemon.is_running(), "the daemon should outlive the turn"

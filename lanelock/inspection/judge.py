@@ -116,14 +116,25 @@ def _ending(result: dict, facts, record: dict) -> dict:
     """A killed turn's command still runs: the gate waits for it as for a holder
     (store/outlived.py), whether the lock is free or held by the next turn waiting for it."""
     result["last"] = holder_facts.from_record(record)
+    group, more = facts.ending_pgid, ""
+    if group is None:
+        note, when = "still ending", "it ends"
+    else:   # the lane waits for the command's whole process group (the turn's tree)
+        others = [pid for pid in facts.ending_pids if pid != facts.ending]
+        when = f"its process group {group} is empty"
+        note = f"still ending with its process group {group}"
+        if others:
+            more = (f", and {len(others)} more process{'es' if len(others) > 1 else ''} of its "
+                    f"process group {group} still run{'' if len(others) > 1 else 's'} "
+                    f"({holder_facts.group_words(others)})")
     result["holder"] = {**result["last"], "pid": facts.ending,
-                        "note": f"the command of turn {_pid(record)}, killed; still ending"}
-    then = "the lane frees when it ends"
+                        "note": f"the command of turn {_pid(record)}, killed; {note}"}
+    then = f"the lane frees when {when}"
     if facts.held and facts.holders:
-        then = f"pid {facts.holders[0]['pid']} takes the lane when it ends"
+        then = f"pid {facts.holders[0]['pid']} takes the lane when {when}"
     return _verdict(result, HELD, "ending",
                     f"held by pid {facts.ending}, the command of lanelock turn {_pid(record)} "
-                    f"({_who(record)}), which was killed: {then}")
+                    f"({_who(record)}), which was killed{more}: {then}")
 
 
 def _held(result: dict, facts, record, released: bool, stale: str | None) -> dict:

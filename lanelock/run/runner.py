@@ -1,23 +1,41 @@
 """Spawn the turn's command, stand between it and the world's signals, and report how it ended.
 
-- The child never inherits the lock fd (O_CLOEXEC), so nothing it leaves behind can hold the lane.
+A turn is its command's whole process tree, as one process group:
+- The command runs in a process group of its own, led by it (set from both sides of the fork, so
+  neither the wrapper nor the command can run ahead of it). `curl` inside `sh -c` is as much the
+  turn as the shell: INT/TERM/HUP/QUIT/USR1/USR2 sent to the wrapper go to the whole group (flock(1)
+  forwards nothing, bootkube#502), a stopped group is continued after an ending signal so it can
+  act on it, and --kill-after kills the group.
+- The lane is not free while any process of the group runs: when the command (the group's leader)
+  has ended and others of its group remain, the wrapper says so once and keeps the lane until the
+  group is empty; it then exits with the command's status. A wrapper killed outright leaves the
+  same promise to the holder record: it names the group, and the next turn waits until the kernel
+  says the group is empty (store/outlived.py).
+- A process group, not a cgroup: a cgroup needs a delegated, writable subtree, which most users
+  of a desktop or a container do not have, and it leaves a directory behind that someone must
+  remove -- the kernel would no longer be the only janitor of a killed turn. A group costs one
+  setpgid(), needs no privilege, and the kernel alone says when it is empty (kill(-pgid, 0)).
+  What it cannot hold: a process that leaves the group on purpose (setsid, setpgid: a daemon) is
+  outside the turn, and does not keep the lane.
+- The terminal: a terminal signals and lets read only its foreground group. When the wrapper's
+  group has the foreground, the command's group is given it while the command runs and the
+  wrapper takes it back when the command ends (terminal.py) -- how sudo runs a command without a
+  pty. ^C and ^\ reach the command's group directly; a command that dies of one while it has the
+  terminal makes the wrapper die of it too (reraise_terminal_signal), so a calling shell's loop
+  stops as without lanelock. ^Z stops the command's group: the wrapper records the stop, takes the
+  terminal back and stops itself, so the shell sees the job stopped; continued (fg) it gives the
+  terminal back to the command's group if its own has it again and continues the group (bg: the
+  group continues without the terminal). A hangup reaches the session leader alone (PITFALLS 14):
+  a wrapper that is one forwards it to the group like any signal.
+- The child never inherits the lock fd (O_CLOEXEC), so nothing it leaves behind can hold the lock
+  itself; only the group keeps the lane.
 - The child gets a parent-death signal (SIGKILL): if the wrapper is killed, even with SIGKILL, the
-  kernel drops the lane and the generation stops with it; no turn continues ungated. The wrapper
-  may die between fork() and prctl(), so the child checks its parent afterwards. The kernel drops
-  the lock before it sends that signal: the holder record names the child, and the next turn waits
-  for it to be gone (store/outlived.py).
+  command (the leader) ends with it; the rest of its group runs to its end, still gated. The
+  wrapper may die between fork() and prctl(), so the child checks its parent afterwards.
 - The child is forked before the lane is taken and parked until the lane is ours (Starter): the
   fork is off the hand-off path, where flock(1)'s whole cost is one fork of a small C program.
-- INT/TERM/HUP/QUIT/USR1/USR2 sent to the wrapper are forwarded to the child (flock(1) does not,
-  bootkube#502); the wrapper waits and exits with the child's status. A signal the terminal sent to
-  the whole foreground group (si_code SI_KERNEL) already reached the child and is not sent twice --
-  but only when the child is in our process group, and never a hangup that came to us as the
-  session leader: the kernel sends that to the leader alone (tmux, `ssh -t`, a pty; PITFALLS 14),
-  and a child that never hears of it would keep the lane forever.
-- A stopped child (SIGSTOP, ^Z) keeps the lane, as flock does; the wrapper tells the turn (on_stop)
-  so the holder record says since when, and on ^Z it records that before stopping itself. INT, TERM,
-  HUP or QUIT forwarded to a stopped child is followed by SIGCONT, so the child acts on it and the
-  lane frees (a stopped child would hold it until someone resumed it).
+- A stopped command (SIGSTOP, ^Z) keeps the lane, as flock does; the wrapper tells the turn
+  (on_stop) so the holder record says since when.
 - Signals are taken with sigwaitinfo() while blocked: no handler races, no polling.
 """
 
@@ -30,25 +48,29 @@ import time
 
 from .. import exitcodes, proc
 from . import launch
+from .terminal import Terminal
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
              signal.SIGUSR1, signal.SIGUSR2)
 FROM_TERMINAL = (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
-ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)   # also resume a stopped child
+KEYBOARD = (signal.SIGINT, signal.SIGQUIT)   # what a terminal sends its foreground group
+ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)   # also resume a stopped group
+JOB_STOPS = (signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
 SI_KERNEL = 0x80
 PR_SET_PDEATHSIG = 1
 _NOT_FOUND = (errno.ENOENT, errno.ENOTDIR)
 
 
 class Outcome:
-    __slots__ = ("exit_code", "signal", "tty_signal", "error")
+    __slots__ = ("exit_code", "signal", "tty_signal", "error", "handed")
 
     def __init__(self, exit_code: int, signal: int | None = None, tty_signal: int | None = None,
-                 error: str | None = None):
+                 error: str | None = None, handed: bool = False):
         self.exit_code = exit_code
         self.signal = signal            # the signal the child died of
-        self.tty_signal = tty_signal    # a terminal-generated signal the wrapper also received
+        self.tty_signal = tty_signal    # a signal the terminal sent the command or the wrapper
         self.error = error              # why the command could not be started
+        self.handed = handed            # tty_signal came while the command had the terminal
 
 
 class Starter:
@@ -97,12 +119,19 @@ class Starter:
             _parked(self.path, self.argv, parent, go_read, status_write, prctl, inherited_int,
                     self.mask)
         self.pid = pid
+        # The group, from this side too: whichever of us runs first, it exists once fork()
+        # returns here, before the turn records it or hands it the terminal.
+        try:
+            os.setpgid(pid, pid)
+        except OSError:   # the child did it first, or died already (go() will see)
+            pass
         os.close(go_read)
         os.close(status_write)
 
-    def go(self, changes: dict[str, str | None]) -> int:
+    def go(self, changes: dict[str, str | None], terminal: Terminal | None = None) -> int:
         """Start the command with our environment plus changes (None unsets). 0, or the errno
-        that stopped the command from starting (the child is reaped then)."""
+        that stopped the command from starting (the child is reaped then). terminal: handed to
+        the command's group before it execs, when our group has it."""
         self.started = True
         if self.failure:
             return self.failure
@@ -110,12 +139,17 @@ class Starter:
             os.fsencode(name) + (b"" if value is None else b"=" + os.fsencode(value)) + b"\0"
             for name, value in changes.items())
         message = launch.GO + len(payload).to_bytes(4, "big") + payload
+        if terminal is not None:
+            terminal.hand(self.pid)
         try:
             _write_all(self._go, message)
         except BrokenPipeError:   # the parked child was killed while it waited: start afresh
             self.close()
             os.waitpid(self.pid, 0)
             self._fork()
+            if terminal is not None:
+                terminal.take_back()
+                terminal.hand(self.pid)
             _write_all(self._go, message)
         os.close(self._go)
         self._go = -1
@@ -125,6 +159,8 @@ class Starter:
         if failure:
             os.waitpid(self.pid, 0)
             self.pid = None
+            if terminal is not None:
+                terminal.take_back()
             return int(failure or b"0") or errno.EINVAL
         return 0
 
@@ -175,22 +211,28 @@ class Unforked:
 
 
 def run(starter: Starter, changes: dict[str, str | None], *, kill_after: float | None = None,
-        on_spawn=None, on_stop=None) -> Outcome:
-    """Start the starter's command with our environment plus changes, and wait for it. Returns
-    the child's exit status mapped to the shell's convention. on_spawn() runs in the wrapper once
-    the child exists, with our signals blocked, so a thread it starts inherits the block and can
-    never swallow the SIGCHLD we wait for."""
-    watched = {signal.SIGCHLD, signal.SIGTSTP, *FORWARDED}
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, watched)
+        on_spawn=None, on_stop=None, on_linger=None) -> Outcome:
+    """Start the starter's command with our environment plus changes, and wait for it and the
+    rest of its process group. Returns the child's exit status mapped to the shell's
+    convention. on_spawn() runs in the wrapper once the child exists, with our signals blocked,
+    so a thread it starts inherits the block and can never swallow the SIGCHLD we wait for.
+    on_linger(pids) runs once if the command ends while others of its group still run (pids:
+    those /proc shows)."""
+    watched = {signal.SIGCHLD, signal.SIGTSTP, signal.SIGCONT, *FORWARDED}
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, watched | {signal.SIGTTOU})
+    terminal = None
     try:
-        failure = starter.go(changes)
+        terminal = Terminal()
+        failure = starter.go(changes, terminal)
         if failure:
             return _spawn_failure(starter.argv[0], failure, starter.path)
         if on_spawn is not None:
             on_spawn()
         pid, starter.pid = starter.pid, None
-        return _supervise(pid, watched, kill_after, on_stop)
+        return _Supervision(pid, terminal, kill_after, on_stop, on_linger).run(watched)
     finally:
+        if terminal is not None:
+            terminal.close()
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         starter.restore()
 
@@ -237,6 +279,7 @@ def resolve(command: str, search_path: str) -> tuple[str, int]:
 def _parked(path, argv, parent, go_read, status_write, prctl, inherited_int,
             mask) -> None:  # pragma: no cover - runs in the forked child
     try:
+        os.setpgid(0, 0)   # the turn's own group (the wrapper sets it too: whoever is first)
         if prctl is not None:
             prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:   # the wrapper died before prctl took effect
@@ -294,77 +337,177 @@ def _missing_interpreter(command: str) -> str | None:
     return words[0].decode("utf-8", "replace") if words else "(none)"
 
 
-def _supervise(pid: int, watched: set, kill_after: float | None, on_stop=None) -> Outcome:
-    tty_signal = None
-    deadline = None
-    while True:
-        if deadline is None:
-            info = signal.sigwaitinfo(watched)
-        else:
-            info = signal.sigtimedwait(watched, max(0.0, deadline - time.monotonic()))
-            if info is None:   # the child ignored the forwarded signal for kill_after seconds
-                _kill(pid, signal.SIGKILL)
-                deadline = None
-                continue
-        if info.si_signo == signal.SIGCHLD:
-            if info.si_pid == pid and info.si_code in (os.CLD_STOPPED, os.CLD_CONTINUED) \
-                    and on_stop is not None:
-                on_stop(info.si_code == os.CLD_STOPPED)
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            continue
-        from_terminal = info.si_code == SI_KERNEL and _group_got_it(pid, info.si_signo)
-        if info.si_signo == signal.SIGTSTP:
-            # ^Z: the child stops itself (it is in our group); kill -TSTP: it hears it from us.
-            # Either way we stop too, as job control expects, having first said so.
-            if not from_terminal:
-                _kill(pid, signal.SIGTSTP)
-            if on_stop is not None:
-                on_stop(True)
-            os.kill(os.getpid(), signal.SIGSTOP)
-            continue
-        if from_terminal and info.si_signo in FROM_TERMINAL:
-            tty_signal = info.si_signo   # the child is in our foreground group and got it too
-        else:
-            _kill(pid, info.si_signo)
-        if info.si_signo in ENDING and proc.state(pid) == b"T":   # not t: a tracer's stop
-            # A stopped command cannot act on the signal: it would keep the lane until someone
-            # resumes it. Continue it so it ends (as kill(1) users and systemd do: TERM, then CONT).
-            _kill(pid, signal.SIGCONT)
-        if kill_after is not None and deadline is None and info.si_signo in (
-                signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-            deadline = time.monotonic() + kill_after
-    died_of = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-    return Outcome(exitcodes.from_wait_status(status), signal=died_of, tty_signal=tty_signal)
+class _Supervision:
+    """The wait for one command and its process group (pgid == the command's pid)."""
 
+    def __init__(self, pid: int, terminal: Terminal, kill_after: float | None, on_stop,
+                 on_linger):
+        self.pid = pid
+        self.terminal, self.kill_after = terminal, kill_after
+        self.on_stop, self.on_linger = on_stop, on_linger
+        self.status: int | None = None   # the command's wait status, once it has ended
+        self.tty_signal: int | None = None
+        self.deadline: float | None = None
+        self.lingering = None            # outlived.Command: the group, once the command ended
+        self._waiter = None              # the thread that waits for the rest of the group
+        self.handed = False
 
-def _group_got_it(child: int, signo: int) -> bool:
-    """Did a signal the kernel sent us for the terminal reach the child too? Only when it went to
-    our whole process group and the child is in it. A hangup goes to the session leader alone:
-    when we are the leader, the child has not had it."""
-    if signo == signal.SIGHUP and os.getsid(0) == os.getpid():
+    def run(self, watched: set) -> Outcome:
+        while True:
+            if self.deadline is None:
+                info = signal.sigwaitinfo(watched)
+            else:
+                info = signal.sigtimedwait(watched, max(0.0, self.deadline - time.monotonic()))
+                if info is None:   # the group ignored the forwarded signal for kill_after seconds
+                    _kill_group(self.pid, signal.SIGKILL)
+                    self.deadline = None
+                    continue
+            signo = info.si_signo
+            if signo == signal.SIGCHLD:
+                if self._reap():
+                    break
+            elif signo == signal.SIGCONT:
+                self._resumed()
+            elif signo == signal.SIGTSTP:
+                # ^Z to our group (the terminal was not handed) or kill -TSTP of the wrapper: the
+                # group stops, and so do we, as job control expects, having first said so.
+                _kill_group(self.pid, signal.SIGTSTP)
+                if self.on_stop is not None and self.status is None:
+                    self.on_stop(True)
+                self._stop_self()
+            else:
+                if info.si_code == SI_KERNEL and signo in FROM_TERMINAL:
+                    # Sent by the terminal to us, not to the command's group (ours has the
+                    # foreground, or a hangup came to us as the session leader): the group has
+                    # not had it.
+                    self.tty_signal = signo
+                _kill_group(self.pid, signo)
+                if signo in ENDING:
+                    self._continue_if_stopped()
+                if self.kill_after is not None and self.deadline is None and signo in ENDING:
+                    self.deadline = time.monotonic() + self.kill_after
+        status = self.status
+        died_of = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        return Outcome(exitcodes.from_wait_status(status), signal=died_of,
+                       tty_signal=self.tty_signal, handed=self.handed)
+
+    def _reap(self) -> bool:
+        """The command's changes of state; True once it has ended and its group is empty."""
+        while self.status is None:
+            try:
+                done, status = os.waitpid(self.pid, os.WNOHANG | os.WUNTRACED | os.WCONTINUED)
+            except ChildProcessError:   # pragma: no cover - it is our child until we reap it
+                return True
+            if not done:
+                return False
+            if os.WIFSTOPPED(status):
+                self._stopped(os.WSTOPSIG(status))
+            elif os.WIFCONTINUED(status):
+                if self.on_stop is not None:
+                    self.on_stop(False)
+            else:
+                self._ended(status)
+        return self._group_empty()
+
+    def _ended(self, status: int) -> None:
+        self.status = status
+        died_of = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        if died_of in KEYBOARD and self.terminal.holds():
+            self.tty_signal = died_of   # ^C or ^\ at the terminal the command had
+            self.handed = True
+        self.terminal.take_back()
+
+    def _group_empty(self) -> bool:
+        """The command has ended: is its group empty? If not, say so once and have a thread wait
+        for the group's processes (their pidfds) and wake us with a SIGCHLD when none is left."""
+        from ..facts import own_start_ticks
+        from ..store import outlived
+
+        if self.lingering is None:
+            if not outlived.group_exists(self.pid):   # the usual end: one syscall
+                return True
+            # Every process of the group started after this wrapper; its session is ours.
+            self.lingering = outlived.Command(self.pid, own_start_ticks() or 0, self.pid,
+                                              os.getsid(0))
+        if self.lingering.look() == []:
+            return True
+        if self._waiter is None:
+            if self.on_linger is not None:
+                self.on_linger(list(self.lingering.members))
+            import threading
+
+            group = outlived.Command(self.pid, self.lingering.ticks, self.pid,
+                                     self.lingering.sid)
+
+            def wake() -> None:
+                outlived.gone(group, None)
+                os.kill(os.getpid(), signal.SIGCHLD)
+
+            # Started with our signals blocked: it inherits the block and never takes them.
+            self._waiter = threading.Thread(target=wake, name="lanelock-group", daemon=True)
+            self._waiter.start()
         return False
-    try:
-        return os.getpgid(child) == os.getpgrp()
-    except OSError:
-        return False
+
+    def _stopped(self, stop_signal: int) -> None:
+        if self.on_stop is not None:
+            self.on_stop(True)
+        if proc.state(self.pid) != b"T":   # continued meanwhile: nothing to do
+            return
+        if stop_signal in (signal.SIGTTIN, signal.SIGTTOU) and self.terminal.ours():
+            # It wanted the terminal while our group has it (run in the background, then `fg`):
+            # give it the terminal and let it go on.
+            self.terminal.hand(self.pid)
+            _kill_group(self.pid, signal.SIGCONT)
+        elif (stop_signal == signal.SIGTSTP and self.terminal.holds()) or (
+                stop_signal in JOB_STOPS and self.terminal.fd >= 0 and not self.terminal.ours()):
+            # ^Z at the terminal the command had, or a background job that wants the terminal:
+            # the job stops, so the shell can take the terminal and `fg` or `bg` it.
+            self._stop_self()
+
+    def _stop_self(self) -> None:
+        """Stop (SIGSTOP cannot be blocked or, in an orphaned group, discarded) and, continued,
+        continue the group."""
+        self.terminal.take_back()
+        os.kill(os.getpid(), signal.SIGSTOP)
+        self._resumed()
+
+    def _resumed(self) -> None:
+        """Continued (fg, bg, kill -CONT): the group too, with the terminal if ours has it."""
+        if self.status is None and self.terminal.fd >= 0 and self.terminal.ours():
+            self.terminal.hand(self.pid)
+        _kill_group(self.pid, signal.SIGCONT)
+
+    def _continue_if_stopped(self) -> None:
+        """A stopped command cannot act on an ending signal: it would keep the lane until someone
+        resumed it. Continue its group so it ends (as kill(1) users and systemd do: TERM, then
+        CONT). Once the command has ended, the rest of the group is continued unasked."""
+        if self.status is not None or proc.state(self.pid) == b"T":   # not t: a tracer's stop
+            _kill_group(self.pid, signal.SIGCONT)
 
 
-def _kill(pid: int, signo: int) -> None:
+def _kill_group(pgid: int, signo: int) -> None:
     try:
-        os.kill(pid, signo)
-    except ProcessLookupError:
+        os.killpg(pgid, signo)
+    except (ProcessLookupError, PermissionError):   # empty, or only another user's left
         pass
 
 
 def reraise_terminal_signal(outcome: Outcome) -> None:
     """A child killed by the terminal's ^C or ^\\: die of the same signal, so the calling shell
-    sees exactly what it would without lanelock (bash stops a loop only for a signal death)."""
+    sees exactly what it would without lanelock. When the command had the terminal, the key
+    would have signalled our whole group had we not handed the foreground on: the signal goes
+    to our group, where a calling script's shell is (bash ends a loop only when it had the
+    signal itself and its child died of it)."""
     if outcome.signal is not None and outcome.signal == outcome.tty_signal:
         from ..guard import flush_quietly
 
         flush_quietly()
         signal.signal(outcome.signal, signal.SIG_DFL)
+        try:
+            if outcome.handed:
+                os.killpg(os.getpgrp(), outcome.signal)   # pending here until unblocked
+            else:
+                os.kill(os.getpid(), outcome.signal)
+        except OSError:
+            os.kill(os.getpid(), outcome.signal)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {outcome.signal})
-        os.kill(os.getpid(), outcome.signal)

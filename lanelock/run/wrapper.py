@@ -127,8 +127,18 @@ def _run(argv, changes, options: Options, say: Say, turn: Turn | None,
             if watch:
                 watch.start()
 
+        def lingering(pids: list[int]) -> None:
+            from ..holder import group_words
+
+            kept = f"lane {turn.lane} stays held" if holding else "lanelock waits"
+            count = "1 process" if len(pids) == 1 else f"{len(pids) or 'some'} processes"
+            say.warn(f"the command ended, but {count} of its process group still "
+                     f"run{'s' if len(pids) == 1 else ''} ({group_words(pids)}); {kept} until "
+                     f"{'it ends' if len(pids) == 1 else 'they end'}")
+
         outcome = runner.run(starter, changes, kill_after=options.kill_after,
-                             on_spawn=spawned, on_stop=turn.mark_stopped if holding else None)
+                             on_spawn=spawned, on_stop=turn.mark_stopped if holding else None,
+                             on_linger=lingering)
     except OSError as error:
         if starter is not None:
             starter.cancel()

@@ -51,7 +51,7 @@ class LaneFacts:
                  "error", "held", "holders", "waiters", "record", "record_problem", "record_absent",
                  "matches", "queue",
                  "replaced", "store_stale", "alive", "reused", "collision", "stopped", "bound",
-                 "ending")
+                 "ending", "ending_pgid", "ending_pids")
 
     def __init__(self, lane: str, lock_path: str, sidecar_path: str | None = None):
         self.lane = lane
@@ -78,6 +78,10 @@ class LaneFacts:
         # The command of a turn killed without releasing, still running on this machine (its
         # pid): the lane is not free until it is gone (store/outlived.py).
         self.ending: int | None = None
+        # Its process group when it has one (the lane waits for all of it), and the processes of
+        # it still running (none listed: /proc does not show them).
+        self.ending_pgid: int | None = None
+        self.ending_pids: list[int] = []
         # The turns waiting, in the order they will get the lane: {position, class,
         # effective_class, pid, session, host, waited}; [] for a store that keeps no order.
         self.queue: list[dict] = []

@@ -69,7 +69,7 @@ class Line:
     and, for a store whose waits run in an event loop, look_async / lock_async / behind_async.
     Line(store, handle, ticket) keeps them; queued is False when the turn could not join (a
     ticket None: the lane's own order only). gone() is the same for every store (outlived.py):
-    handle.outlived is the (pid, ticks) of a killed turn's command still running, or None."""
+    handle.outlived is the outlived.Command of a killed turn still running, or None."""
 
     def __init__(self, store, handle, ticket=None):
         self.store, self.handle, self.ticket = store, handle, ticket
@@ -96,12 +96,12 @@ class Line:
     def gone(self, timeout: float | None, cancel=None) -> bool:
         from .outlived import gone
 
-        return self.outlived is None or gone(*self.outlived, timeout, cancel)
+        return self.outlived is None or gone(self.outlived, timeout, cancel)
 
     async def gone_async(self, timeout: float | None) -> bool:
         from .outlived import gone_async
 
-        return self.outlived is None or await gone_async(*self.outlived, timeout)
+        return self.outlived is None or await gone_async(self.outlived, timeout)
 
 
 def walk(line: Line, timeout: float | None, cancel=None):

@@ -47,7 +47,7 @@ class Handle(LockHandle):
         self.locked = False   # this handle holds the lane (try_lock or wait_lock said True)
         self.queue = None     # the lane's queue.Queue, once asked
         self.asker: dict | None = None   # who waits (LockHandle.asker), for the queue's entry
-        self.outlived = None   # (pid, ticks): a killed turn's command, still running (outlived.py)
+        self.outlived = None   # a killed turn's command, still running (outlived.Command)
 
     @property
     def exists(self) -> bool:
@@ -237,7 +237,7 @@ class FlockStore(LaneStore):
         If not, the lane is let go again (busy; a turn that waits, waits for it)."""
         if handle.outlived is None:
             return True
-        if not outlived.gone(*handle.outlived, 0):
+        if not outlived.gone(handle.outlived, 0):
             self._hand_on(handle)
             return False
         handle.outlived = None

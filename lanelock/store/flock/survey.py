@@ -86,7 +86,9 @@ def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0,
         from ..outlived import running_command
 
         command = running_command(record)
-        found.ending = command[0] if command else None
+        if command is not None:
+            found.ending, found.ending_pgid = command.named, command.pgid
+            found.ending_pids = command.members
     if found.held and found.matches and pid is not None:
         from ...holder import stopped
 

@@ -53,7 +53,7 @@ class PgHandle(LockHandle):
     cancelled: bool = False        # cancel_wait() gave up the wait
     held: bool = False             # this session holds the lane's lock (release unlocks it then)
     asker: dict | None = None      # who waits (LockHandle.asker)
-    outlived: tuple | None = None  # (pid, ticks): a killed turn's command still runs (outlived.py)
+    outlived: object = None  # a killed turn's command still running (outlived.Command)
     exists = True                  # a lock row exists as soon as anyone asks
 
     def close(self) -> None:
@@ -138,7 +138,7 @@ class PgStore(LaneStore):
         gone within timeout? If not, the lane is let go again (busy)."""
         if handle.outlived is None:
             return True
-        if not outlived.gone(*handle.outlived, timeout):
+        if not outlived.gone(handle.outlived, timeout):
             self._unlock_lane(handle)
             return False
         handle.outlived = None
@@ -450,7 +450,9 @@ class PgStore(LaneStore):
             facts.alive = False   # its session is gone (the lock is free): the turn has ended
         if not facts.alive:   # a killed turn's command may still run here (outlived.py)
             command = outlived.running_command(record)
-            facts.ending = command[0] if command else None
+            if command is not None:
+                facts.ending, facts.ending_pgid = command.named, command.pgid
+                facts.ending_pids = command.members
         if facts.matches and record.get("hostname") == hostname() and isinstance(pid, int):
             from ...holder import stopped
 

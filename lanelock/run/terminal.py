@@ -1,0 +1,76 @@
+"""The terminal's foreground, handed between the wrapper and its command's process group.
+
+The command runs in a process group of its own (runner.py says why). A terminal sends ^C, ^\\ and
+^Z to its foreground group alone, and lets only that group read from it. So when the wrapper's
+group is in the foreground, the wrapper hands the foreground to the command's group while the
+command runs, and takes it back when the command ends or stops -- as a shell does for its jobs,
+and as sudo does when it runs a command without a pty (exec_nopty.c).
+
+Invariant: the foreground only ever moves from the wrapper's group to the command's while the
+wrapper's has it, and back while the command's has it. A shell that has moved on meanwhile (`bg`,
+another job in front) keeps its terminal. tcsetpgrp() from a background group would stop the
+wrapper with SIGTTOU: it is blocked around every call.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+class Terminal:
+    """The controlling terminal, if the wrapper has one (fd -1 otherwise: nothing is handed)."""
+
+    def __init__(self) -> None:
+        self.fd = -1
+        self.handed_to: int | None = None   # the command's group, while it has the foreground
+        try:
+            self.fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
+        except OSError:   # no controlling terminal (cron, a service, a pipe): nothing to hand
+            pass
+
+    def ours(self) -> bool:
+        """Is the wrapper's group in the terminal's foreground?"""
+        return self._foreground() == os.getpgrp()
+
+    def hand(self, pgid: int) -> bool:
+        """Give the foreground to the command's group if ours has it: True when it was given."""
+        if self.fd < 0 or not self.ours():
+            return False
+        if self._set(pgid):
+            self.handed_to = pgid
+        return self.handed_to == pgid
+
+    def holds(self) -> bool:
+        """Does the command's group we handed the foreground to still have it?"""
+        return self.handed_to is not None and self._foreground() == self.handed_to
+
+    def take_back(self) -> None:
+        """The foreground back to the wrapper's group, if the command's group still has it."""
+        if self.holds():
+            self._set(os.getpgrp())
+        self.handed_to = None
+
+    def close(self) -> None:
+        self.take_back()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def _foreground(self) -> int | None:
+        if self.fd < 0:
+            return None
+        try:
+            return os.tcgetpgrp(self.fd)
+        except OSError:   # hung up meanwhile
+            return None
+
+    def _set(self, pgid: int) -> bool:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
+        try:
+            os.tcsetpgrp(self.fd, pgid)
+            return True
+        except OSError:   # the group is gone, or the terminal hung up
+            return False
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
