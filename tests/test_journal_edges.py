@@ -283,3 +283,18 @@ def test_the_proxys_status_json_is_valid_utf8_for_strict_parsers(procs, holder):
     assert data["lanes"][0]["holder"]["session"] == "bad\ufffd\ufffd"
     assert proxy.stop() == 0
     assert held.release() == 0
+
+
+def test_metrics_print_no_escape_from_a_forged_counts_file_or_lane_name(procs, lock_dir):
+    """The counts file is everyone's to write (0666) and a lock file anyone's to name: a
+    deflection reason or a lane name holding ESC/OSC must not reach `lanelock metrics`' reader."""
+    lock_dir.mkdir()
+    (lock_dir / f"{STEM}.lock").touch()
+    (lock_dir / f"{STEM}.counts").write_text(json.dumps({
+        "schema": 1, "turns": {"local": 1}, "deflections": {ESC_PAYLOAD: 3, "local_backend_busy": 2}}))
+    (lock_dir / f"{ESC_PAYLOAD}-8080.lock").touch()
+    for args in (("metrics",), ("metrics", "--all")):
+        done = raw(procs, *args)
+        assert done.returncode == 0 and b"Traceback" not in done.stderr, done
+        assert_no_forged_bytes(done.stdout + done.stderr, ours=rb"^$")
+        assert b'reason="local_backend_busy"} 2.0' in done.stdout

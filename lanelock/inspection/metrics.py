@@ -8,13 +8,16 @@ text comes from prometheus-client (`pip install 'lanelock[metrics]'`), not a for
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 
 from .. import __version__
+from ..say import sanitize
 from ..store.counts import BUCKETS, CLASSES, OUTCOMES
 from .status import statuses
 
 TEXTFILE = "lanelock.prom"
+REASON = re.compile(r"[a-z][a-z_]{0,63}")
 NEEDS = "metrics need prometheus-client: pip install 'lanelock[metrics]'"
 
 
@@ -108,7 +111,7 @@ class LaneCollector:
                                      "that could not are left out, not reset (`lanelock metrics` "
                                      "says why)", labels=["lane"])
         for status, counts in lanes:
-            lane = status["lane"]
+            lane = sanitize(status["lane"], 200)   # a lock file's name: anyone's to choose
             gate.add_metric([lane], 0.0 if status.get("gate") == "unavailable" else 1.0)
             readable.add_metric([lane], 0.0 if counts.get("problem") else 1.0)
             is_held = status["state"] == "held"
@@ -133,7 +136,9 @@ class LaneCollector:
                     turns.add_metric([lane, outcome], float(value + extra.get(outcome, 0)))
             found = counts["deflections"]
             for reason, value in sorted((found or {}).items()):
-                if value is not None:
+                # The counts file is everyone's to write: a reason is a label only when it
+                # looks like one of ours (no escape for a terminal, no unbounded label set).
+                if value is not None and REASON.fullmatch(reason):
                     deflections.add_metric([lane, reason], float(value))
             if found is not None and "local_backend_busy" not in found:
                 deflections.add_metric([lane, "local_backend_busy"], 0.0)
