@@ -395,6 +395,10 @@ def watch(backend, lock_dir, model, key_by, store, engine, interval, quiet):
               default=60.0, show_default=True,
               help="A fallback that has not answered (status and headers) within this long is "
                    "skipped and the next one tried.")
+@click.option("--fallback-pass-auth", "fallback_pass_auth", is_flag=True,
+              help="Send a URL fallback with no key of its own the client's credentials "
+                   "(Authorization, Cookie, X-Api-Key, api-key); by default they never leave "
+                   "the box.")
 @setting_option("wait")
 @setting_option("priority")
 @click.option("--max-priority", type=click.Choice(list(SPELLED), case_sensitive=False),
@@ -414,11 +418,22 @@ def watch(backend, lock_dir, model, key_by, store, engine, interval, quiet):
               help="The engine's base URL for the witness (default: the backend's).")
 @click.option("--witness-interval", metavar="SECONDS", type=Interval("--witness-interval"),
               default=0.25, show_default=True, help="Seconds between the witness's looks.")
+@click.option("--max-connections", metavar="N", type=click.IntRange(1, 1 << 20), default=1024,
+              show_default=True,
+              help="Connections at once (fewer if the fd limit allows fewer); more wait in the "
+                   "listen backlog, and idle ones are closed to make room.")
+@click.option("--header-timeout", metavar="SECONDS", type=Interval("--header-timeout", 30),
+              default=10.0, show_default=True,
+              help="Close a connection that has not sent a complete request header by then.")
+@click.option("--idle-timeout", metavar="SECONDS", type=Interval("--idle-timeout", None),
+              default=15.0, show_default=True,
+              help="Close a keep-alive connection idle this long.")
 @click.option("--quiet", "-q", is_flag=True, help="No notes or warnings from lanelock.")
 @click.option("--verbose", "-v", is_flag=True, help="One line per request.")
 def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fallback_timeout,
-          wait, priority, max_priority, proxy_linger, proxy_session_header, token_env, store,
-          lock_dir, no_witness, engine, witness_interval, quiet, verbose):
+          fallback_pass_auth, wait, priority, max_priority, proxy_linger, proxy_session_header,
+          token_env, store, lock_dir, no_witness, engine, witness_interval, max_connections, header_timeout,
+          idle_timeout, quiet, verbose):
     """Serve the lane to HTTP clients: a loopback proxy that holds the lane per generation request.
 
     Point a client's base URL at it (http://127.0.0.1:8089/v1). A busy lane sends the request to
@@ -455,7 +470,9 @@ def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fa
                       session_header=settings.get("proxy_session_header"),
                       cheap_paths=settings.get("proxy_cheap_paths"), quiet=quiet,
                       verbose=verbose, fallback_timeout=fallback_timeout,
-                      max_priority=max_priority,
+                      max_priority=max_priority, fallback_pass_auth=fallback_pass_auth,
+                      max_connections=max_connections, header_timeout=header_timeout,
+                      idle_timeout=idle_timeout,
                       witness=None if no_witness or not gate.gated else (
                           _engine_url(gate, engine), witness_interval))
     try:

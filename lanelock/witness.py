@@ -397,6 +397,11 @@ def parse_engine(text: str) -> str:
 
     shown = repr(text if len(text) <= 200 else text[:200] + "…")
     text = text.strip()
+    # A space or control character (or a non-ASCII one) anywhere is refused here: the HTTP client
+    # would refuse it at the first look, in its own words (InvalidURL: an internal error).
+    if any(not " " < ch < "\x7f" for ch in text):
+        raise UsageProblem(f"--engine {shown}: not a URL (spaces, control or non-ASCII "
+                           "characters); expected e.g. http://127.0.0.1:8080")
     if "://" not in text and text:   # HOST:PORT, as -b takes it: the engine speaks http
         text = f"http://{text}"
     try:
@@ -409,6 +414,11 @@ def parse_engine(text: str) -> str:
                            "(e.g. http://127.0.0.1:8080)")
     if not parts.hostname:
         raise UsageProblem(f"--engine {shown}: the URL names no host")
+    labels = parts.hostname.removesuffix(".").split(".")
+    if ":" not in parts.hostname and "" in labels:
+        raise UsageProblem(f"--engine {shown}: not a host name (an empty label)")
+    if port == 0:
+        raise UsageProblem(f"--engine {shown}: port 0 is no engine's port")
     if len(parts.hostname) > 253 or any(len(label) > 63 for label in parts.hostname.split(".")):
         raise UsageProblem(f"--engine {shown}: not a host name (longer than DNS allows)")
     if parts.username or parts.password or parts.query or parts.fragment:

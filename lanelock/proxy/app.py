@@ -27,6 +27,7 @@ from ..handover import HEADER
 from ..holder import words as holder_words
 from . import asks, dialects
 from .chain import REASON_DOWN, Chain, Why
+from .listener import HEADER_TIMEOUT, IDLE_TIMEOUT, MAX_CONNECTIONS
 from .peer import Client
 from .relay import CUT, GONE_BEFORE, Unreachable, error_response, relay, request_headers
 from .retry import RetryAfter
@@ -45,13 +46,20 @@ class Options:
     def __init__(self, *, fallbacks=(), fallback_model=None, fallback_key=None, wait=0.0,
                  linger=0.0, session_header="X-Lanelock-Session", token=None, cheap_paths=None,
                  quiet=False, verbose=False, max_body=32 << 20, fallback_timeout=60.0,
-                 max_priority="interactive", witness=None):
+                 max_priority="interactive", witness=None, fallback_pass_auth=False,
+                 max_connections=MAX_CONNECTIONS, header_timeout=HEADER_TIMEOUT,
+                 idle_timeout=IDLE_TIMEOUT):
         self.fallbacks = list(fallbacks)
         # fallback_model and fallback_key: {kind or None (every kind): value}
         self.fallback_model = _per_kind(fallback_model)
         self.fallback_key = fallback_key if isinstance(fallback_key, dict) else (
             {None: fallback_key} if fallback_key else {})
         self.fallback_timeout = fallback_timeout   # seconds to a fallback's answer (headers)
+        self.fallback_pass_auth = fallback_pass_auth   # URL fallbacks get the client's credentials
+        # Connections (serve.py, listener.py): how many at once, seconds to a complete header,
+        # seconds an idle keep-alive connection is kept.
+        self.max_connections = max_connections
+        self.header_timeout, self.idle_timeout = header_timeout, idle_timeout
         self.wait, self.linger = wait, linger
         self.session_header, self.token = session_header, token
         self.routes = Routes(cheap_paths)
@@ -87,6 +95,7 @@ class Proxy:
         self.ungated = 0              # ungated generation requests (no lane file records them)
         self.gate.warn = self._gate_warning
         self.witness = None           # the engine's witness (witness.py), when it runs
+        self.listener = None          # the listening socket's accept loop (listener.py)
 
     # -- warnings ------------------------------------------------------------------------------
     def _gate_warning(self, message: str) -> None:
@@ -184,19 +193,23 @@ class Proxy:
         model = dialect.model_of(fields)
         reused = self._take_lingering(session)
         client = Client(request, self.gate.lock_path)
-        turn = reused.turn if reused else self.gate.turn(
-            session=session[:200], model=model and model[:200], argv=[request.method, path[:200]],
-            wait=asked.wait, labels={"via": "proxy", "client": request.remote or "?",
-                                     "path": path[:200]},
-            askers=client.askers, priority=asked.priority,
-            fallback=any(fallback.serves(dialect) for fallback in self.options.fallbacks))
+
+        def new_turn(wait):
+            return self.gate.turn(
+                session=session[:200], model=model and model[:200],
+                argv=[request.method, path[:200]], wait=wait,
+                labels={"via": "proxy", "client": request.remote or "?", "path": path[:200]},
+                askers=client.askers, priority=asked.priority,
+                fallback=any(fallback.serves(dialect) for fallback in self.options.fallbacks))
+
+        turn = reused.turn if reused else new_turn(asked.wait)
         status = None
         timing = request["lanelock_timing"] = Timing()
         try:
             if reused is None:
                 self.waiting += 1
                 try:
-                    await asyncturn.acquire(turn)
+                    turn = await _take(turn, new_turn, asked.wait)
                 except asyncio.CancelledError:
                     await _abandoned(turn)
                     timing.waited = turn.waited   # the -v line says how long it waited
@@ -313,13 +326,14 @@ class Proxy:
     async def _deflected(self, request, path_qs, body, fields, turn, client,
                          applied) -> web.StreamResponse:
         """A busy lane: the fallback chain; none left, the dialect's busy answer, naming what
-        failed. The holder's own request is told at once what to send instead."""
+        failed. The holder's own request is told at once what to send instead. A crowded gate
+        (out of descriptors or memory: whether the lane is held cannot be read) is answered
+        the same way, never forwarded to the engine."""
         dialect = request["lanelock_dialect"]
         if client.holds(turn.holder):
             await asyncturn.settle(turn, "busy")
             return self._holds_itself(dialect, turn.holder, client, applied)
-        who = holder_words(turn.holder)
-        why = Why.busy(who)
+        why = Why.crowded(turn.crowded) if turn.crowded else Why.busy(holder_words(turn.holder))
         response, failures = await self.chain.walk(request, path_qs, body, fields, why, applied)
         if response is not None:
             await asyncturn.settle(turn, "deflected")
@@ -330,11 +344,11 @@ class Proxy:
                                     f"no fallback for {request.method} "
                                     f"{path_qs.partition('?')[0][:200]}")
                                    + f": {dialect.busy_status}"))
-        status, payload = dialects.busy_answer(dialect, REASON_BUSY,
+        status, payload = dialects.busy_answer(dialect, why.reason,
                                                why.words + (f"; {failed}" if failed else ""))
-        return _answer(status, payload, {
-            STATE: BUSY, REASON: REASON_BUSY, **applied,
-            "Retry-After": str(await self.retry_after.seconds(turn.holder, turn.priority))})
+        retry = 1 if turn.crowded else await self.retry_after.seconds(turn.holder, turn.priority)
+        return _answer(status, payload, {STATE: BUSY, REASON: why.reason, **applied,
+                                         "Retry-After": str(retry)})
 
     def _holds_itself(self, dialect, holder: dict, client, applied) -> web.Response:
         """The holding process asked without its turn's headers: waiting would wait for its
@@ -436,6 +450,29 @@ def _json_fields(body: bytes) -> dict:
     except (ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+# A crowded gate (out of descriptors or memory) is asked again after these pauses, while the
+# request's wait lasts: what it lacks comes back as other requests end.
+CROWDED_PAUSES = (0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+async def _take(turn, new_turn, wait: float | None):
+    """The turn, taken; a crowded one taken again with what is left of wait (None: for ever),
+    a new turn each time, until it is not crowded or the wait is over (then it deflects)."""
+    deadline = None if wait is None else time.monotonic() + wait
+    tries = 0
+    while True:
+        await asyncturn.acquire(turn)
+        if not turn.crowded:
+            return turn
+        left = None if deadline is None else deadline - time.monotonic()
+        pause = CROWDED_PAUSES[min(tries, len(CROWDED_PAUSES) - 1)]
+        if left is not None and left <= pause:
+            return turn
+        tries += 1
+        await asyncio.sleep(pause)
+        turn = new_turn(None if left is None else left - pause)
 
 
 async def _abandoned(turn) -> None:

@@ -24,7 +24,11 @@ from . import dialects
 from .relay import Unreachable, relay, request_headers
 
 REASON_DOWN = "local_backend_down"
+# A client's credentials, in every spelling the APIs use (request_headers compares lower case).
+CREDENTIALS = ("authorization", "proxy-authorization", "cookie", "x-api-key", "api-key")
 DOWN_WORDS = "local model not answering"
+REASON_CROWDED = "gate_crowded"   # errors.GateCrowded.reason
+CROWDED_WORDS = "lanelock's gate is crowded: whether the local model is in use cannot be read now"
 
 
 class Why:
@@ -44,9 +48,14 @@ class Why:
     def down(cls, error: str) -> "Why":
         return cls(REASON_DOWN, error)
 
+    @classmethod
+    def crowded(cls, error: str) -> "Why":
+        return cls(REASON_CROWDED, error)
+
     @property
     def words(self) -> str:
-        return f"{BUSY_WORDS if self.reason == REASON_BUSY else DOWN_WORDS} ({self.detail})"
+        said = {REASON_BUSY: BUSY_WORDS, REASON_CROWDED: CROWDED_WORDS}.get(self.reason, DOWN_WORDS)
+        return f"{said} ({self.detail})"
 
     def sentence(self, then: str | None = None) -> str:
         if self.reason == REASON_BUSY:
@@ -121,15 +130,16 @@ class Chain:
         model = options.fallback_model.get(fallback.kind, options.fallback_model.get(None))
         if model and fields:
             body = json.dumps({**fields, "model": model}).encode()
-        headers = request_headers(request, drop=("authorization", "x-api-key"))
+        # The client's credentials are the local engine's (its --api-key, a cookie of the
+        # box): never sent to another host unless asked (--fallback-pass-auth). A configured key
+        # replaces them; the proxy's own token is never passed on.
         key = options.fallback_key.get(fallback.kind, options.fallback_key.get(None))
+        passed = options.fallback_pass_auth and not key
+        drop = CREDENTIALS if not passed else (("authorization",) if options.token else ())
+        headers = request_headers(request, drop=drop)
         name, form = dialects.FALLBACK_KINDS[fallback.kind]["key"]
         if key:
             headers[name] = form.format(key=key)
-        elif not options.token:   # the client's own credentials, where it sent them
-            for credential in ("Authorization", "x-api-key"):
-                if credential in request.headers:
-                    headers[credential] = request.headers[credential]
         say.note(why.sentence(f"deflecting to fallback {index}: {fallback.url}"))
         name = f"fallback {index} {fallback.url}"
         try:
@@ -184,3 +194,4 @@ class Chain:
             return response
         finally:
             await asyncturn.release(turn, status)
+

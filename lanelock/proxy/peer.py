@@ -37,6 +37,12 @@ class Client:
         self.pids: list[int] = []   # found by askers(), when the gate asked
 
     def askers(self) -> list[Asker | None]:
+        try:
+            return self._askers()
+        except OSError:   # /proc unreadable now (out of descriptors): outside every turn
+            return []
+
+    def _askers(self) -> list[Asker | None]:
         if not isinstance(self.peer, tuple) or not isinstance(self.local, tuple):
             return []   # not a TCP client (a Unix socket): outside every turn
         self.pids = owners(self.peer, self.local)

@@ -10,6 +10,11 @@ The decision is made on the raw request path -- the very bytes the proxy forward
 path must match exactly: a dot segment, a doubled or trailing slash or a percent-encoding never
 makes a request cheap (issue 24: /./v1/chat/completions was judged ungated, then forwarded
 normalised, and generated beside the holder).
+
+A read is gated too when it can make the engine load a model: llama-swap's passthrough
+`/upstream/MODEL/...` starts MODEL for any method (a GET of its /health swaps out the model the
+holder generates with). That one is judged on the path as the engine will read it (percent-decoded,
+dot segments and doubled slashes resolved, any case), so no spelling of it passes ungated.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ DEFAULT_CHEAP = (
 )
 # Methods that read: no engine computes for them (models, health, props, slots, metrics).
 READS = frozenset({"GET", "HEAD", "OPTIONS"})
+# Paths under which any method may load a model (llama-swap's passthrough).
+LOADS = ("/upstream",)
 
 
 class Routes:
@@ -32,7 +39,19 @@ class Routes:
 
     def is_gated(self, method: str, raw_path: str) -> bool:
         """raw_path: the request target as received, query removed."""
-        return method not in READS and raw_path not in self.cheap
+        if method not in READS:
+            return raw_path not in self.cheap
+        return loads_a_model(raw_path)
+
+
+def loads_a_model(raw_path: str) -> bool:
+    """Is raw_path, read the way a server routes it, under a path that loads a model?"""
+    import posixpath
+    from urllib.parse import unquote
+
+    path = posixpath.normpath("/" + unquote(raw_path).lower())
+    path = "/" + path.lstrip("/")   # normpath keeps a leading '//'
+    return any(path == prefix or path.startswith(prefix + "/") for prefix in LOADS)
 
 
 class Fallback:

@@ -4,6 +4,11 @@
   must carry `Authorization: Bearer TOKEN` (the proxy can spend a cloud key: it must never be an
   open relay).
 - Bounded input: request bodies (413) and header fields (431) past the limits are refused.
+- Bounded connections (listener.py): the soft fd limit raised to the hard one, at most
+  --max-connections at once (fewer if the fd limit says so; the rest wait in the listen backlog,
+  idle ones make room), a complete request header within --header-timeout of connecting, an idle
+  keep-alive connection closed after --idle-timeout; aiohttp's and asyncio's own log lines are
+  one line per incident, never a request's bytes (logs.py).
 - SIGTERM/SIGINT: stop accepting, let in-flight answers finish for up to SHUTDOWN seconds, then
   close; a lingering lane is let go. kill -9 frees the lane at once (the kernel, as always).
 """
@@ -65,11 +70,45 @@ def build(gate, options, say, listen: str, token_env: str | None, fallback_key_e
     return Proxy(gate, options, say, origin(gate.lane.given)), host, port
 
 
+def malformed(request):
+    """A 400 in the family's shape for a request no engine should be sent, else None: a target
+    that is not a path (absolute form 'http://host/...', '*'; the engine's URL is built by
+    appending it), a header that is not UTF-8 ('Authorization: Bearer \\xff' cannot be compared
+    with the token nor sent on). Judged before the token: it says nothing of it."""
+    from . import dialects
+
+    target = request.raw_path
+    if not target.startswith("/"):
+        return _bad_request(dialects.of("/"), "the request target must be a path starting with "
+                            "'/' (origin form), not an absolute URL: this is not a forward proxy")
+    for name, value in request.raw_headers:
+        try:
+            name.decode("ascii"), value.decode("utf-8")
+        except UnicodeDecodeError:
+            shown = name.decode("ascii", "replace")[:64]
+            return _bad_request(dialects.of(target.partition("?")[0]),
+                                f"header {shown!r} is not valid UTF-8", shown)
+    return None
+
+
+def _bad_request(dialect, message: str, param: str | None = None):
+    from aiohttp import web
+
+    from .dialects import error_answer
+
+    return web.Response(status=400, body=error_answer(dialect, 400, "invalid_request_error",
+                                                     message, param),
+                        content_type="application/json")
+
+
 def make_app(proxy):
     from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
     @web.middleware
     async def guard(request, handler):
+        refused = malformed(request)
+        if refused is not None:
+            return refused
         total = sum(len(name) + len(value) + 4 for name, value in request.raw_headers)
         if total > MAX_HEADERS or len(request.raw_headers) > MAX_FIELDS or any(
                 len(name) + len(value) > MAX_FIELD for name, value in request.raw_headers):
@@ -87,6 +126,9 @@ def make_app(proxy):
 
                 return error_response(401, "unauthorized", "this lanelock proxy needs "
                                       "'Authorization: Bearer TOKEN' (its --token-env)")
+        listener = proxy.listener
+        if listener is not None:
+            listener.started(request.protocol)
         try:
             return await handler(request)
         except web.HTTPRequestEntityTooLarge:
@@ -94,11 +136,15 @@ def make_app(proxy):
 
             return error_response(413, "request_too_large",
                                   f"request bodies are limited to {proxy.options.max_body} bytes")
+        finally:
+            if listener is not None:
+                listener.ended(request.protocol)
 
     app = web.Application(middlewares=[guard], client_max_size=proxy.options.max_body,
                           handler_args={"max_field_size": PARSER_LIMIT,
                                         "max_line_size": PARSER_LIMIT,
-                                        "max_headers": PARSER_MAX_HEADERS})
+                                        "max_headers": PARSER_MAX_HEADERS,
+                                        "keepalive_timeout": proxy.options.idle_timeout})
     app.router.add_route("*", "/{tail:.*}", proxy.handle)
 
     async def startup(app):
@@ -121,22 +167,34 @@ def make_app(proxy):
 async def serve(proxy, host: str, port: int, say) -> int:
     from aiohttp import web
 
+    from . import logs
+    from .listener import Listener, connection_cap, raise_fd_limit
+
+    incidents = logs.install(say)
+    soft = raise_fd_limit()
+    options = proxy.options
+    cap = connection_cap(options.max_connections, soft)
     runner = web.AppRunner(make_app(proxy), handler_cancellation=True, access_log=None,
                            shutdown_timeout=CANCEL / 2)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    listener = proxy.listener = Listener(runner.server, host, port, cap=cap,
+                                         header_timeout=options.header_timeout,
+                                         incidents=incidents)
     try:
-        await site.start()
+        await listener.start()
     except OSError as error:
         await runner.cleanup()
         # asyncio's strerror repeats the address: the errno's own words are enough
         why = os.strerror(error.errno) if error.errno else (error.strerror or error)
         say.error(f"cannot listen on {host}:{port}: {why}")
         return exitcodes.CANNOT_LISTEN
-    bound = runner.addresses[0] if runner.addresses else (host, port)
+    bound = listener.address
     shown = f"[{bound[0]}]" if ":" in str(bound[0]) else bound[0]
     say.note(f"proxy listening on http://{shown}:{bound[1]} for {proxy.backend_url} "
              f"(lane {proxy.gate.lane.name}{'' if proxy.gate.gated else ', ungated'})")
+    if cap < options.max_connections:
+        say.warn(f"at most {cap} connections at once, not {options.max_connections}: the "
+                 f"file descriptor limit is {soft} (raise it: LimitNOFILE=, ulimit -Hn)")
     witness = _witness(proxy, say)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -170,8 +228,8 @@ async def stop_within(runner, proxy, bound: float) -> None:
     at the end is cancelled: its client's connection closes and its lane is let go."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + bound
-    for site in list(runner.sites):
-        await site.stop()
+    if proxy.listener is not None:
+        await proxy.listener.stop()
     if proxy.in_flight:
         try:
             await asyncio.wait_for(proxy.idle().wait(), max(0.0, deadline - loop.time() - CANCEL))

@@ -299,10 +299,7 @@ class _Waiter:
                     if self.queue:
                         continue   # another signal, or a turn joined as it was called off
                 elif error is not None:
-                    for slot in self.queue:
-                        slot.error = error
-                        slot.event.set()
-                    self.queue.clear()
+                    self._fail_all(error)
                 else:
                     while self.queue:
                         slot = self.queue.popleft()
@@ -314,10 +311,24 @@ class _Waiter:
                     os.close(self.fd)
                     self.fd = None
                 if not self.queue:
-                    if type(self)._all.get(self.key) is self:
-                        del type(self)._all[self.key]
-                    os.close(self.spare)
-                    self.left.set()
+                    self._leave()
                     return
                 # More turns wait: a new description to wait on for the next release.
-                self.fd = self._reopen()
+                try:
+                    self.fd = self._reopen()
+                except OSError as failed:   # out of descriptors: the turns still queued hear
+                    self._fail_all(failed)  # it (a crowded gate: they deflect or try again),
+                    self._leave()           # none is left waiting on a thread that is gone
+                    return
+
+    def _fail_all(self, error: OSError) -> None:   # under both guards
+        for slot in self.queue:
+            slot.error = error
+            slot.event.set()
+        self.queue.clear()
+
+    def _leave(self) -> None:   # under both guards, the queue empty
+        if type(self)._all.get(self.key) is self:
+            del type(self)._all[self.key]
+        os.close(self.spare)
+        self.left.set()

@@ -1,0 +1,287 @@
+"""`lanelock proxy` at its edges: crowded is not broken, idle connections are closed, llama-swap's
+/upstream is gated, the log never carries a request's bytes, malformed requests answer 400 in the
+family's shape, a URL fallback never gets the client's credentials unless asked, a bad --engine is
+a usage error (issue 35). Real processes: the stand-in engine, `lanelock run` holders, proxies
+started under prlimit, raw sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import resource
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import LANELOCK, TIMEOUT, Server, wait_for
+from test_proxy import CHAT, LISTENING, Engine, Proxy, Recorder, chat_body, request
+
+pytest.importorskip("aiohttp")
+
+PYTHON = sys.executable
+needs_prlimit = pytest.mark.skipif(shutil.which("prlimit") is None, reason="prlimit not found")
+LLAMA_SWAP = """
+import sys
+from lanelock.testing.standin import make_server
+server = make_server(0, 0.01, "tiny", 1, None, kind="llama-swap")
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+def raise_own_fd_limit(at_least: int) -> None:
+    """This test process opens many sockets of its own: its soft limit up to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < at_least:
+        if hard != resource.RLIM_INFINITY and hard < at_least:
+            pytest.skip(f"the hard fd limit {hard} is below {at_least}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 1 << 16), hard))
+
+
+def raw(port: int, data: bytes, timeout: float = TIMEOUT) -> bytes:
+    """Send data on a fresh connection; everything the proxy answers until it closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        seen = b""
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:
+                return seen
+            if not chunk:
+                return seen
+            seen += chunk
+
+
+def answer(data: bytes) -> tuple[int, dict, bytes]:
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(lines[0].split()[1]), headers, body
+
+
+# -- crowded is not broken ------------------------------------------------------------------------
+@needs_prlimit
+def test_150_waiting_requests_under_96_descriptors_wait_and_none_fails_open(procs, holder,
+                                                                             lanelock):
+    raise_own_fd_limit(1024)
+    engine = Engine(procs, delay=0.01)
+    held = holder("-b", engine.backend)
+    proxy = Server(procs, ["prlimit", "--nofile=96:96", *LANELOCK, "proxy", "--listen",
+                          "127.0.0.1:0", "-b", engine.backend, "--wait", "1d"], LISTENING.pattern)
+    cap = int(re.search(r"at most (\d+) connections", proxy.said("connections at once")).group(1))
+    results, sent = [], threading.Semaphore(0)
+
+    def ask():
+        try:
+            with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT * 2) as sock:
+                body = chat_body()
+                sock.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                             f"\r\nX-Lanelock-Wait: inf\r\nContent-Length: {len(body)}\r\n"
+                             "Connection: close\r\n\r\n".encode() + body)
+                sent.release()
+                data = b""
+                while chunk := sock.recv(65536):
+                    data += chunk
+            results.append(answer(data)[:2])
+        except OSError as error:
+            sent.release()
+            results.append((repr(error), {}))
+
+    threads = [threading.Thread(target=ask) for _ in range(150)]
+    for thread in threads:
+        thread.start()
+    for _ in threads:
+        assert sent.acquire(timeout=TIMEOUT)
+
+    # The proxy has taken as many as its descriptors allow; they wait in the lane's queue (the
+    # queue's files say so: nothing else reports a wait in the kernel).
+    def queued() -> int:
+        result = lanelock("status", "-b", engine.backend, "--json")
+        return len(json.loads(result.stdout)["lanes"][0].get("queue") or [])
+
+    wait_for(lambda: queued() >= cap, f"{cap} requests queued")
+    assert engine.stats()["total"] == 0, "the engine was asked while the holder held the lane"
+    assert not results, results[:3]
+    assert held.release() == 0
+    for thread in threads:
+        thread.join(TIMEOUT * 2)
+    states = [(status, headers.get("x-lanelock-state")) for status, headers in results]
+    assert states == [(200, "held")] * 150, sorted(set(map(str, states)))
+    assert engine.stats()["max_in_flight"] == 1
+    proxy.stop()
+    log = proxy.log()
+    assert "Traceback" not in log and "fail-open" not in log and "without it" not in log, log
+
+
+@needs_prlimit
+def test_idle_connections_cannot_shut_out_a_client_with_the_token(procs):
+    raise_own_fd_limit(4096)
+    engine = Engine(procs)
+    token = secrets.token_hex(8)
+    # A common default: 1,024 descriptors, fewer than the idle connections.
+    proxy = Server(procs, ["prlimit", "--nofile=1024:1024", *LANELOCK, "proxy", "--listen",
+                          "127.0.0.1:0", "-b", engine.backend, "--token-env", "TOKEN"],
+                   LISTENING.pattern, env={"TOKEN": token})
+    idle = []
+    try:
+        for _ in range(1100):   # they send nothing, and need no token to do it
+            idle.append(socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT))
+        status, _, body = request(proxy.port, "GET", "/v1/models",
+                                  headers={"Authorization": f"Bearer {token}"})
+        assert status == 200, body
+        status, headers, body = request(proxy.port, "POST", CHAT, chat_body(),
+                                        headers={"Authorization": f"Bearer {token}"})
+        assert (status, headers["X-Lanelock-State"]) == (200, "held"), body
+    finally:
+        for sock in idle:
+            sock.close()
+    proxy.stop()
+    assert "Traceback" not in proxy.log(), proxy.log()
+    assert len(proxy.log()) < 4096, "the log grew with the idle connections"
+
+
+def eof_within(sock: socket.socket, bound: float) -> float:
+    """Seconds until the proxy closes sock (read to its end); fails past bound."""
+    started = time.monotonic()
+    sock.settimeout(bound)
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        except socket.timeout:
+            raise AssertionError(f"still open after {bound}s") from None
+        if not chunk:
+            break
+    return time.monotonic() - started
+
+
+def test_a_silent_a_half_sent_and_an_idle_keep_alive_connection_are_closed_in_time(procs):
+    engine = Engine(procs)
+    proxy = Proxy(procs, engine.backend, "--header-timeout", "1", "--idle-timeout", "1.5")
+    silent = socket.create_connection(("127.0.0.1", proxy.port))
+    half = socket.create_connection(("127.0.0.1", proxy.port))
+    half.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")   # never the blank line
+    kept = socket.create_connection(("127.0.0.1", proxy.port))
+    kept.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    first = kept.recv(65536)
+    assert first.startswith(b"HTTP/1.1 200"), first
+    with silent, half, kept:
+        assert 0.5 < eof_within(silent, 10) < 5
+        assert eof_within(half, 10) < 5
+        assert 0.5 < eof_within(kept, 10) < 5
+    proxy.stop()
+    assert "Traceback" not in proxy.log(), proxy.log()
+
+
+# -- llama-swap's /upstream -----------------------------------------------------------------------
+def test_an_upstream_get_is_gated_and_loads_no_model_beside_the_holder(procs, holder):
+    engine = procs.start([PYTHON, "-c", LLAMA_SWAP], stdout=subprocess.PIPE)
+    port = int(engine.stdout.readline())
+    held = holder("-b", f"127.0.0.1:{port}")
+    proxy = Proxy(procs, f"127.0.0.1:{port}")
+    for method, target in (("GET", "/upstream/other/health"), ("HEAD", "/upstream/other/"),
+                           ("GET", "/%75pstream/other/v1/models"),
+                           ("GET", "//upstream/./other/health")):
+        status, headers, _ = request(proxy.port, method, target)
+        assert (status, headers["X-Lanelock-State"]) == (503, "busy"), (method, target)
+    assert json.loads(request(port, "GET", "/stats")[2])["loads"] == []
+    assert request(proxy.port, "GET", "/v1/models")[0] == 200   # a plain read still passes
+    assert held.release() == 0
+    status, headers, _ = request(proxy.port, "GET", "/upstream/other/health")
+    assert headers["X-Lanelock-State"] == "held"
+    assert json.loads(request(port, "GET", "/stats")[2])["loads"] == ["other"]
+
+
+# -- what the log says, and what malformed requests are answered ----------------------------------
+def test_malformed_requests_never_put_their_bytes_in_the_log(procs):
+    engine = Engine(procs)
+    token = "tok" + secrets.token_hex(12)
+    proxy = Proxy(procs, engine.backend, "--token-env", "TOKEN", env={"TOKEN": token})
+    auth = f"Authorization: Bearer {token}".encode()
+    malformed = [
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + auth + b"\x01\r\n\r\n",
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + auth.replace(b":", b" :") + b"\r\n\r\n",
+        b"GET /v1/models HTTP/1.1\r\n" + auth + b"\r\nContent-Length: zz\r\n\r\n",
+        b"GET /v1/models?" + token.encode() + b" HTTP/9.1\r\n" + auth + b"\r\n\r\n",
+        b"G\x01T /" + token.encode() + b" HTTP/1.1\r\n" + auth + b"\r\n\r\n",
+        b"POST http://x/v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + auth
+        + b"\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff" + token.encode()
+        + b"\r\nConnection: close\r\n\r\n",
+    ]
+    for data in malformed * 3:
+        status, _, _ = answer(raw(proxy.port, data))
+        assert status == 400, data
+    proxy.stop()
+    log = proxy.log()
+    assert token not in log, log
+    assert "Traceback" not in log, log
+    assert log.count("malformed requests answered 400") == 1, log   # once per incident
+
+
+def test_an_undecodable_header_and_an_absolute_target_answer_400_in_the_familys_shape(procs):
+    engine = Engine(procs)
+    proxy = Proxy(procs, engine.backend, "--token-env", "TOKEN", env={"TOKEN": "sesame"})
+    for path, shape in (("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic")):
+        status, headers, body = answer(raw(
+            proxy.port, f"POST {path} HTTP/1.1\r\nHost: x\r\n".encode()
+            + b"Authorization: Bearer \xffsesame\r\nContent-Length: 2\r\nConnection: close"
+            b"\r\n\r\n{}"))
+        assert status == 400 and headers["content-type"].startswith("application/json"), body
+        error = json.loads(body)
+        if shape == "openai":
+            assert error["error"]["param"] == "Authorization", error
+        else:
+            assert error["type"] == "error" and "Authorization" in error["error"]["message"]
+    for target in ("http://127.0.0.1/v1/models", "*", f"http://x{CHAT}"):
+        status, headers, body = answer(raw(
+            proxy.port, f"GET {target} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sesame\r\n"
+            "Connection: close\r\n\r\n".encode()))
+        assert status == 400, (target, body)
+    proxy.stop()
+    assert "Traceback" not in proxy.log(), proxy.log()
+
+
+# -- a URL fallback and the client's credentials ---------------------------------------------------
+CREDENTIALS = {"Authorization": "Bearer local-engine-key", "Cookie": "session=box",
+               "X-Api-Key": "local-x-key", "api-key": "local-azure-key"}
+
+
+@pytest.mark.parametrize("passed", [False, True], ids=["by-default", "fallback-pass-auth"])
+def test_a_url_fallback_gets_the_clients_credentials_only_when_asked(procs, holder, passed):
+    engine = Engine(procs)
+    cloud = Recorder(procs)
+    held = holder("-b", engine.backend)
+    proxy = Proxy(procs, engine.backend, "--fallback", f"{cloud.url}/v1",
+                  *(["--fallback-pass-auth"] if passed else []))
+    status, headers, _ = request(proxy.port, "POST", CHAT, chat_body(), headers=CREDENTIALS)
+    assert (status, headers["X-Lanelock-State"]) == (200, "deflected")
+    seen = cloud.next_request()["headers"]
+    sent = {name.lower(): value for name, value in CREDENTIALS.items()}
+    got = {name: seen.get(name) for name in sent}
+    assert got == (sent if passed else dict.fromkeys(sent)), got
+    held.release()
+
+
+# -- a bad --engine --------------------------------------------------------------------------------
+@pytest.mark.parametrize("engine", ["not a url", "http://exa mple.com", "http://127.0.0.1:0",
+                                    "http://a..b:8080", "http://127.0.0.1:8080/a b"])
+@pytest.mark.parametrize("command", ["proxy", "watch"])
+def test_a_bad_engine_is_a_usage_error_before_anything_starts(lanelock, command, engine):
+    extra = ("--listen", "127.0.0.1:0") if command == "proxy" else ()
+    result = lanelock(command, "-b", "127.0.0.1:8080", *extra, "--engine", engine, timeout=20)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("lanelock: --engine")
+    assert "listening" not in result.stderr and "Traceback" not in result.stderr
