@@ -370,12 +370,16 @@ def test_fail_open_on_a_symlink_at_the_lock_path(dangling, lanelock, lock_dir, t
 
 
 @pytest.mark.parametrize("kind", ["directory", "fifo"])
-def test_fail_open_when_the_lock_path_is_not_a_regular_file(kind, lanelock, lock_dir, tmp_path):
+def test_a_lock_path_that_is_not_a_regular_file_deflects(kind, lanelock, lock_dir, tmp_path):
+    """Whoever may write the root could plant it: failing open there would switch the gate off
+    for everyone, so the lane is busy, with the reason, until it is removed (test_threat.py)."""
     lock_dir.mkdir()
     path = lock_dir / "localhost-8080.lock"
     path.mkdir() if kind == "directory" else os.mkfifo(path)
     marker = tmp_path / "ran"
-    assert_failed_open(fail_open_run(lanelock, marker, lock_dir), marker)
+    done = fail_open_run(lanelock, marker, lock_dir)
+    assert done.returncode == 75 and not marker.exists(), done
+    assert "is not a regular file: remove it" in done.stderr, done.stderr
 
 
 @pytest.fixture

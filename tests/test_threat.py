@@ -219,3 +219,220 @@ def test_a_fifo_or_directory_planted_where_a_turn_writes_hangs_nothing(shared_ro
     assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
     claimed = run_cmd(claim_witness(shared_root), timeout=30)
     assert claimed.stdout.startswith("refused:"), claimed
+
+
+# -- a queue entry counts only when it is a regular file of its pid's user ---------------------------
+FAKE_ENTRY = """
+import fcntl, json, os, sys, time
+queue, kind = sys.argv[1], sys.argv[2]
+name = os.path.join(queue, f"{time.monotonic_ns() - 10**9:020d}.2.1.{os.urandom(4).hex()}")
+if kind == "fifo":
+    os.mkfifo(name)
+    fd = os.open(name, os.O_RDWR)   # holds it open: a reader's open never waits for a writer
+else:
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    os.write(fd, json.dumps({"session": "systemd", "class": "interactive", "pid": 1}).encode())
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("kind", ["flocked", "fifo"])
+def test_a_fake_queue_entry_of_another_user_queues_no_one(two_users, shared_root, procs, lanelock,
+                                                         kind):
+    """mallory's entry, locked and named for pid 1 (a session "systemd") or a FIFO: a free lane
+    is still taken (before: every turn deflected, blaming pid 1 or 'its pid unknown'), and
+    status shows no waiter."""
+    mallory, _ = two_users
+    os.mkdir(shared_root)
+    os.chmod(shared_root, 0o1777)
+    queue = os.path.join(shared_root, f"{STEM}.queue")
+    os.mkdir(queue)
+    os.chmod(queue, 0o1777)
+    fake = procs.start(["runuser", "-u", mallory, "--", "/usr/bin/python3", "-c", FAKE_ENTRY, queue,
+                        kind], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert read_line(fake.stdout).strip() == "ready"
+    done = lanelock("run", "-b", LANE, "--", "echo", "ran", timeout=30)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "ran\n", ""), done
+    status = json.loads(lanelock("status", "-b", LANE, "--json", timeout=30).stdout)["lanes"][0]
+    assert status.get("queue", []) == [], status
+
+
+# -- a holder record is believed only from the lock's holder --------------------------------------
+def start_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as handle:
+        return int(handle.read().rsplit(")", 1)[1].split()[19])
+
+
+def forge(run_cmd, user: str, sidecar: str, record: dict) -> None:
+    """user rewrites the shared (0666) record in place."""
+    from lanelock.holder import SCHEMA
+
+    text = json.dumps({"schema": SCHEMA, **record}) + "\n"
+    done = run_cmd(["runuser", "-u", user, "--", "/usr/bin/python3", "-c",
+                    "import sys\nwith open(sys.argv[1], 'r+') as f: f.write(sys.argv[2]); "
+                    "f.truncate()", sidecar, text])
+    assert done.returncode == 0, done
+    with open(sidecar) as handle:
+        assert json.load(handle)["session"] == record["session"]
+
+
+@pytest.fixture
+def used_lane(shared_root, lanelock) -> str:
+    """A lane one turn has used: its lock file and its 0666 record are there."""
+    done = lanelock("run", "-b", LANE, "--", "true")
+    assert done.returncode == 0, done
+    sidecar = os.path.join(shared_root, f"{STEM}.json")
+    assert os.stat(sidecar).st_mode & 0o777 == 0o666
+    return sidecar
+
+
+def test_a_forged_record_naming_a_running_command_deflects_no_one(two_users, used_lane, procs,
+                                                                  lanelock, run_cmd):
+    """mallory's record says a killed turn's command still runs: root's own `sleep` (a group
+    and session leader, as a turn's command is), or pid 1. Every turn still takes the free lane
+    (before: each deflected while that process lived), and status blames no one."""
+    mallory, _ = two_users
+    bystander = procs.start(["sleep", "600"])
+    dead = procs.start(["true"])
+    dead.wait()
+    for command in (bystander.pid, 1):
+        forge(run_cmd, mallory, used_lane, {
+            "pid": dead.pid, "start_ticks": 1, "session": "systemd", "lock_inode": os.stat(
+                used_lane[:-len(".json")] + ".lock").st_ino, "command_pid": command,
+            "command_start_ticks": start_ticks(command), "command_pgid": command,
+            "command_sid": command})
+        status = json.loads(lanelock("status", "-b", LANE, "--json").stdout)["lanes"][0]
+        assert status["verdict"] != "held" and str(command) not in status["message"], status
+        done = lanelock("run", "-b", LANE, "--", "echo", "ran")
+        assert (done.returncode, done.stdout, done.stderr) == (0, "ran\n", ""), done
+
+
+def test_a_forged_record_naming_pid_1_as_holder_blames_no_one(two_users, used_lane, holder,
+                                                              lanelock, run_cmd):
+    """The lane is held; mallory rewrites the record to say pid 1 (session "systemd") holds it.
+    A deflected turn names the real holder."""
+    mallory, _ = two_users
+    held = holder("-b", LANE, "-s", "the-real-one")
+    forge(run_cmd, mallory, used_lane, {
+        "pid": 1, "start_ticks": start_ticks(1), "session": "systemd",
+        "lock_inode": os.stat(used_lane[:-len(".json")] + ".lock").st_ino})
+    done = lanelock("run", "-b", LANE, "--", "echo", "ran")
+    assert done.returncode == 75, done
+    assert f"pid {held.pid}" in done.stderr and "systemd" not in done.stderr, done.stderr
+    assert held.release() == 0
+
+
+# -- a lock file removed under its holder: the split is found -----------------------------------
+def test_a_lock_file_removed_under_its_holder_is_found_and_status_says_split(
+        two_users, shared_root, holder, lanelock, run_cmd):
+    """alice used the lane first, so its lock file (and record) are hers; while root's turn
+    holds the lane she removes both. The next turn creates a new lock file: it finds the live
+    holder of the removed one in /proc and deflects, so does every turn after it, and status
+    says the lane is split (before: the next turn was held beside it, status said free)."""
+    _, alice = two_users
+    os.mkdir(shared_root)
+    os.chmod(shared_root, 0o1777)
+    lock = os.path.join(shared_root, f"{STEM}.lock")
+    record = os.path.join(shared_root, f"{STEM}.json")
+    made = run_cmd(["runuser", "-u", alice, "--", "/usr/bin/python3", "-c",
+                    "import os, sys\nfor path in sys.argv[1:]: os.fchmod(os.open(path, os.O_CREAT"
+                    " | os.O_RDWR), 0o666 if path.endswith('.json') else 0o644)", lock, record])
+    assert made.returncode == 0 and os.stat(lock).st_uid == uid(alice), made
+    held = holder("-b", LANE, "-s", "the-holder")
+    assert os.stat(record).st_uid == uid(alice)   # the holder wrote its record in alice's file
+    removed = run_cmd(["runuser", "-u", alice, "--", "rm", "-f", lock, record])
+    assert removed.returncode == 0 and not os.path.exists(lock), removed
+    for _ in range(2):   # the turn that creates the file, and one that opens it
+        done = lanelock("run", "-b", LANE, "--", "echo", "ran")
+        assert (done.returncode, done.stdout) == (75, ""), done
+        assert f"pid {held.pid}" in done.stderr and "split" in done.stderr, done.stderr
+    status = json.loads(lanelock("status", "-b", LANE, "--json").stdout)["lanes"][0]
+    assert status["state"] == "held" and "split" in status["message"], status
+    assert status["holder"]["pid"] == held.pid
+    assert held.release() == 0
+    done = lanelock("run", "-b", LANE, "--", "echo", "ran")
+    assert (done.returncode, done.stdout) == (0, "ran\n"), done
+
+
+# -- a lock file planted wrong deflects with the reason -------------------------------------------
+def plant(kind: str, path: str, user: str, run_cmd) -> None:
+    script = {"fifo": "os.mkfifo(p)", "directory": "os.mkdir(p)",
+              "0600": "os.close(os.open(p, os.O_CREAT | os.O_RDWR, 0o600))"}[kind]
+    done = run_cmd(["runuser", "-u", user, "--", "/usr/bin/python3", "-c",
+                    f"import os, sys; p = sys.argv[1]; {script}", path])
+    assert done.returncode == 0, done
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "0600"])
+def test_a_lock_file_planted_wrong_deflects_with_the_reason(two_users, shared_root, launcher_script,
+                                                           lanelock, run_cmd, kind):
+    """mallory plants something at the lane's lock name that alice's turns cannot lock: they
+    deflect (75), naming it and the fix, instead of all failing open; status says the same."""
+    mallory, alice = two_users
+    os.mkdir(shared_root)
+    os.chmod(shared_root, 0o1777)
+    lock = os.path.join(shared_root, f"{STEM}.lock")
+    plant(kind, lock, mallory, run_cmd)
+    for wait in ((), ("--wait", "5")):
+        done = run_cmd([sys.executable, launcher_script, alice, "run", "-b", LANE, *wait, "--",
+                        "echo", "ran"])
+        assert (done.returncode, done.stdout) == (75, ""), done
+        assert f"lock file {lock}" in done.stderr and "remove it" in done.stderr, done.stderr
+    lane = json.loads(lanelock("status", "-b", LANE, "--json").stdout)["lanes"][0]
+    assert lane["verdict"] == "bad-lock-file" and "deflect" in lane["message"], lane
+
+
+# -- status --all asks no engine it was not asked about, beyond a bound ---------------------------
+LISTENERS = """
+import selectors, socket, sys
+chosen, ports = selectors.DefaultSelector(), []
+for _ in range(int(sys.argv[1])):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    server.setblocking(False)
+    ports.append(server.getsockname()[1])
+    chosen.register(server, selectors.EVENT_READ)
+chosen.register(sys.stdin, selectors.EVENT_READ)
+print(*ports, flush=True)
+asked = set()
+while True:
+    for key, _ in chosen.select():
+        if key.fileobj is sys.stdin:
+            print(*sorted(asked), flush=True)
+            sys.exit(0)
+        connection, _ = key.fileobj.accept()
+        asked.add(key.fileobj.getsockname()[1])
+        connection.close()
+"""
+
+
+def test_status_all_looks_at_a_bounded_number_of_engines_on_this_machine_only(lock_dir, procs,
+                                                                            lanelock):
+    """Anyone can make lanes (lock files) in the shared root: 3,000 named for hosts elsewhere
+    and 20 for local ports. `status --all` lists them all, reaches no other host, and looks at
+    no more than ALL_ENGINE_LOOKS local engines (before: it resolved and asked every one)."""
+    from lanelock.inspection.status import ALL_ENGINE_LOOKS
+
+    listeners = procs.start([sys.executable, "-c", LISTENERS, "20"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    ports = read_line(listeners.stdout).split()
+    lock_dir.mkdir()
+    for number in range(3000):
+        (lock_dir / f"10.{number // 250}.{number % 250}.9-80.lock").touch()
+    for port in ports:
+        (lock_dir / f"localhost-{port}.lock").touch()
+    done = lanelock("status", "--all", "--json", timeout=60)
+    lanes = json.loads(done.stdout)["lanes"]
+    assert len(lanes) == 3020
+    far = [lane for lane in lanes if lane["lane"].startswith("10.")]
+    assert all("looks only at engines on this machine" in lane["engine"]["problem"]
+               for lane in far), far[0]
+    listeners.stdin.close()
+    asked = read_line(listeners.stdout).split()
+    assert 0 < len(asked) <= ALL_ENGINE_LOOKS, asked
+    near = [lane for lane in lanes if lane["lane"].startswith("localhost:")]
+    assert sum("at most" in (lane["engine"]["problem"] or "") for lane in near) \
+        == len(near) - ALL_ENGINE_LOOKS

@@ -38,7 +38,7 @@ def judge(facts, gate_problem: str | None = None) -> dict:
               "gate": "unavailable" if gate_problem else "available", "gate_problem": gate_problem}
     if facts.problem_lock:
         return _verdict(result, UNKNOWN, "bad-lock-file",
-                        f"{facts.problem_lock}: turns cannot take this gate and run without it")
+                        f"{facts.problem_lock}: turns deflect until it is removed")
     if gate_problem and not facts.held:
         return _verdict(result, UNKNOWN, "gate-unavailable", f"gate unavailable: {gate_problem}")
     if facts.error:
@@ -92,6 +92,8 @@ def holder(facts) -> dict:
     on the store's facts (the lock's own holder, labelled by the record only when the record
     agrees with it), so a deflection and `status` never disagree."""
     result = judge(facts)
+    if facts.problem_lock:   # something planted at the lock's name: the reason is the holder
+        return {**holder_facts.unlabelled(None, None, facts.problem_lock), "lanelock": True}
     found = result["holder"]
     if found is not None:
         if result["verdict"] == "lock-file-replaced":   # its lock is on an old inode

@@ -23,12 +23,13 @@ NEEDS = "metrics need prometheus-client: pip install 'lanelock[metrics]'"
 
 def snapshot(store, lane=None) -> list[tuple[dict, dict]]:
     """[(status, counts)] for the lane, or every lane the store knows."""
-    from .status import add_engine, judged
+    from .status import ALL_ENGINE_LOOKS, add_engine, judged
 
     found = []
+    looks = [ALL_ENGINE_LOOKS if lane is None else None]   # status --all's bound
     for status, facts in judged(store, lane):
         counts = store.counts(facts)   # once: the counters and the witness's engine both
-        add_engine(status, facts, counts, lane)
+        add_engine(status, facts, counts, lane, looks)
         found.append((status, counts))
     return found
 

@@ -12,6 +12,13 @@ from ..paths import UNGATED
 from ..store.availability import gate_problem
 from .judge import judge
 
+# `status --all` looks at the engine of a lane it was not asked about only when that engine is on
+# this machine (localhost or a loopback address: no name to resolve, no other host reached), and
+# at most this many of them. Anyone may make a lane in the shared root (a lock file, a witness's
+# URL in its counts), and 3,000 lanes named for hosts far away made it take minutes; the engine
+# of any lane is looked at when that lane is asked for (-b).
+ALL_ENGINE_LOOKS = 8
+
 
 def statuses(store, lane=None, engine: bool = False) -> list[dict]:
     """The status of the lane, or of every lane the store knows when lane is None. engine: look
@@ -59,8 +66,9 @@ def judged(store, lane=None, engine: bool = False) -> list[tuple]:
     found = [(judge(facts, _gate_problem(store, lane, facts)), facts)
              for facts in store.survey(lane)]
     if engine:
+        looks = [ALL_ENGINE_LOOKS if lane is None else None]   # None: no bound (one lane asked)
         for status, facts in found:
-            add_engine(status, facts, store.counts(facts), lane)
+            add_engine(status, facts, store.counts(facts), lane, looks)
     return found
 
 
@@ -76,14 +84,15 @@ def no_lanes(place) -> str:
     return f"no lanes yet under the lock root {path}"
 
 
-def add_engine(status: dict, facts, counts: dict, lane=None) -> None:
+def add_engine(status: dict, facts, counts: dict, lane=None, looks: list | None = None) -> None:
     """status["engine"] (engine_status) for a gated lane; counts: the lane's, read once by the
-    caller (metrics reads them for its counters too)."""
+    caller (metrics reads them for its counters too). looks: [how many more engines a listing
+    may look at] (ALL_ENGINE_LOOKS), or None / [None] for no bound."""
     if lane is None or lane.gated:
-        status["engine"] = engine_status(facts, counts, lane)
+        status["engine"] = engine_status(facts, counts, lane, looks)
 
 
-def engine_status(facts, counts: dict, lane=None) -> dict:
+def engine_status(facts, counts: dict, lane=None, looks: list | None = None) -> dict:
     """The engine behind a lane, looked at once (engine.look: url, kind, generating, slots,
     problem), with what witnesses counted on the lane (counts: store.counts): unseen
     (generations no turn covered), unseen_seconds, held_idle_seconds, last_unseen, and the
@@ -95,13 +104,22 @@ def engine_status(facts, counts: dict, lane=None) -> dict:
 
     watched = counts.get("engine") or {}
     url = watched.get("url") if isinstance(watched.get("url"), str) else None
-    if url is None:   # the backend as the user spelled it, else as the store names the lane
-        try:
-            url = engine_url(lane if lane is not None and lane.name == facts.lane
-                             else lane_named(facts.lane))
-        except (BackendError, ValueError):
-            url = None
-    if url is None:
+    listing = looks is not None and looks[0] is not None
+    host = _name_host(facts.lane) if url is None and listing else None
+    if host is not None and not _on_this_machine(f"http://{host}"):
+        url, unasked = None, NOT_HERE   # not even named (a name's scope may read /etc/hosts)
+    else:
+        if url is None:   # the backend as the user spelled it, else as the store names the lane
+            try:
+                url = engine_url(lane if lane is not None and lane.name == facts.lane
+                                 else lane_named(facts.lane))
+            except (BackendError, ValueError):
+                url = None
+        unasked = _unasked(url, looks) if listing else None
+    if unasked is not None:
+        found = {"url": url, "kind": None, "generating": None, "slots": None,
+                 "problem": f"not looked at: {unasked}"}
+    elif url is None:
         found = {"url": None, "kind": None, "generating": None, "slots": None,
                  "problem": "on another machine: its witness reports here"}
     else:
@@ -113,11 +131,55 @@ def engine_status(facts, counts: dict, lane=None) -> dict:
     return found
 
 
+def _unasked(url: str | None, looks: list) -> str | None:
+    """Why a listing does not look at this engine (None: it does, and one look is spent)."""
+    if url is None:
+        return None
+    if not _on_this_machine(url):
+        return NOT_HERE
+    if looks[0] <= 0:
+        return (f"status --all looks at {ALL_ENGINE_LOOKS} engines at most "
+                "(ask for this lane with -b)")
+    looks[0] -= 1
+    return None
+
+
+NOT_HERE = "status --all looks only at engines on this machine (ask for this lane with -b)"
+
+
+def _name_host(name: str) -> str | None:
+    """The host of a lane name (HOST:PORT[@MACHINE][#MODEL]), brackets kept for IPv6."""
+    from ..facts import hostname
+
+    base, _, machine = name.partition("#")[0].partition("@")
+    if machine and machine != hostname():
+        return None   # another machine's lane: its witness reports here
+    return base.rpartition(":")[0]
+
+
+def _on_this_machine(url: str) -> bool:
+    """localhost, NAME.localhost or a loopback address, read from the URL alone (no lookup)."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    try:
+        host = (urlsplit(url).hostname or "").rstrip(".")
+    except ValueError:
+        return False
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _gate_problem(store, lane, facts) -> str | None:
     if lane is not None:   # the turn's own first step, asked without taking (a public lane
         return gate_problem(store, lane) if lane.gated else None   # has no gate to take)
     # Every lane of a listing exists (a lock file, a holder row): what could stop a turn there is
     # the lock itself, which the facts already say. A root that cannot be listed has no lanes; the
-    # caller reports the store's problems() for those.
-    problem = facts.problem_lock or facts.error
+    # caller reports the store's problems() for those. A file planted at a lock's name is not one:
+    # turns deflect there (the verdict bad-lock-file says why), none runs ungated.
+    problem = facts.error
     return f"{problem}: {UNGATED}" if problem else None

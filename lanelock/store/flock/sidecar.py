@@ -23,8 +23,8 @@ from ...holder import SCHEMA, field   # noqa: F401 - sidecar.field, as the store
 MAX_BYTES = 64 * 1024
 # Every user of a lane writes its turns here (one root is shared by all users, and in a sticky
 # directory nobody may replace another user's file): the record is writable by all, like the
-# journal. Readers trust a record only when its pid and start time match the lock's holder, so
-# another user can at most mislabel a turn, never make one deflect or run.
+# journal. Readers believe the processes it names only where /proc agrees (opens_lock,
+# turns_command), so another user can at most mislabel a turn, never make one deflect or run.
 MODE = 0o666
 _FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
@@ -171,6 +171,62 @@ def _unlink(name: str, dir_fd: int) -> None:
         os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass
+
+
+# -- what a record says is believed only where the kernel agrees --------------------------------
+# Anyone may write the record (MODE), so it names processes, it proves nothing: a forged record
+# naming pid 1 as the holder, or as a killed turn's command still running, must deflect no one
+# and blame no one. Each name is checked in /proc, cheaply and without /proc/locks (PITFALLS
+# 22): a holder by its open files, a command by the environment its wrapper gave it. Both are
+# readable for processes of our own user (and by root); for another user's, opens_lock says
+# "cannot tell" and the caller asks the kernel's lock table instead.
+def opens_lock(pid: int, st: os.stat_result, inode: int | None = None) -> bool | None:
+    """Has pid the lock file open (st's device; st's inode, or `inode`)? None: cannot tell
+    (another user's process)."""
+    inode = st.st_ino if inode is None else inode
+    folder = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(folder)
+    except PermissionError:
+        return None
+    except OSError:
+        return False   # gone
+    for name in names:
+        try:
+            target = os.stat(f"{folder}/{name}")
+        except OSError:
+            continue
+        if (target.st_dev, target.st_ino) == (st.st_dev, inode):
+            return True
+    return False
+
+
+def turns_command(pids, lock_path: str) -> bool:
+    """Is one of pids (a killed turn's command, its processes still running) a process of a turn
+    held on lock_path? The wrapper starts its command with LANELOCK_HELD naming the lock, and its
+    children inherit it; a process that says nothing of it (pid 1; another user's, whose
+    environment we may not read) is believed to be none. One on its way out (its memory, and so
+    its environment, already freed) is believed: waiting for it costs no more than its exit."""
+    from ... import proc
+
+    marker = b"\0LANELOCK_HELD=" + os.fsencode(lock_path) + b"\0"
+    return any(marker in _environ(pid) or proc.exiting(pid) for pid in pids)
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        fd = os.open(f"/proc/{pid}/environ", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return b""
+    chunks = [b"\0"]
+    try:
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+    return b"".join(chunks) + b"\0"
 
 
 def read(path: str, dir_fd: int | None = None, *,

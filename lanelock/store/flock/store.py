@@ -35,7 +35,7 @@ _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a planted FI
 
 class Handle(LockHandle):
     __slots__ = ("dir_fd", "fd", "name", "st", "caveat", "stem", "journal_fd", "record", "locked",
-                 "queue", "asker", "outlived")
+                 "queue", "asker", "outlived", "refused", "split")
 
     def __init__(self, dir_fd: int, fd: int | None, name: str, st: os.stat_result | None,
                  caveat: str | None = None, stem: str = ""):
@@ -48,10 +48,12 @@ class Handle(LockHandle):
         self.queue = None     # the lane's queue.Queue, once asked
         self.asker: dict | None = None   # who waits (LockHandle.asker), for the queue's entry
         self.outlived = None   # a killed turn's command, still running (outlived.Command)
+        self.refused: str | None = None   # why a file planted at the lock's name is not locked
+        self.split: tuple | None = None   # (pid, inode): a live holder of the removed lock file
 
     @property
     def exists(self) -> bool:
-        return self.fd is not None
+        return self.fd is not None or self.refused is not None
 
     @property
     def ident(self) -> tuple:
@@ -142,11 +144,27 @@ class FlockStore(LaneStore):
         return handle
 
     def _open_file(self, handle: Handle, create: bool) -> None:
-        handle.fd = _open_lock(handle.dir_fd, handle.name, create)
-        if handle.fd is not None:
-            handle.st = os.fstat(handle.fd)
-            if not stat.S_ISREG(handle.st.st_mode):
-                raise GateUnavailable(f"lock file {self.path(handle.name)} is not a regular file")
+        """Open (or create) the lock file. Something planted at its name that cannot be locked
+        (a FIFO, a directory, another user's file nobody else may open) is refused
+        with the reason, and the lane counts as busy until it is removed: failing open there
+        would let anyone who may write the root switch the gate off for everyone."""
+        handle.fd, handle.refused, created = None, None, False
+        try:
+            handle.fd, created = _open_lock(handle.dir_fd, handle.name, create)
+        except _Planted as planted:
+            handle.refused = f"lock file {self.path(handle.name)} {planted}: remove it"
+            return
+        if handle.fd is None:
+            return
+        handle.st = os.fstat(handle.fd)
+        if not stat.S_ISREG(handle.st.st_mode):
+            os.close(handle.fd)
+            handle.fd, handle.st = None, None
+            handle.refused = f"lock file {self.path(handle.name)} is not a regular file: remove it"
+        elif created:
+            from .split import orphan_holder
+
+            handle.split = orphan_holder(self.root.path, handle.name)
 
     # -- taking the lock: True only when the lane is this turn's --------------------------------
     # A flock on a file that was removed or replaced meanwhile is on an orphan inode: the next turn
@@ -172,12 +190,17 @@ class FlockStore(LaneStore):
                   rank: int = DEFAULT_RANK) -> bool:
         """Block in the kernel, in the lane's queue, until the lane is ours or timeout seconds
         pass (None: forever), or cancel (a threading.Event) is set."""
+        if handle.refused:   # a planted file: nothing to wait on until someone removes it
+            return False
         return order.wait(FlockLine(self, handle, self._join(handle, rank)), timeout, cancel)
 
     async def wait_lock_async(self, handle: Handle, timeout: float | None,
                               rank: int = DEFAULT_RANK) -> bool:
         """wait_lock for an asyncio task: no thread per waiter."""
         import asyncio
+
+        if handle.refused:
+            return False
 
         joining = asyncio.ensure_future(asyncio.to_thread(self._join, handle, rank))
         try:
@@ -244,6 +267,8 @@ class FlockStore(LaneStore):
         return True
 
     def _flock(self, handle: Handle, operation: int) -> bool:
+        if handle.fd is None:   # refused (a planted file): busy, as for a holder
+            return False
         try:
             fcntl.flock(handle.fd, operation)
             return True
@@ -265,10 +290,13 @@ class FlockStore(LaneStore):
             # The record, read only when its turn never released (the usual hand-off skips it).
             record, _ = sidecar.read(self.names(handle.stem)["sidecar"], dir_fd=handle.dir_fd,
                                      live_only=True)
-            if self._orphan_holds(handle, record):
+            if self._orphan_holds(handle, record) or self._split_found(handle, record):
                 fcntl.flock(handle.fd, fcntl.LOCK_UN)
                 return False
             handle.outlived = outlived.running_command(record)
+            if handle.outlived is not None and not sidecar.turns_command(
+                    handle.outlived.members or [handle.outlived.pid], self.path(handle.name)):
+                handle.outlived = None   # the record names it; the process does not say so
             handle.locked = True
             return True
         os.close(handle.fd)   # our lock is on an orphan inode: let it go, open the lane's file
@@ -290,6 +318,29 @@ class FlockStore(LaneStore):
             return False
         return (now.st_dev, now.st_ino) == (handle.st.st_dev, handle.st.st_ino)
 
+    def _split_found(self, handle: Handle, record: dict | None) -> bool:
+        """This turn created the lock file, and a live process holds the removed one (split.py):
+        the lane is held. What was found is written as that holder's record (its own, if any,
+        went with the file), so every later turn finds it as _orphan_holds does, and `status`
+        says the lane is split."""
+        if handle.split is None:
+            return False
+        pid, inode = handle.split
+        ticks = proc.start_ticks(pid)
+        if ticks is None:
+            return False
+        from ...facts import boot_id, hostname
+
+        try:
+            written = sidecar.write(handle.dir_fd, self.names(handle.stem)["sidecar"], {
+                "schema": sidecar.SCHEMA, "pid": pid, "start_ticks": ticks, "boot_id": boot_id(),
+                "hostname": hostname(), "lock_inode": inode, "session": "?",
+                "note": "found holding the removed lock file"})
+            written.close()
+        except OSError:
+            pass   # this turn still deflects; the next to create the file looks again
+        return True
+
     def _orphan_holds(self, handle: Handle, record: dict | None) -> bool:
         """Does a live turn hold a removed or replaced lock file of this lane? Its lock is on the
         old inode, ours on the new one: taking the lane now would make two gates. The sidecar
@@ -301,6 +352,8 @@ class FlockStore(LaneStore):
             return False
         if proc.start_ticks(pid) != sidecar.field(record, "start_ticks", int):
             return False
+        if sidecar.opens_lock(pid, handle.st, inode) is False:
+            return False   # it has no such file open: a forged record (the lock table unread)
         return locks.holds_other_inode(pid, handle.st, inode) is not None
 
     def release(self, handle: Handle, count: dict | None = None) -> None:
@@ -397,8 +450,11 @@ class FlockStore(LaneStore):
             return [survey.facts(self.root.path, stem, aging=self.aging) for stem in
                     survey.lane_stems(self.root.path)]
         # handle: a turn asks on its own path (a deflection, a hand-over): no /proc/locks read
-        return [survey.facts(self.root.path, lane.stem, lane.name, self.aging,
-                             kernel=handle is None)]
+        found = survey.facts(self.root.path, lane.stem, lane.name, self.aging,
+                             kernel=handle is None)
+        if handle is not None and handle.refused:
+            found.problem_lock = handle.refused
+        return [found]
 
     def waiting(self, lane) -> list:
         from . import survey
@@ -460,28 +516,47 @@ def network_caveat(path: str, st: os.stat_result) -> str | None:
     return None
 
 
-def _open_lock(dir_fd: int, name: str, create: bool) -> int | None:
+class _Planted(Exception):
+    """Something at the lock file's name that no turn can lock: what it is."""
+
+
+def _open_lock(dir_fd: int, name: str, create: bool) -> tuple:
+    """(fd, created): fd None when there is no lock file and create is False. Raises _Planted
+    for a directory or a file this user may not open at all."""
     for _ in range(8):
         try:
-            return os.open(name, os.O_RDWR | _OPEN, dir_fd=dir_fd)
+            return os.open(name, os.O_RDWR | _OPEN, dir_fd=dir_fd), False
         except FileNotFoundError:
             if not create:
-                return None
+                return None, False
             try:
                 fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, 0o644, dir_fd=dir_fd)
             except FileExistsError:
                 continue  # another turn created it first: open theirs
             # Readable by all is enough: flock(2) works on a read-only descriptor.
             os.fchmod(fd, 0o644)
-            return fd
+            return fd, True
         except OSError as error:
             # Another user's 0644 lock file, or a read-only filesystem: a read-only descriptor
             # locks it just as well.
             if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-                return os.open(name, os.O_RDONLY | _OPEN, dir_fd=dir_fd)
+                try:
+                    return os.open(name, os.O_RDONLY | _OPEN, dir_fd=dir_fd), False
+                except PermissionError:
+                    raise _Planted(_unreadable(dir_fd, name)) from None
             if error.errno == errno.ELOOP:
                 raise GateUnavailable(f"lock file {name} is a symlink; refusing to follow it") from None
+            if error.errno == errno.EISDIR:
+                raise _Planted("is not a regular file") from None
             raise
     raise GateUnavailable(f"lock file {name} keeps vanishing")
+
+
+def _unreadable(dir_fd: int, name: str) -> str:
+    try:
+        st = os.lstat(name, dir_fd=dir_fd)
+    except OSError:
+        return "cannot be opened"
+    return f"is mode {stat.S_IMODE(st.st_mode):04o} of uid {st.st_uid}: other users cannot lock it"
 
 

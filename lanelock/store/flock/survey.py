@@ -47,6 +47,11 @@ def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0,
         kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
         found.problem_lock = f"the lock path is {kind}"
         return found
+    if not st.st_mode & 0o004 and st.st_uid != os.geteuid():
+        # planted 0600: its owner's turns can lock it, nobody else's can open it
+        found.problem_lock = (f"the lock file is mode {stat.S_IMODE(st.st_mode):04o} of uid "
+                              f"{st.st_uid}: other users cannot lock it")
+        return found
     found.queue = queue_rows(root, stem, aging, kernel)
     record, problem = sidecar.read(found.sidecar_path)
     found.record, found.record_problem = record, problem
@@ -78,7 +83,7 @@ def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0,
         old = locks.holds_other_inode(pid, st, inode) if found.alive else None
         if old is not None:
             found.replaced = (f"on a removed or replaced lock file (inode {old}; the file here is "
-                              f"inode {st.st_ino})")
+                              f"inode {st.st_ino}): the lane is split")
         else:
             found.store_stale = (f"it was written for lock inode {inode}, the file here is inode "
                                  f"{st.st_ino}")
@@ -86,7 +91,8 @@ def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0,
         from ..outlived import running_command
 
         command = running_command(record)
-        if command is not None:
+        if command is not None and sidecar.turns_command(command.members or [command.pid],
+                                                         found.lock_path):
             found.ending, found.ending_pgid = command.named, command.pgid
             found.ending_pids = command.members
     if found.held and found.matches and pid is not None:
@@ -100,7 +106,10 @@ def _live_holder(record: dict | None, st: os.stat_result) -> int | None:
     """The pid of a live turn the record names as holding this lock file now, else None."""
     if record is None or sidecar.field(record, "lock_inode", int) != st.st_ino:
         return None
-    return _live_turn(record)
+    pid = _live_turn(record)
+    # Anyone may write the record: its pid is believed when it has this very file open; a
+    # forged one (pid 1), or another user's we cannot look at, is the kernel's to say.
+    return pid if pid is not None and sidecar.opens_lock(pid, st) else None
 
 
 def _live_turn(record: dict) -> int | None:
@@ -129,11 +138,18 @@ def holding(sidecar_path: str) -> tuple:
         return False, None
     if "released_at" in record:
         return False, released_ago(record)
-    if _live_turn(record) is not None:
-        return True, None
+    lock_path = sidecar_path[:-len(".json")] + ".lock"
+    pid = _live_turn(record)
+    if pid is not None:
+        try:   # a forged record (pid 1) holds nothing; another user's turn we cannot look at does
+            return sidecar.opens_lock(pid, os.stat(lock_path)) is not False, None
+        except OSError:
+            return False, None
     from ..outlived import running_command
 
-    return running_command(record) is not None, None
+    command = running_command(record)
+    return command is not None and sidecar.turns_command(command.members or [command.pid],
+                                                         lock_path), None
 
 
 def queue_rows(root: str, stem: str, aging: float, kernel: bool = True) -> list[dict]:
