@@ -4,11 +4,10 @@ removed; the kernel lets go of the flock when its witness ends, however it ends.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
-import stat
 
+from ...say import sanitize
 from ..shared_file import open_shared
 
 
@@ -24,17 +23,16 @@ class Claim:
 
 def claim(dir_fd: int, name: str, who: str | None = None) -> tuple:
     """(Claim, None), or (None, the words the holder left) while another witness has it."""
-    fd = open_shared(dir_fd, name)
+    fd = open_shared(dir_fd, name)   # a regular file with one name, or OSError
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EPERM, "not a regular file")
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         try:
             held_by = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
         finally:
             os.close(fd)
-        return None, held_by or "another process"
+        # Anyone may write the claim file: its words reach a terminal only as one printable line.
+        return None, sanitize(held_by, 200) or "another process"
     except BaseException:
         os.close(fd)
         raise
