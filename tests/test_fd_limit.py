@@ -119,3 +119,34 @@ def test_an_api_turn_out_of_descriptors_deflects_and_never_fails_open(run_cmd, h
     assert "running without it" not in done.stderr, done
     if keeper is not None:
         assert keeper.release() == 0
+
+
+def test_a_crowded_turn_never_takes_the_lane_past_a_queue_it_cannot_read(run_cmd, holder, procs,
+                                                                         lock_dir, lanelock):
+    """A waiter is queued (stopped, so the lane is free meanwhile). A turn at ulimit -n 8 opens
+    the lock but cannot list the lane's queue: it cannot tell who waits first, so it deflects as
+    crowded and leaves the queue as it was (it used to call the queue broken, warn, and take the
+    lane)."""
+    import os
+    import signal
+
+    from conftest import STEM, is_waiting, wait_for, wait_stopped
+
+    held = holder()
+    waiter = procs.start([*LANELOCK, "run", "-w", "60", "--", "true"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lock = lock_dir / f"{STEM}.lock"
+    # A waiter blocked in the kernel reports nothing: /proc/locks says when it waits.
+    wait_for(lambda: is_waiting(lock, waiter.pid), what="the waiter to wait in flock()")
+    os.kill(waiter.pid, signal.SIGSTOP)
+    wait_stopped(waiter.pid)
+    queue = lock_dir / f"{STEM}.queue"
+    entries = sorted(os.listdir(queue))
+    assert len(entries) == 1, entries
+    assert held.release() == 0
+    done = limited(run_cmd, 8, "--", "echo", "command")
+    what = assert_documented(done, may_run=True)
+    assert what == str(BUSY) and "gate_crowded" in done.stderr, done
+    assert sorted(os.listdir(queue)) == entries
+    os.kill(waiter.pid, signal.SIGCONT)
+    assert waiter.wait(timeout=TIMEOUT) == 0
