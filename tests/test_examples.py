@@ -161,6 +161,8 @@ KNOWN = [
           test="test_turn_headers_through_the_proxy"),
     Known("man-turn-headers", "lanelock.1", r"default_headers=turn\.headers",
           test="test_turn_headers_through_the_proxy"),
+    Known("tmpfiles-root", "README.md", r"^# /etc/tmpfiles\.d/lanelock\.conf\n",
+          test="test_threat.py::test_the_readme_tmpfiles_line_makes_a_default_root_no_one_can_squat"),
 ]
 # Not code blocks, and not run here (the inline recipes that can run are tested at the end:
 # --wait, the fallback chain). Each must still be in README.md, so this list cannot go stale.

@@ -146,6 +146,26 @@ def test_a_root_owned_default_root_writable_without_the_sticky_bit_is_refused(na
     assert run_cmd(namespace.argv("ls", "-A", "/run/lock/lanelock")).stdout == ""
 
 
+@pytest.mark.skipif(shutil.which("systemd-tmpfiles") is None, reason="no systemd-tmpfiles")
+def test_the_readme_tmpfiles_line_makes_a_default_root_no_one_can_squat(namespace, two_users,
+                                                                        run_cmd, tmp_path):
+    """README's /etc/tmpfiles.d line, applied as at boot: the default root is root's and 1777
+    before any user runs; mallory cannot take it, and every user's turns run without a word."""
+    from test_examples import block
+
+    mallory, alice = two_users
+    conf = tmp_path / "lanelock.conf"
+    conf.write_text(block("tmpfiles-root").text)
+    made = run_cmd(namespace.argv("systemd-tmpfiles", "--create", str(conf)))
+    assert made.returncode == 0, made
+    assert run_cmd(namespace.as_user(mallory, "mkdir", "/run/lock/lanelock")).returncode != 0
+    for user in (mallory, alice, "root"):
+        done = run_cmd(namespace.lanelock(user, "run", "-b", LANE, "--", "echo", "ran"))
+        assert (done.returncode, done.stdout, done.stderr) == (0, "ran\n", ""), (user, done)
+    mode = run_cmd(namespace.argv("stat", "-c", "%a %U", "/run/lock/lanelock")).stdout.split()
+    assert mode == ["1777", "root"]
+
+
 # -- nothing written through a link or to a file of the wrong type ---------------------------------
 WRITTEN = ("journal", "counts", "witness", "json")   # every file a turn or a witness writes
 
