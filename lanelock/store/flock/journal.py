@@ -101,7 +101,7 @@ def fit(event: dict, max_line: int = MAX_LINE) -> dict:
         if len(json.dumps(fitted)) < max_line:
             return fitted
     kept = {key: _cut(value, 64) for key, value in event.items() if key in ESSENTIAL}
-    kept["cut"] = sorted(set(event) - set(kept))
+    kept["cut"] = [_cut(str(key), 64) for key in sorted(set(event) - set(kept), key=str)[:64]]
     return kept
 
 
