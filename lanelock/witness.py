@@ -209,7 +209,12 @@ class Witness:
                     self.stop.wait(RETRY)
                     continue
                 started = time.monotonic()
-                self.sample_once()
+                try:
+                    self.sample_once()
+                except OSError as error:   # out of descriptors (a lazy import opens a file
+                    # too): the witness is a bystander, said once and tried again, never a
+                    # thread dead with a traceback
+                    self._failing(error.strerror or str(error), "the lane's store")
                 self.stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
         except engines.CannotWitness as error:   # the caller says it (start(), watch.py)
             self.cannot = str(error)

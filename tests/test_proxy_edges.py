@@ -125,6 +125,32 @@ def test_150_waiting_requests_under_96_descriptors_wait_and_none_fails_open(proc
 
 
 @needs_prlimit
+@needs_prlimit
+def test_a_proxy_short_of_descriptors_for_the_gate_never_forwards_beside_the_holder(procs, holder):
+    """At the lowest limits a proxy starts with, opening the lane's files fails (EMFILE): the
+    gate is crowded, not broken -- the request is asked again while its wait lasts, then busy."""
+    engine = Engine(procs, delay=0.01)
+    held = holder("-b", engine.backend)
+    reasons = set()
+    for limit in range(10, 22):
+        try:
+            proxy = Server(procs, ["prlimit", f"--nofile={limit}:{limit}", *LANELOCK, "proxy",
+                                  "--listen", "127.0.0.1:0", "-b", engine.backend, "--wait", "1"],
+                           LISTENING.pattern)
+        except AssertionError:
+            continue   # too few to start at all (Python's own imports)
+        status, headers, body = request(proxy.port, "POST", CHAT, chat_body(),
+                                        headers={"X-Lanelock-Wait": "0.5"})
+        assert (status, headers["X-Lanelock-State"]) == (503, "busy"), (limit, body)
+        reasons.add(headers["X-Lanelock-Reason"])
+        proxy.stop()
+        assert "Traceback" not in proxy.log() and "without it" not in proxy.log(), proxy.log()
+    assert engine.stats()["total"] == 0
+    assert "gate_crowded" in reasons, reasons   # the crowded path was taken at some limit
+    held.release()
+
+
+@needs_prlimit
 def test_idle_connections_cannot_shut_out_a_client_with_the_token(procs):
     raise_own_fd_limit(4096)
     engine = Engine(procs)

@@ -115,6 +115,7 @@ class Listener:
         self.sock: socket.socket | None = None
         self._task: asyncio.Task | None = None
         self._room: asyncio.Event | None = None
+        self._closing = False
 
     @property
     def address(self) -> tuple:
@@ -131,12 +132,13 @@ class Listener:
 
     async def stop(self) -> None:
         """Stop accepting (connections already made go on until the runner closes them)."""
+        self._closing = True
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            # Cancelled until it ends: Python 3.11's wait_for can swallow a cancellation that
+            # lands as its inner wait finishes (then the loop went on to accept again).
+            while not self._task.done():
+                self._task.cancel()
+                await asyncio.wait([self._task], timeout=0.1)
             self._task = None
         if self.sock is not None:
             self.sock.close()
@@ -165,7 +167,7 @@ class Listener:
     # -- accepting ----------------------------------------------------------------------------
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
+        while not self._closing:
             await self._make_room()
             try:
                 conn, _ = await loop.sock_accept(self.sock)
