@@ -21,7 +21,7 @@ import time
 import pytest
 
 from conftest import LANELOCK, TIMEOUT, Server, wait_for
-from test_proxy import CHAT, LISTENING, Engine, Proxy, Recorder, chat_body, request
+from test_proxy import CHAT, LISTENING, Engine, Proxy, Recorder, chat_body, free_port, request
 
 pytest.importorskip("aiohttp")
 
@@ -209,6 +209,16 @@ def test_a_silent_a_half_sent_and_an_idle_keep_alive_connection_are_closed_in_ti
         assert 0.5 < eof_within(kept, 10) < 5
     proxy.stop()
     assert "Traceback" not in proxy.log(), proxy.log()
+
+
+def test_an_engine_that_stays_down_is_said_once_per_incident(procs):
+    proxy = Proxy(procs, f"127.0.0.1:{free_port()}", "--no-witness")
+    for _ in range(20):
+        assert request(proxy.port, "POST", CHAT, chat_body())[0] == 502
+        assert request(proxy.port, "GET", "/v1/models")[0] == 502
+    proxy.stop()
+    log = proxy.log()
+    assert log.count("lanelock: warning:") == 1 and "local_backend_down: " in log, log
 
 
 # -- llama-swap's /upstream -----------------------------------------------------------------------

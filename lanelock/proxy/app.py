@@ -28,6 +28,7 @@ from ..holder import words as holder_words
 from . import asks, dialects
 from .chain import REASON_DOWN, Chain, Why
 from .listener import HEADER_TIMEOUT, IDLE_TIMEOUT, MAX_CONNECTIONS
+from .logs import Incidents
 from .peer import Client
 from .relay import CUT, GONE_BEFORE, Unreachable, error_response, relay, request_headers
 from .retry import RetryAfter
@@ -96,6 +97,7 @@ class Proxy:
         self.gate.warn = self._gate_warning
         self.witness = None           # the engine's witness (witness.py), when it runs
         self.listener = None          # the listening socket's accept loop (listener.py)
+        self.incidents = Incidents(say)   # trouble said once per incident (logs.py)
 
     # -- warnings ------------------------------------------------------------------------------
     def _gate_warning(self, message: str) -> None:
@@ -296,7 +298,7 @@ class Proxy:
             return await relay(self.client, request, url, body,
                                request_headers(request, drop=self.drop()), {})
         except Unreachable as error:
-            self.say.warn(f"backend {url.split('?')[0]} unreachable: {error}")
+            self.incidents("engine-down", f"backend {url.split('?')[0]} unreachable: {error}")
             return error_response(502, "backend_unreachable",
                                   f"the local engine at {self.backend_url} did not answer: {error}")
 
@@ -315,9 +317,9 @@ class Proxy:
         if response is not None:
             return response
         failed, said = failures.texts()
-        self.say.warn(why.sentence(f"every fallback failed ({said})" if failed else
-                                   f"no fallback for {request.method} "
-                                   f"{path_qs.partition('?')[0][:200]}: 502"))
+        self.incidents("engine-down", why.sentence(
+            f"every fallback failed ({said})" if failed else
+            f"no fallback for {request.method} {path_qs.partition('?')[0][:200]}: 502"))
         dialect = request["lanelock_dialect"]
         body = dialects.error_answer(dialect, 502, REASON_DOWN,
                                      why.words + (f"; {failed}" if failed else ""))

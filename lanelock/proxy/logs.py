@@ -69,15 +69,12 @@ def describe(record: logging.LogRecord) -> tuple[str, str]:
     return record.name, f"proxy: {record.name}: {name or 'a message'} (LANELOCK_DEBUG=1 shows it)"
 
 
-def install(say) -> Incidents:
-    """Route those loggers through one-line incidents (unless LANELOCK_DEBUG=1); the incidents,
-    for the proxy's own lines of the same kind."""
-    incidents = Incidents(say)
+def install(incidents: Incidents) -> None:
+    """Route those loggers through incidents, one line each (unless LANELOCK_DEBUG=1)."""
     if os.environ.get("LANELOCK_DEBUG") == "1":
-        return incidents
+        return
     handler = OneLine(incidents)
     for name in LOGGERS:
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]
         logger.propagate = False
-    return incidents

@@ -170,7 +170,7 @@ async def serve(proxy, host: str, port: int, say) -> int:
     from . import logs
     from .listener import Listener, connection_cap, raise_fd_limit
 
-    incidents = logs.install(say)
+    logs.install(proxy.incidents)
     soft = raise_fd_limit()
     options = proxy.options
     cap = connection_cap(options.max_connections, soft)
@@ -179,7 +179,7 @@ async def serve(proxy, host: str, port: int, say) -> int:
     await runner.setup()
     listener = proxy.listener = Listener(runner.server, host, port, cap=cap,
                                          header_timeout=options.header_timeout,
-                                         incidents=incidents)
+                                         incidents=proxy.incidents)
     try:
         await listener.start()
     except OSError as error:
