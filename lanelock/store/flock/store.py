@@ -335,6 +335,7 @@ class FlockStore(LaneStore):
             written = sidecar.write(handle.dir_fd, self.names(handle.stem)["sidecar"], {
                 "schema": sidecar.SCHEMA, "pid": pid, "start_ticks": ticks, "boot_id": boot_id(),
                 "hostname": hostname(), "lock_inode": inode, "session": "?",
+                "argv": (proc.command_words(pid) or [])[:64],
                 "note": "found holding the removed lock file"})
             written.close()
         except OSError:
