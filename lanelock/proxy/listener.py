@@ -64,7 +64,7 @@ class Connection(asyncio.Protocol):
         self.transport = None
         self.busy = 0            # requests in progress (the proxy's handler is running)
         self.served = 0          # requests started on it
-        self.since = 0.0         # when it last became idle (accepted, or a request ended)
+        self.since = 0.0         # when it was last active (accepted, bytes came, a request ended)
         self.header_timer = None
 
     def connection_made(self, transport) -> None:
@@ -89,6 +89,9 @@ class Connection(asyncio.Protocol):
         self.inner.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        # Bytes of a request on their way: not idle (a header parsed just now has not reached
+        # the proxy's handler yet). A trickle is still bounded by the header and idle timeouts.
+        self.since = asyncio.get_running_loop().time()
         self.inner.data_received(data)
 
     def eof_received(self):
