@@ -388,7 +388,8 @@ class Turn:
         # Who holds, precisely enough for `history` to tell a live turn from a killed one.
         events = [self._event("acquired", at=(now, self._acquired_at),
                               start_ticks=own_start_ticks(), boot_id=boot_id(),
-                              hostname=hostname(), priority=self.priority)]
+                              hostname=hostname(), priority=self.priority,
+                              **holder_facts.command_fields(self._command))]
         if self._had_to_wait:
             events.insert(0, self._event("waited", at=(now, self._acquired_at),
                                          waited=round(self.waited, 6), priority=self.priority))

@@ -28,10 +28,7 @@ def record(*, lane, session: str, model: str | None, argv: dict, acquired_at: st
         "user": user_name(), "uid": os.getuid(), "hostname": hostname(),
         "acquired_at": acquired_at, "acquired_monotonic": acquired_monotonic, "turn": turn,
     }
-    if command is not None:
-        found["command_pid"], found["command_start_ticks"], pgid, sid = command
-        if pgid is not None:
-            found["command_pgid"], found["command_sid"] = pgid, sid
+    found.update(command_fields(command))
     if stopped_at is not None:
         found["stopped_at"] = stopped_at
     if labels:
@@ -56,6 +53,17 @@ def command_facts(pid: int) -> tuple | None:
     return pid, ticks, None, None
 
 
+def command_fields(command: tuple | None) -> dict:
+    """The record's (and the journal's `acquired`) keys for command_facts()."""
+    if command is None:
+        return {}
+    pid, ticks, pgid, sid = command
+    found = {"command_pid": pid, "command_start_ticks": ticks}
+    if pgid is not None:
+        found["command_pgid"], found["command_sid"] = pgid, sid
+    return found
+
+
 def group_words(pids: list[int], limit: int = 3) -> str:
     """'pid 41 (curl -sN ...), pid 40 (sh -c ...)': processes of a turn's process group that
     still run, as /proc shows them."""
@@ -64,7 +72,7 @@ def group_words(pids: list[int], limit: int = 3) -> str:
     shown = []
     for pid in pids[:limit]:
         words = command_words(pid)
-        shown.append(f"pid {pid} ({argv_text(words, 60) if words else '?'})")
+        shown.append(f"pid {pid} ({sanitize(argv_text(words, 60)) if words else '?'})")
     more = f", and {len(pids) - limit} more" if len(pids) > limit else ""
     return ", ".join(shown) + more if shown else "not shown in /proc"
 

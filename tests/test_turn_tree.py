@@ -136,6 +136,8 @@ def test_sigkill_of_the_wrapper_leaves_the_lane_to_its_group_until_the_group_is_
     assert busy.returncode == 75 and "still ending" in busy.stderr, busy.stderr
     lane = json.loads(lanelock("status", "--json").stdout)["lanes"][0]
     assert lane["verdict"] == "ending" and f"pid {work}" in lane["message"], lane
+    history = lanelock("history").stdout
+    assert f"died without releasing; its command's process group {shell} still runs" in history
     lock = lock_dir / "localhost-8080.lock"
     after = waiter(procs, [shell, work])
     # It takes the kernel's lock, and holds it while it waits for the killed turn's group.

@@ -129,6 +129,19 @@ def _mark_endings(events: list[dict], now: float) -> None:
             close(start, HOLDING, now - start["ts"])
         else:
             close(start, UNKNOWN if running is None else DIED)
+            if running is False:
+                _mark_still_running(start)
+
+
+def _mark_still_running(start: dict) -> None:
+    """The last turn died without releasing: does its command's process group still run? Then
+    the lane is not free until it is empty (store/outlived.py): "still_running" {pgid, pids}."""
+    from ..store.outlived import running_command
+
+    command = running_command(start)
+    if command is not None:
+        start["still_running"] = {"pgid": command.pgid, "pid": command.pid,
+                                  "pids": command.members}
 
 
 def holds(events: list[dict]) -> list[tuple[float, float, dict]]:
@@ -268,12 +281,27 @@ def _ending(acquired: dict) -> str:
     if ended == DIED:
         return "died without releasing" + (
             f"; the next turn took the lane {before - acquired['ts']:.1f}s after it began"
-            if before is not None else "")
+            if before is not None else "") + _still_running(acquired.get("still_running"))
     if ended == HOLDING:
         return "still holding"
     if ended == UNKNOWN:
         return "no release seen; its end cannot be told from here"
     return ""
+
+
+def _still_running(found) -> str:
+    """'; its command's process group 41 still runs (pid 42 (curl ...)): the lane is not free
+    until it is empty'."""
+    if not isinstance(found, dict):
+        return ""
+    from ..holder import group_words
+
+    pids = [pid for pid in found.get("pids") or () if isinstance(pid, int)]
+    if found.get("pgid") is None:
+        return (f"; its command (pid {found.get('pid')}) still runs: the lane is not free until "
+                "it ends")
+    return (f"; its command's process group {found['pgid']} still runs ({group_words(pids)}): "
+            "the lane is not free until it is empty")
 
 
 def _number(value) -> float | None:

@@ -19,14 +19,16 @@ A turn is its command's whole process tree, as one process group:
   outside the turn, and does not keep the lane.
 - The terminal: a terminal signals and lets read only its foreground group. When the wrapper's
   group has the foreground, the command's group is given it while the command runs and the
-  wrapper takes it back when the command ends (terminal.py) -- how sudo runs a command without a
-  pty. ^C and ^\ reach the command's group directly; a command that dies of one while it has the
-  terminal makes the wrapper die of it too (reraise_terminal_signal), so a calling shell's loop
-  stops as without lanelock. ^Z stops the command's group: the wrapper records the stop, takes the
-  terminal back and stops itself, so the shell sees the job stopped; continued (fg) it gives the
-  terminal back to the command's group if its own has it again and continues the group (bg: the
-  group continues without the terminal). A hangup reaches the session leader alone (PITFALLS 14):
-  a wrapper that is one forwards it to the group like any signal.
+  wrapper takes it back when the command ends (terminal.py), as a shell does for a job. ^C and
+  ^\\ reach the command's group directly; a command that dies of one while it has the terminal
+  makes the wrapper send it to its own group, the one that had the terminal, and die of it
+  (reraise_terminal_signal), so a calling script's loop stops as without lanelock. ^Z stops the
+  command's group: the wrapper records the stop, takes the terminal back and stops itself, so
+  the shell sees the job stopped; continued (fg) it gives the terminal back to the command's
+  group if its own has it again and continues the group (bg: the group continues without the
+  terminal; a background command that reads the terminal stops the job again). A hangup
+  reaches the session leader alone (PITFALLS 14): a wrapper that is one forwards it to the group
+  like any signal.
 - The child never inherits the lock fd (O_CLOEXEC), so nothing it leaves behind can hold the lock
   itself; only the group keeps the lane.
 - The child gets a parent-death signal (SIGKILL): if the wrapper is killed, even with SIGKILL, the
@@ -54,7 +56,7 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
              signal.SIGUSR1, signal.SIGUSR2)
 FROM_TERMINAL = (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
 KEYBOARD = (signal.SIGINT, signal.SIGQUIT)   # what a terminal sends its foreground group
-ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)   # also resume a stopped group
+ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)   # then SIGCONT the group
 JOB_STOPS = (signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
 SI_KERNEL = 0x80
 PR_SET_PDEATHSIG = 1

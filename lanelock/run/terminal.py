@@ -3,8 +3,9 @@
 The command runs in a process group of its own (runner.py says why). A terminal sends ^C, ^\\ and
 ^Z to its foreground group alone, and lets only that group read from it. So when the wrapper's
 group is in the foreground, the wrapper hands the foreground to the command's group while the
-command runs, and takes it back when the command ends or stops -- as a shell does for its jobs,
-and as sudo does when it runs a command without a pty (exec_nopty.c).
+command runs, and takes it back when the command ends or stops -- as a shell does for its jobs.
+A stop is handled as sudo handles its command's (sudo_suspend_parent): take the terminal back,
+stop, and once continued give it to the command again only if our group has it again.
 
 Invariant: the foreground only ever moves from the wrapper's group to the command's while the
 wrapper's has it, and back while the command's has it. A shell that has moved on meanwhile (`bg`,
