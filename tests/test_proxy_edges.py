@@ -126,6 +126,16 @@ def test_150_waiting_requests_under_96_descriptors_wait_and_none_fails_open(proc
 
 @needs_prlimit
 @needs_prlimit
+def test_the_proxy_raises_its_soft_fd_limit_to_the_hard_one(procs):
+    engine = Engine(procs)
+    proxy = Server(procs, ["prlimit", "--nofile=64:4096", *LANELOCK, "proxy", "--listen",
+                          "127.0.0.1:0", "-b", engine.backend], LISTENING.pattern)
+    limits = open(f"/proc/{proxy.proc.pid}/limits").read()
+    assert re.search(r"Max open files\s+4096\s+4096", limits), limits
+    proxy.stop()
+
+
+@needs_prlimit
 def test_a_proxy_short_of_descriptors_for_the_gate_never_forwards_beside_the_holder(procs, holder):
     """At the lowest limits a proxy starts with, opening the lane's files fails (EMFILE): the
     gate is crowded, not broken -- the request is asked again while its wait lasts, then busy."""
