@@ -160,6 +160,9 @@ def test_the_command_ending_first_leaves_the_lane_held_until_its_group_is_empty(
             in warning and "lane localhost:8080 stays held until it ends" in warning), warning
     assert pid_gone(held.child_pid) and held.proc.poll() is None
     assert lanelock("probe").returncode == 1
+    status = lanelock("status").stdout
+    assert (f"its command has ended, and the lane waits for the rest of its process group "
+            f"{held.child_pid} (pid {work} (") in status, status
     lock = lock_dir / "localhost-8080.lock"
     after = waiter(procs, [work])
     wait_for(lambda: is_waiting(lock, after.pid) or after.poll() is not None,

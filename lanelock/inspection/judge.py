@@ -147,6 +147,7 @@ def _held(result: dict, facts, record, released: bool, stale: str | None) -> dic
         else:
             how_long = f"since {shown_time(record.get('acquired_at'))}"
         message = f"held by lanelock turn {_pid(record)} ({_who(record)}), {how_long}"
+        message += _lingering(record)
         if facts.stopped:
             holder["stopped"] = facts.stopped
             message += f"; {facts.stopped['words']}"
@@ -162,6 +163,17 @@ def _held(result: dict, facts, record, released: bool, stale: str | None) -> dic
                         f"held by {kind}: pid {first['pid']} ({first['command']}); {why}")
     return _verdict(result, HELD, "held-unlabelled",
                     f"held (seen by a probe; /proc/locks unreadable); {why}")
+
+
+def _lingering(record: dict) -> str:
+    """'; its command has ended, and the lane waits for the rest of its process group ...'"""
+    from ..store.outlived import lingering
+
+    command = lingering(record)
+    if command is None:
+        return ""
+    return (f"; its command has ended, and the lane waits for the rest of its process group "
+            f"{command.pgid} ({holder_facts.group_words(command.members)})")
 
 
 def _stale(facts) -> str | None:

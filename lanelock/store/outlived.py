@@ -120,6 +120,21 @@ def running_command(record: dict | None) -> Command | None:
     return command if command.look() != [] else None
 
 
+def lingering(record: dict | None) -> Command | None:
+    """The command of a live turn on this machine that has ended while others of its process
+    group still run -- its wrapper keeps the lane until they end; None otherwise."""
+    if not record or "released_at" in record or record.get("hostname") not in (None, hostname()):
+        return None
+    pid, ticks = field(record, "command_pid", int), field(record, "command_start_ticks", int)
+    pgid, sid = field(record, "command_pgid", int), field(record, "command_sid", int)
+    if pid is None or ticks is None or pgid != pid or sid is None or pid <= 1:
+        return None
+    if proc.start_ticks(pid) == ticks:
+        return None   # the command itself runs: the usual turn
+    command = Command(pid, ticks, pgid, sid)
+    return command if command.look() else None
+
+
 def _holder_lives(record: dict) -> bool:
     """Does the turn's own process still run, and not on its way out? (The lock can be free the
     moment a killed holder's files close, before it is a zombie: that holder is dying.)"""
