@@ -76,6 +76,26 @@ def ancestors(pid: int | None = None) -> list[int]:
     return chain
 
 
+def files_uid(pid: int) -> int | None:
+    """The uid a process makes files as (its fsuid, from /proc/PID/status, which every user may
+    read; /proc/PID's own owner is root for a process that changed its uid), None when gone."""
+    try:
+        fd = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        text = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    at = text.find(b"\nUid:")
+    try:
+        return int(text[at + 1:text.index(b"\n", at + 1)].split()[4]) if at >= 0 else None
+    except (ValueError, IndexError):
+        return None
+
+
 def command_words(pid: int) -> list[str] | None:
     """A process's argv from /proc (None when it is gone or hidden)."""
     try:

@@ -278,27 +278,7 @@ def genuine(st: os.stat_result, pid: int) -> bool:
     can put a file in the queue directory (1777); one named for another user's process (a
     locked "pid 1"), or a FIFO, must queue no one and blame no one. A user's entry naming one of
     their own processes can only make them wait in line, as a real turn of theirs could."""
-    return stat.S_ISREG(st.st_mode) and st.st_uid == _files_uid(pid)
-
-
-def _files_uid(pid: int) -> int | None:
-    """The uid a process makes files as (its fsuid, from /proc/PID/status, which every user may
-    read; /proc/PID's own owner is root for a process that changed its uid), None when gone."""
-    try:
-        fd = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        text = os.read(fd, 4096)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    at = text.find(b"\nUid:")
-    try:
-        return int(text[at + 1:text.index(b"\n", at + 1)].split()[4]) if at >= 0 else None
-    except (ValueError, IndexError):
-        return None
+    return stat.S_ISREG(st.st_mode) and st.st_uid == proc.files_uid(pid)
 
 
 def is_mine(entry: Entry) -> bool:

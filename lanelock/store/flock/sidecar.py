@@ -201,6 +201,20 @@ def opens_lock(pid: int, st: os.stat_result, inode: int | None = None) -> bool |
     return False
 
 
+def holds(pid: int, st: os.stat_result, record: dict) -> bool:
+    """Is the record's live pid believed to hold the lock file st? When it has the file open;
+    for another user's process, whose open files we may not see, when it is a lanelock process
+    of the uid the record names -- never pid 1 or any other process a forger picks, and no
+    /proc/locks read on a turn's path (PITFALLS 22)."""
+    from ... import proc
+
+    seen = opens_lock(pid, st)
+    if seen is not None:
+        return seen
+    return proc.files_uid(pid) == field(record, "uid", int) and \
+        proc.describe_process(pid)["lanelock"]
+
+
 def turns_command(pids, lock_path: str) -> bool:
     """Is one of pids (a killed turn's command, its processes still running) a process of a turn
     held on lock_path? The wrapper starts its command with LANELOCK_HELD naming the lock, and its

@@ -107,9 +107,9 @@ def _live_holder(record: dict | None, st: os.stat_result) -> int | None:
     if record is None or sidecar.field(record, "lock_inode", int) != st.st_ino:
         return None
     pid = _live_turn(record)
-    # Anyone may write the record: its pid is believed when it has this very file open; a
-    # forged one (pid 1), or another user's we cannot look at, is the kernel's to say.
-    return pid if pid is not None and sidecar.opens_lock(pid, st) else None
+    # Anyone may write the record: its pid is believed only as sidecar.holds() says; a forged
+    # one (pid 1) is the kernel's to say.
+    return pid if pid is not None and sidecar.holds(pid, st, record) else None
 
 
 def _live_turn(record: dict) -> int | None:
@@ -141,8 +141,8 @@ def holding(sidecar_path: str) -> tuple:
     lock_path = sidecar_path[:-len(".json")] + ".lock"
     pid = _live_turn(record)
     if pid is not None:
-        try:   # a forged record (pid 1) holds nothing; another user's turn we cannot look at does
-            return sidecar.opens_lock(pid, os.stat(lock_path)) is not False, None
+        try:   # a forged record (pid 1) holds nothing
+            return sidecar.holds(pid, os.stat(lock_path), record), None
         except OSError:
             return False, None
     from ..outlived import running_command
