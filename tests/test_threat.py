@@ -476,3 +476,22 @@ def test_status_all_looks_at_a_bounded_number_of_engines_on_this_machine_only(lo
     near = [lane for lane in lanes if lane["lane"].startswith("localhost:")]
     assert sum("at most" in (lane["engine"]["problem"] or "") for lane in near) \
         == len(near) - ALL_ENGINE_LOOKS
+
+
+# -- the threat model is written where users read -------------------------------------------------
+def test_the_threat_model_is_in_the_readme_and_the_man_page():
+    """README "Several users" and the man page's THREAT MODEL say who is trusted with what and
+    what another user can never make lanelock do, the same four things in both."""
+    from pathlib import Path
+
+    top = Path(__file__).resolve().parent.parent
+    readme = (top / "README.md").read_text()
+    man = (top / "man" / "lanelock.1").read_text()
+    section = readme.split("## Several users", 1)[1].split("\n## ", 1)[0]
+    manual = man.split(".SH THREAT MODEL", 1)[1].split("\n.SH ", 1)[0]
+    for text in (section, manual):
+        assert "not with your files or your terminal" in text
+        for never in ("write through a link", "print to your terminal what they wrote",
+                      "split a lane unseen", "switch the gate off for everyone"):
+            assert never in text.lower().replace("**", ""), never
+        assert "journal" in text and "counts" in text   # what is not protected, said plainly
