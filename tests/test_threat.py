@@ -489,7 +489,7 @@ def test_the_threat_model_is_in_the_readme_and_the_man_page():
     man = (top / "man" / "lanelock.1").read_text()
     section = readme.split("## Several users", 1)[1].split("\n## ", 1)[0]
     manual = man.split(".SH THREAT MODEL", 1)[1].split("\n.SH ", 1)[0]
-    for text in (section, manual):
+    for text in (" ".join(section.split()), " ".join(manual.split())):   # lines joined
         assert "not with your files or your terminal" in text
         for never in ("write through a link", "print to your terminal what they wrote",
                       "split a lane unseen", "switch the gate off for everyone"):
