@@ -1,8 +1,9 @@
 """`lanelock run`: one turn, from the gate to the exit status.
 
 Held, ungated or fail-open: run the command. Deflected: walk the fallback chain, or exit with the
-busy code (75, EX_TEMPFAIL) when no entry ran. The lane is released the moment the child ends,
-before anything else is done.
+busy code (75, EX_TEMPFAIL) when no entry ran. The lane is released the moment the command's
+process group is empty (the command and whatever it started that stayed in its group: the turn,
+runner.py), before anything else is done.
 """
 
 from __future__ import annotations
