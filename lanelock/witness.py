@@ -202,25 +202,28 @@ class Witness:
         """Sample until stop is set; returns why it stopped early (cannot witness) or None."""
         try:
             while not self.stop.is_set():
-                if self._claim is None and not self.claim():
-                    self.stop.wait(STANDBY)
-                    continue
-                if self.engine.kind is None and self.detect() is None:
-                    self.stop.wait(RETRY)
-                    continue
-                started = time.monotonic()
                 try:
-                    self.sample_once()
+                    self.stop.wait(self._step())
                 except OSError as error:   # out of descriptors (a lazy import opens a file
                     # too): the witness is a bystander, said once and tried again, never a
                     # thread dead with a traceback
                     self._failing(error.strerror or str(error), "the lane's store")
-                self.stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
+                    self.stop.wait(RETRY)
         except engines.CannotWitness as error:   # the caller says it (start(), watch.py)
             self.cannot = str(error)
         finally:
             self.finish()
         return self.cannot
+
+    def _step(self) -> float:
+        """Claim, detect or sample, whichever is due; the seconds to wait before the next."""
+        if self._claim is None and not self.claim():
+            return STANDBY
+        if self.engine.kind is None and self.detect() is None:
+            return RETRY
+        started = time.monotonic()
+        self.sample_once()
+        return max(0.0, self.interval - (time.monotonic() - started))
 
     def sample_once(self) -> None:
         try:

@@ -142,7 +142,7 @@ def test_a_proxy_short_of_descriptors_for_the_gate_never_forwards_beside_the_hol
     engine = Engine(procs, delay=0.01)
     held = holder("-b", engine.backend)
     reasons = set()
-    for limit in range(10, 22):
+    for limit in range(10, 19):
         try:
             proxy = Server(procs, ["prlimit", f"--nofile={limit}:{limit}", *LANELOCK, "proxy",
                                   "--listen", "127.0.0.1:0", "-b", engine.backend, "--wait", "1"],
@@ -150,7 +150,7 @@ def test_a_proxy_short_of_descriptors_for_the_gate_never_forwards_beside_the_hol
         except AssertionError:
             continue   # too few to start at all (Python's own imports)
         status, headers, body = request(proxy.port, "POST", CHAT, chat_body(),
-                                        headers={"X-Lanelock-Wait": "0.5"})
+                                        headers={"X-Lanelock-Wait": "0.2"})
         assert (status, headers["X-Lanelock-State"]) == (503, "busy"), (limit, body)
         reasons.add(headers["X-Lanelock-Reason"])
         proxy.stop()
