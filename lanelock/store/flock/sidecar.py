@@ -18,6 +18,7 @@ import json
 import os
 import stat
 
+from ... import proc
 from ...holder import SCHEMA, field   # noqa: F401 - sidecar.field, as the stores read it
 
 MAX_BYTES = 64 * 1024
@@ -178,8 +179,8 @@ def _unlink(name: str, dir_fd: int) -> None:
 # naming pid 1 as the holder, or as a killed turn's command still running, must deflect no one
 # and blame no one. Each name is checked in /proc, cheaply and without /proc/locks (PITFALLS
 # 22): a holder by its open files, a command by the environment its wrapper gave it. Both are
-# readable for processes of our own user (and by root); for another user's, opens_lock says
-# "cannot tell" and the caller asks the kernel's lock table instead.
+# readable for processes of our own user (and by root); another user's holder is believed when it
+# is a lanelock process of the uid the record names (holds), another user's command is not.
 def opens_lock(pid: int, st: os.stat_result, inode: int | None = None) -> bool | None:
     """Has pid the lock file open (st's device; st's inode, or `inode`)? None: cannot tell
     (another user's process)."""
@@ -206,8 +207,6 @@ def holds(pid: int, st: os.stat_result, record: dict) -> bool:
     for another user's process, whose open files we may not see, when it is a lanelock process
     of the uid the record names -- never pid 1 or any other process a forger picks, and no
     /proc/locks read on a turn's path (PITFALLS 22)."""
-    from ... import proc
-
     seen = opens_lock(pid, st)
     if seen is not None:
         return seen
@@ -221,8 +220,6 @@ def turns_command(pids, lock_path: str) -> bool:
     children inherit it; a process that says nothing of it (pid 1; another user's, whose
     environment we may not read) is believed to be none. One on its way out (its memory, and so
     its environment, already freed) is believed: waiting for it costs no more than its exit."""
-    from ... import proc
-
     marker = b"\0LANELOCK_HELD=" + os.fsencode(lock_path) + b"\0"
     return any(marker in _environ(pid) or proc.exiting(pid) for pid in pids)
 
