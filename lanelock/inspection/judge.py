@@ -38,7 +38,7 @@ def judge(facts, gate_problem: str | None = None) -> dict:
               "gate": "unavailable" if gate_problem else "available", "gate_problem": gate_problem}
     if facts.problem_lock:
         return _verdict(result, UNKNOWN, "bad-lock-file",
-                        f"{facts.problem_lock}: turns deflect until it is removed")
+                        f"{facts.problem_lock}: {planted_outcome(facts.problem_lock)}")
     if gate_problem and not facts.held:
         return _verdict(result, UNKNOWN, "gate-unavailable", f"gate unavailable: {gate_problem}")
     if facts.error:
@@ -85,6 +85,15 @@ def judge(facts, gate_problem: str | None = None) -> dict:
     return _verdict(result, FREE, "died",
                     f"free; last holder {_pid(record)} ({_who(record)}) died without releasing; "
                     "the lock died with it")
+
+
+def planted_outcome(problem: str) -> str:
+    """What turns do on a lane whose lock path is unusable: a symlink is refused, never followed,
+    and its turns fail open; anything else planted there (a FIFO, a directory, a 0600 file of
+    another user) makes them deflect, so that no one can switch the gate off for everyone."""
+    if "symlink" in problem:
+        return "turns run without the gate (fail open) until it is removed"
+    return "turns deflect until it is removed"
 
 
 def holder(facts) -> dict:

@@ -182,4 +182,6 @@ def _gate_problem(store, lane, facts) -> str | None:
     # caller reports the store's problems() for those. A file planted at a lock's name is not one:
     # turns deflect there (the verdict bad-lock-file says why), none runs ungated.
     problem = facts.error
+    if facts.problem_lock and "symlink" in facts.problem_lock:   # judge.planted_outcome
+        problem = facts.problem_lock
     return f"{problem}: {UNGATED}" if problem else None
