@@ -254,6 +254,31 @@ def test_ctrl_z_fg_and_bg_move_the_command_s_group_with_the_terminal(procs, lane
     shell.expect(pexpect.EOF)
 
 
+def test_a_pipeline_s_reader_keeps_the_terminal(procs, lanelock):
+    """`lanelock run -- cmd | less`: the pager shares the wrapper's group, so the foreground is
+    not handed away from it (it would stop for SIGTTIN while the command fills the pipe); ^C
+    reaches the wrapper, which sends it to the command's group."""
+    shell = procs.spawn(pexpect.spawn("bash", ["--norc", "--noprofile", "-i"], timeout=30,
+                                      encoding="utf-8",
+                                      env=environ({"PS1": "PROMPT$ ", "HISTFILE": "/dev/null"})))
+    shell.expect_exact("PROMPT$ ")
+    reader = "read first; echo \"pipe: $first\"; read x < /dev/tty; echo \"got $x\"; cat >/dev/null"
+    shell.sendline(f"{shlex.join(LANELOCK)} run -- sh -c 'echo \"READY $$\"; exec sleep 600' | "
+                   f"sh -c {shlex.quote(reader)}")
+    shell.expect(r"pipe: READY (\d+)")
+    command = int(shell.match.group(1))
+    procs.adopt(command)
+    shell.sendline("hello")
+    shell.expect_exact("got hello")   # the reader had the terminal
+    death = ExitWatch(command)
+    shell.sendintr()
+    death.wait()
+    shell.expect_exact("PROMPT$ ")
+    assert lanelock("probe").returncode == 0
+    shell.sendline("exit")
+    shell.expect(pexpect.EOF)
+
+
 def test_ctrl_c_ends_the_command_and_the_rest_of_its_group_keeps_the_lane(procs, lanelock):
     """^C goes to the command's group, which has the terminal. A background job of a script
     ignores SIGINT: sh dies of the ^C, its job does not, and the lane waits for the job; the

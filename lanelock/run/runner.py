@@ -17,9 +17,10 @@ A turn is its command's whole process tree, as one process group:
   setpgid(), needs no privilege, and the kernel alone says when it is empty (kill(-pgid, 0)).
   What it cannot hold: a process that leaves the group on purpose (setsid, setpgid: a daemon) is
   outside the turn, and does not keep the lane.
-- The terminal: a terminal signals and lets read only its foreground group. When the wrapper's
-  group has the foreground, the command's group is given it while the command runs and the
-  wrapper takes it back when the command ends (terminal.py), as a shell does for a job. ^C and
+- The terminal: a terminal signals and lets read only its foreground group. When the wrapper is
+  in the foreground as a job of its own, the command's group is given it while the command runs
+  and the wrapper takes it back when the command ends, as a shell does for a job (terminal.py;
+  sharing its group, with a pager or a script's shell, it keeps it and forwards). ^C and
   ^\\ reach the command's group directly; a command that dies of one while it has the terminal
   makes the wrapper send it to its own group, the one that had the terminal, and die of it
   (reraise_terminal_signal), so a calling script's loop stops as without lanelock. ^Z stops the
@@ -98,8 +99,11 @@ class Starter:
         self.mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())   # the command's signal mask
         # An inherited SIGCHLD=SIG_IGN would make the kernel reap the child behind our back.
         self.old_chld = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        self.terminal: Terminal | None = None
         if not self.failure:
             self._fork()
+            # Looked at before the lane is taken: after it, every millisecond delays the hand-off.
+            self.terminal = Terminal()
 
     def _fork(self) -> None:
         prctl = prepare()
@@ -130,10 +134,10 @@ class Starter:
         os.close(go_read)
         os.close(status_write)
 
-    def go(self, changes: dict[str, str | None], terminal: Terminal | None = None) -> int:
+    def go(self, changes: dict[str, str | None]) -> int:
         """Start the command with our environment plus changes (None unsets). 0, or the errno
-        that stopped the command from starting (the child is reaped then). terminal: handed to
-        the command's group before it execs, when our group has it."""
+        that stopped the command from starting (the child is reaped then). The terminal is
+        handed to the command's group before it execs, when we are a job of our own."""
         self.started = True
         if self.failure:
             return self.failure
@@ -141,8 +145,9 @@ class Starter:
             os.fsencode(name) + (b"" if value is None else b"=" + os.fsencode(value)) + b"\0"
             for name, value in changes.items())
         message = launch.GO + len(payload).to_bytes(4, "big") + payload
+        terminal = self.terminal
         if terminal is not None:
-            terminal.hand(self.pid)
+            terminal.hand_upfront(self.pid)
         try:
             _write_all(self._go, message)
         except BrokenPipeError:   # the parked child was killed while it waited: start afresh
@@ -151,7 +156,7 @@ class Starter:
             self._fork()
             if terminal is not None:
                 terminal.take_back()
-                terminal.hand(self.pid)
+                terminal.hand_upfront(self.pid)
             _write_all(self._go, message)
         os.close(self._go)
         self._go = -1
@@ -169,6 +174,8 @@ class Starter:
     def cancel(self) -> None:
         """The turn will not run this command: the parked child exits and is reaped."""
         self.close()
+        if self.terminal is not None:
+            self.terminal.close()
         if self.pid is not None:
             pid, self.pid = self.pid, None
             try:
@@ -222,10 +229,9 @@ def run(starter: Starter, changes: dict[str, str | None], *, kill_after: float |
     those /proc shows)."""
     watched = {signal.SIGCHLD, signal.SIGTSTP, signal.SIGCONT, *FORWARDED}
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, watched | {signal.SIGTTOU})
-    terminal = None
+    terminal = starter.terminal or Terminal()
     try:
-        terminal = Terminal()
-        failure = starter.go(changes, terminal)
+        failure = starter.go(changes)
         if failure:
             return _spawn_failure(starter.argv[0], failure, starter.path)
         if on_spawn is not None:
@@ -233,8 +239,7 @@ def run(starter: Starter, changes: dict[str, str | None], *, kill_after: float |
         pid, starter.pid = starter.pid, None
         return _Supervision(pid, terminal, kill_after, on_stop, on_linger).run(watched)
     finally:
-        if terminal is not None:
-            terminal.close()
+        terminal.close()
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         starter.restore()
 

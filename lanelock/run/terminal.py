@@ -7,6 +7,13 @@ command runs, and takes it back when the command ends or stops -- as a shell doe
 A stop is handled as sudo handles its command's (sudo_suspend_parent): take the terminal back,
 stop, and once continued give it to the command again only if our group has it again.
 
+The foreground is handed before the command starts only when the wrapper is alone in its group
+(a job of its own). A group it shares -- a pager after it in a pipeline (`lanelock run -- cmd |
+less`), a script's shell without job control -- keeps the foreground: handing it away would stop
+the pager (SIGTTIN) while the command fills its pipe. There the terminal's ^C and ^Z reach the
+wrapper, which sends them on to the command's group, and a command that wants to read the
+terminal stops and is given it then (runner.py).
+
 Invariant: the foreground only ever moves from the wrapper's group to the command's while the
 wrapper's has it, and back while the command's has it. A shell that has moved on meanwhile (`bg`,
 another job in front) keeps its terminal. tcsetpgrp() from a background group would stop the
@@ -29,6 +36,8 @@ class Terminal:
             self.fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
         except OSError:   # no controlling terminal (cron, a service, a pipe): nothing to hand
             pass
+        # Decided once, before the lane is taken (one pass over /proc, only on a terminal).
+        self.upfront = self.fd >= 0 and self.ours() and _alone_in_group()
 
     def ours(self) -> bool:
         """Is the wrapper's group in the terminal's foreground?"""
@@ -58,6 +67,11 @@ class Terminal:
             os.close(self.fd)
             self.fd = -1
 
+    def hand_upfront(self, pgid: int) -> None:
+        """Before the command starts: hand it the foreground if we are a job of our own."""
+        if self.upfront:
+            self.hand(pgid)
+
     def _foreground(self) -> int | None:
         if self.fd < 0:
             return None
@@ -75,3 +89,11 @@ class Terminal:
             return False
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _alone_in_group() -> bool:
+    """Is this process the only live one of its process group (the parked child has its own)?"""
+    from ..proc import group_members
+
+    me = os.getpid()
+    return all(pid == me for pid, _, _ in group_members(os.getpgrp())[0])
