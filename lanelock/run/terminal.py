@@ -92,8 +92,24 @@ class Terminal:
 
 
 def _alone_in_group() -> bool:
-    """Is this process the only live one of its process group (the parked child has its own)?"""
-    from ..proc import group_members
+    """Is this process the only live one of its process group (the parked child has its own)?
+    Another member is the parent (a script's shell without job control) or a sibling (the rest
+    of a pipeline a shell made one job): a few reads, not a pass over /proc, unless the kernel
+    does not list a process's children."""
+    me, group, parent = os.getpid(), os.getpgrp(), os.getppid()
+    try:
+        if os.getpgid(parent) == group:
+            return False
+        with open(f"/proc/{parent}/task/{parent}/children", "rb") as handle:
+            siblings = [int(pid) for pid in handle.read().split()]
+    except (OSError, ValueError):
+        from ..proc import group_members
 
-    me = os.getpid()
-    return all(pid == me for pid, _, _ in group_members(os.getpgrp())[0])
+        return all(pid == me for pid, _, _ in group_members(group)[0])
+    for pid in siblings:
+        try:
+            if pid != me and os.getpgid(pid) == group:
+                return False
+        except OSError:   # ended meanwhile
+            continue
+    return True
