@@ -149,6 +149,20 @@ def test_sigkill_of_the_wrapper_leaves_the_lane_to_its_group_until_the_group_is_
     assert (after.returncode, out) == (0, "clear\n"), err
 
 
+def test_kill_after_kills_the_whole_group(holder, procs, lanelock):
+    """A group that ignores the forwarded TERM (`trap "" TERM` is inherited by the script's
+    children) is killed whole once --kill-after passes, and only then is the lane free."""
+    held = holder("--kill-after", "0.2",
+                  command=["sh", "-c", 'trap "" TERM; sleep 600 & echo "ready $$ $!"; wait'])
+    work = int(held.ready_line.split()[2])
+    procs.adopt(work)
+    death = ExitWatch(work)
+    os.kill(held.pid, signal.SIGTERM)
+    assert held.wait() == 128 + signal.SIGKILL
+    death.wait()
+    assert lanelock("probe").returncode == 0
+
+
 def test_the_command_ending_first_leaves_the_lane_held_until_its_group_is_empty(
         holder, procs, lanelock, lock_dir):
     held = holder(command=["sh", "-c", 'sleep 600 & echo "ready $$ $!"'], stderr=subprocess.PIPE)
