@@ -207,6 +207,45 @@ def test_a_process_that_leaves_the_group_with_setsid_is_outside_the_turn(holder,
     assert not pid_gone(daemon)
 
 
+# An API turn that runs a command of its own in a process group it leads (process_group=0).
+# Started with the turn's environment (LANELOCK_HELD: a killed turn's process is believed only
+# when it says which lock its turn held), then named to the turn.
+API_TURN = """
+import os, subprocess, sys
+from lanelock import Gate
+with Gate().turn() as turn:
+    command = subprocess.Popen(["sh", "-c", 'sleep 600 & echo "ready $$ $!"; wait'],
+                               process_group=0, stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, **turn.env})
+    turn.command_started(command.pid)
+    print(turn.state, command.stdout.readline().strip(), flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_an_api_turn_whose_command_leads_a_group_leaves_the_lane_to_the_group(procs, lanelock):
+    """An API turn's command (turn.command_started, as Gate.turn(command_pid=...)) that leads its
+    own group: the record names the group, and a killed turn's lane waits for all of it, not for
+    that one process."""
+    turn = procs.start([sys.executable, "-c", API_TURN], stdin=subprocess.PIPE,
+                       stdout=subprocess.PIPE)
+    state, ready, shell, work = read_line(turn.stdout, TIMEOUT).split()
+    assert (state, ready) == ("held", "ready"), (state, ready)
+    shell, work = int(shell), int(work)
+    procs.adopt(shell)
+    procs.adopt(work)
+    turn.kill()
+    turn.wait(timeout=TIMEOUT)
+    death = ExitWatch(shell)
+    os.kill(shell, signal.SIGKILL)   # the process the turn named; its group runs on
+    death.wait()
+    probe = lanelock("probe")
+    assert probe.returncode == 1 and f"process group {shell}" in probe.stdout, probe
+    os.kill(work, signal.SIGKILL)
+    wait_exit(work)
+    assert lanelock("probe").returncode == 0
+
+
 # -- the terminal ----------------------------------------------------------------------------------
 def tpgid(pid: int) -> int:
     """The foreground process group of pid's terminal (/proc/PID/stat)."""
