@@ -86,7 +86,10 @@ class Gate(Place):
         handover.Asker values, called only when the lane is busy. priority: interactive, normal
         or batch -- who goes first among the turns that wait (default: the priority setting).
         command_pid: a process already started that the turn runs (`lanelock run`'s child): if
-        this process is killed first, the next turn waits for that one to end. fallback: False
+        this process is killed first, the next turn waits for that one to end -- for its whole
+        process group when it leads one (store/outlived.py), as `run`'s command does. A killed
+        turn's process is believed when it carries the turn's LANELOCK_HELD (start it with
+        turn.env and name it with turn.command_started(pid)). fallback: False
         when nothing runs if the turn deflects (`run` with no fallback, a proxy with none for the
         request): the journal and the metrics count it busy, not deflected."""
         check_arguments({"wait": wait, "priority": priority, "session": session, "model": model})
