@@ -31,7 +31,7 @@ HEADER_TIMEOUT = 10.0      # --header-timeout: seconds from connecting to a comp
 IDLE_TIMEOUT = 15.0        # --idle-timeout: seconds an idle keep-alive connection is kept
 FDS_PER_CONNECTION = 6
 RESERVED_FDS = 32      # the event loop, stdio, the witness, the thread pool's files, fallbacks
-EVICT_AFTER = 1.0      # seconds a connection must have been idle to be closed for a new one
+EVICT_AFTER = 0.25     # seconds a connection must have been idle to be closed for a new one
 BACKLOG = 4096         # the kernel caps it at net.core.somaxconn
 # accept() errors of a connection that went away before it was accepted: try the next one.
 GONE = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.EINTR})
