@@ -364,6 +364,32 @@ def test_another_users_holder_is_named_without_reading_proc_locks(two_users, sha
     assert held.release() == 0
 
 
+def test_another_users_killed_turn_keeps_the_lane_while_its_group_runs(two_users, shared_root,
+                                                                       holder, launcher_script,
+                                                                       procs, run_cmd):
+    """alice's wrapper is killed; the sleep its command started runs on in the command's group.
+    mallory's turn cannot read alice's processes' environment, yet waits for it as root's does:
+    the group is one lanelock made (leader of its group, not of a session) and runs as the uid
+    the record names (before: mallory's turn took the lane beside it)."""
+    import signal
+
+    from conftest import ExitWatch
+
+    mallory, alice = two_users
+    held = holder("-b", LANE, command=["sh", "-c", 'sleep 600 & echo "ready $$ $!"; wait'],
+                  launcher=[sys.executable, launcher_script, alice])
+    work = int(held.ready_line.split()[2])
+    procs.adopt(work)
+    shell_death = ExitWatch(held.child_pid)
+    os.kill(held.pid, signal.SIGKILL)
+    held.wait()
+    shell_death.wait()   # the command's parent-death signal; its sleep runs on
+    for user in (mallory, "root"):
+        busy = run_cmd([sys.executable, launcher_script, user, "run", "-b", LANE, "--", "true"])
+        assert busy.returncode == 75 and "still ending" in busy.stderr, (user, busy)
+    os.kill(work, signal.SIGKILL)
+
+
 # -- a lock file removed under its holder: the split is found -----------------------------------
 def test_a_lock_file_removed_under_its_holder_is_found_and_status_says_split(
         two_users, shared_root, holder, lanelock, run_cmd):

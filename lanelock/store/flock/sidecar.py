@@ -180,7 +180,8 @@ def _unlink(name: str, dir_fd: int) -> None:
 # and blame no one. Each name is checked in /proc, cheaply and without /proc/locks (PITFALLS
 # 22): a holder by its open files, a command by the environment its wrapper gave it. Both are
 # readable for processes of our own user (and by root); another user's holder is believed when it
-# is a lanelock process of the uid the record names (holds), another user's command is not.
+# is a lanelock process of the uid the record names (holds), another user's command when it is in
+# the process group lanelock made for it, under that uid (turns_command).
 def opens_lock(pid: int, st: os.stat_result, inode: int | None = None) -> bool | None:
     """Has pid the lock file open (st's device; st's inode, or `inode`)? None: cannot tell
     (another user's process)."""
@@ -214,19 +215,34 @@ def holds(pid: int, st: os.stat_result, record: dict) -> bool:
         proc.describe_process(pid)["lanelock"]
 
 
-def turns_command(pids, lock_path: str) -> bool:
-    """Is one of pids (a killed turn's command, its processes still running) a process of a turn
-    held on lock_path? The wrapper starts its command with LANELOCK_HELD naming the lock, and its
-    children inherit it; a process that says nothing of it (pid 1; another user's, whose
-    environment we may not read) is believed to be none. One on its way out (its memory, and so
-    its environment, already freed) is believed: waiting for it costs no more than its exit."""
+def turns_command(command, lock_path: str, record: dict) -> bool:
+    """Is the command a killed turn's record names (outlived.Command; its processes still
+    running in .members) that turn's? The wrapper starts its command with LANELOCK_HELD naming
+    the lock, and its children inherit it. Another user's environment we may not read: then a
+    process of the group lanelock made for the command (its leader leads no session, as pid 1
+    and every daemon does) running as the uid the record names is believed -- a forger can name
+    only a job of that user, which makes the lane look held as the forger could hold it anyway.
+    Anything else (pid 1) is believed to be none. One on its way out (its memory, and so its
+    environment, already freed) is believed: waiting for it costs no more than its exit."""
     marker = b"\0LANELOCK_HELD=" + os.fsencode(lock_path) + b"\0"
-    return any(marker in _environ(pid) or proc.exiting(pid) for pid in pids)
+    grouped = command.pgid == command.pid and command.sid not in (None, command.pid)
+    uid = field(record, "uid", int)
+    for pid in command.members or [command.pid]:
+        environ = _environ(pid)
+        if environ is None:   # another user's
+            if grouped and uid is not None and proc.files_uid(pid) == uid:
+                return True
+        elif marker in environ or proc.exiting(pid):
+            return True
+    return False
 
 
-def _environ(pid: int) -> bytes:
+def _environ(pid: int) -> bytes | None:
+    """The process's environment (NUL-framed), b"" when gone; None when we may not read it."""
     try:
         fd = os.open(f"/proc/{pid}/environ", os.O_RDONLY | os.O_CLOEXEC)
+    except PermissionError:
+        return None
     except OSError:
         return b""
     chunks = [b"\0"]

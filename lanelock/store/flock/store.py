@@ -295,7 +295,7 @@ class FlockStore(LaneStore):
                 return False
             handle.outlived = outlived.running_command(record)
             if handle.outlived is not None and not sidecar.turns_command(
-                    handle.outlived.members or [handle.outlived.pid], self.path(handle.name)):
+                    handle.outlived, self.path(handle.name), record):
                 handle.outlived = None   # the record names it; the process does not say so
             handle.locked = True
             return True

@@ -91,8 +91,7 @@ def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0,
         from ..outlived import running_command
 
         command = running_command(record)
-        if command is not None and sidecar.turns_command(command.members or [command.pid],
-                                                         found.lock_path):
+        if command is not None and sidecar.turns_command(command, found.lock_path, record):
             found.ending, found.ending_pgid = command.named, command.pgid
             found.ending_pids = command.members
     if found.held and found.matches and pid is not None:
@@ -148,8 +147,7 @@ def holding(sidecar_path: str) -> tuple:
     from ..outlived import running_command
 
     command = running_command(record)
-    return command is not None and sidecar.turns_command(command.members or [command.pid],
-                                                         lock_path), None
+    return command is not None and sidecar.turns_command(command, lock_path, record), None
 
 
 def queue_rows(root: str, stem: str, aging: float, kernel: bool = True) -> list[dict]:
