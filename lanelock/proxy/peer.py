@@ -115,27 +115,33 @@ def _identity(path: str) -> tuple[int, int] | None:
 
 
 def _socket(peer, local) -> tuple[int, int] | None:
-    """(inode, uid) of the socket whose local address is peer and remote address is local."""
+    """(inode, uid) of the socket whose local address is peer and remote address is local.
+
+    The tables are read a line at a time, up to the socket sought: they list every socket of the
+    namespace, TIME_WAIT ones included -- thousands under load, the proxy's own connections to
+    the engine among them (a new one per request) -- and a table read whole was a buffer of up
+    to megabytes per busy request, grown by reallocation in a pool thread, whose malloc arena
+    kept the holes (the proxy's RSS rose with the table's size, tests/test_proxy_memory.py)."""
     try:
-        wanted = {(mine, theirs) for mine in _spellings(peer[0], peer[1])
+        wanted = {(mine.encode(), theirs.encode()) for mine in _spellings(peer[0], peer[1])
                   for theirs in _spellings(local[0], local[1])}
     except (TypeError, ValueError, IndexError):
         return None
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table, "rb") as handle:
-                lines = handle.read().decode("ascii", "replace").splitlines()[1:]
+                next(handle, None)   # the column names
+                for line in handle:
+                    words = line.split()
+                    if len(words) > 9 and (words[1], words[2]) in wanted:
+                        try:
+                            inode, uid = int(words[9]), int(words[7])
+                        except ValueError:
+                            continue
+                        if inode:
+                            return inode, uid
         except OSError:
             continue
-        for line in lines:
-            words = line.split()
-            if len(words) > 9 and (words[1], words[2]) in wanted:
-                try:
-                    inode, uid = int(words[9]), int(words[7])
-                except ValueError:
-                    continue
-                if inode:
-                    return inode, uid
     return None
 
 
