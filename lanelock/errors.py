@@ -23,6 +23,13 @@ class GateCrowded(GateUnavailable):
     reason = "gate_crowded"
 
 
+class ServerCrowded(GateCrowded):
+    """A lane server refused a connection for load (PostgreSQL's too_many_connections: every
+    slot taken, or the rest reserved). Unlike a process's own descriptors, the server's
+    connections are every turn's and free again as turns end: a turn with a wait asks again
+    while its wait lasts (gate.Turn._take), one without deflects (gate_crowded)."""
+
+
 # The errnos that say "out of resources", not "no gate here".
 CROWDED_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOLCK, errno.ENOBUFS})
 

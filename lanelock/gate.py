@@ -18,7 +18,7 @@ import time
 
 from . import holder as holder_facts
 from . import handover, say
-from .errors import GateCrowded, GateUnavailable, RecordNotWritten, WouldBlock
+from .errors import GateCrowded, GateUnavailable, RecordNotWritten, ServerCrowded, WouldBlock
 from .facts import boot_id, default_session, hostname, own_start_ticks, user_name, utc_now
 from .place import Place, check_arguments
 from .priority import CLASSES, class_named
@@ -32,6 +32,10 @@ HELD, DEFLECTED, UNGATED, FAIL_OPEN, RELEASED = "held", "deflected", "ungated", 
 CANCELLED = "cancelled"   # an asyncio turn whose task was cancelled while it waited
 REASON_BUSY = "local_backend_busy"
 BUSY_WORDS = "local model in use by another session"
+# A crowded server (ServerCrowded) is asked again after these pauses while a turn's wait lasts:
+# its connections free as other turns end. Bounded, so a long outage of slots costs a few
+# connection attempts a second at most.
+CROWDED_PAUSES = (0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 def busy_sentence(who: str, then: str | None = None) -> str:
@@ -145,6 +149,7 @@ class Turn:
         self._pending: tuple | None = None   # what _take() decided and _record_decision() records
         self.token: str | None = None   # names this held turn (or the one it nests in)
         self._started_wait = 0.0
+        self._crowded_since: float | None = None   # first refusal of a crowded server (its wait)
         self.wait = wait
         self.state: str | None = None
         self.reason: str | None = None
@@ -253,11 +258,33 @@ class Turn:
         if not gate.gated:
             self.state = UNGATED
             return self
-        try:
-            self._take_gated(try_only)
-        except GateUnavailable as error:
-            return self.cannot_take(error)
-        return self
+        tries = 0
+        while True:
+            try:
+                self._take_gated(try_only)
+                return self
+            except ServerCrowded as error:
+                pause = self._crowded_pause(tries, try_only)
+                if pause is None:
+                    return self.cannot_take(error)
+            except GateUnavailable as error:
+                return self.cannot_take(error)
+            tries += 1
+            time.sleep(pause)
+
+    def _crowded_pause(self, tries: int, try_only: bool) -> float | None:
+        """How long to pause before asking a crowded server again, or None: the turn's wait
+        does not reach past the pause (or it has none), so it deflects (gate_crowded) now."""
+        now = time.monotonic()
+        if self._crowded_since is None:
+            self._crowded_since = now
+        if self._handle is not None:   # refused after it opened: nothing of it is kept
+            self.gate.store.release(self._handle)
+            self._handle = None
+        pause = CROWDED_PAUSES[min(tries, len(CROWDED_PAUSES) - 1)]
+        if try_only or self.wait is not None and self._crowded_since + self.wait - now <= pause:
+            return None
+        return pause
 
     def _record_decision(self) -> "Turn":
         """Record what _take() decided: the holder record and 'acquired', or 'deflected'."""
@@ -325,7 +352,8 @@ class Turn:
         if outer is not None and outer[0] == self._owner:
             self._nested(handle, outer[1])
             return None
-        self._started_wait = time.monotonic()
+        # A turn a crowded server kept out has waited since its first refusal: that counts.
+        self._started_wait = self._crowded_since or time.monotonic()
         _debug_pause("before-acquire")
         if store.try_lock(handle, rank=self.rank):
             self._decide(handle, True)
@@ -343,7 +371,11 @@ class Turn:
             self._decide(handle, False)   # deflects at once: waiting would wait for itself
             return None
         self._blocked = True
-        return handle, None if self.wait is None else max(self.wait, gate.grace)
+        if self.wait is None:
+            return handle, None
+        left = self.wait if self._crowded_since is None else \
+            self.wait - (time.monotonic() - self._crowded_since)
+        return handle, max(left, gate.grace)
 
     def _decide(self, handle, got: bool) -> None:
         """After the lock was tried or waited for: decide what _record_decision() records."""

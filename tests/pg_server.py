@@ -42,6 +42,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.listen = "127.0.0.1"          # listen_addresses
         self.trust: str | None = None      # another client network to trust (a test host's)
+        self.settings = {"max_connections": 60}   # -c NAME=VALUE for postgres (a test's own)
 
     @property
     def dsn(self) -> str:
@@ -65,7 +66,8 @@ class Server:
                 os.path.join(self.bindir, "postgres"), "-D", self.data, "-p", str(self.port),
                 "-c", f"listen_addresses={self.listen}",
                 "-c", f"unix_socket_directories={self.dir}",
-                "-c", "fsync=off", "-c", "max_connections=60"]),
+                "-c", "fsync=off",
+                *[arg for name, value in self.settings.items() for arg in ("-c", f"{name}={value}")]]),
                 stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

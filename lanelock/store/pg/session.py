@@ -12,7 +12,7 @@ tables, set up once per database without racing.
 
 from __future__ import annotations
 
-from ...errors import GateUnavailable
+from ...errors import GateUnavailable, ServerCrowded
 
 NAMESPACE = 0x4C4E4C4B
 SCHEMA_LOCK = NAMESPACE << 32   # one-bigint advisory key space: never a lane's two-int key
@@ -42,6 +42,15 @@ CREATE TABLE IF NOT EXISTS lanelock_queue (
     arrival timestamptz NOT NULL DEFAULT clock_timestamp(), facts jsonb NOT NULL);
 CREATE INDEX IF NOT EXISTS lanelock_queue_lane ON lanelock_queue (lane);
 """
+# A connection refused for load, not for absence (PITFALLS 27): 53300 too_many_connections
+# ("sorry, too many clients already", "remaining connection slots are reserved ...", "too many
+# connections for role"), 53400 configuration_limit_exceeded, and pgbouncer's "no more
+# connections allowed". libpq gives a refused connection no SQLSTATE, only the server's words,
+# so the words are matched too. Not 57P03 cannot_connect_now (starting up, shutting down): that
+# is an outage, and its turns fail open as for a server that cannot be reached.
+CROWDED_STATES = frozenset({"53300", "53400"})
+CROWDED_WORDS = ("too many clients", "too many connections", "connection slots are reserved",
+                 "no more connections allowed")
 MISSING_DRIVER = "the PostgreSQL store needs psycopg: pip install 'lanelock[postgres]'"
 
 
@@ -80,6 +89,9 @@ def connect(dsn: str, application_name: str):
                                application_name=application_name[:63],
                                options=f"{given} {server}".strip(), **CLIENT_KEEPALIVES)
     except psycopg.Error as error:
+        if refused_for_load(error):
+            raise ServerCrowded(f"the lane store {redact(dsn)} is crowded: "
+                                f"{first_line(error)}") from None
         raise GateUnavailable(f"cannot reach the lane store {redact(dsn)}: "
                               f"{first_line(error)}") from None
     try:
@@ -90,6 +102,14 @@ def connect(dsn: str, application_name: str):
     except psycopg.Error:
         pass
     return conn
+
+
+def refused_for_load(error) -> bool:
+    """Did the server refuse the connection because its slots are taken (crowded, not broken)?"""
+    if getattr(error, "sqlstate", None) in CROWDED_STATES:
+        return True
+    text = str(error)
+    return any(words in text for words in CROWDED_WORDS)
 
 
 def ensure_schema(conn) -> str | None:

@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from ...errors import GateUnavailable, RecordNotWritten
+from ...errors import GateUnavailable, RecordNotWritten, ServerCrowded
 from .. import order, outlived
 from . import queue as pg_queue
 from ..base import LaneFacts, LaneStore, LockHandle
@@ -103,6 +103,8 @@ class PgStore(LaneStore):
         lane = lane_obj.name
         try:
             conn = self.connect(f"lanelock {lane}")
+        except ServerCrowded:
+            raise   # there, and busy: its next connection may be had
         except GateUnavailable:
             self._unreachable = True
             raise
@@ -468,6 +470,8 @@ class PgStore(LaneStore):
             return None
         try:
             conn = self.connect(f"lanelock {lane.name}")
+        except ServerCrowded:
+            return None
         except GateUnavailable:
             self._unreachable = True
             return None

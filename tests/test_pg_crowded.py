@@ -1,0 +1,139 @@
+"""Crowded is not broken on the PostgreSQL store (PITFALLS 27): a server that refuses a connection
+for load -- "sorry, too many clients already", "remaining connection slots are reserved" -- is
+working and busy. Its refused turns wait (a turn with a wait tries again, backing off) or deflect
+(gate_crowded), never run beside the holder. A server that cannot be reached at all still fails
+its turns open. A real server with max_connections=20, real `lanelock run` turns released at once.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from conftest import LANELOCK, TIMEOUT, environ, wait_for
+
+pg_server = pytest.importorskip("pg_server")
+psycopg = pytest.importorskip("psycopg")
+
+# Each command stamps its own start and end (ns since the epoch) into the file named by $1.
+STAMP = 's=$(date +%s%N); sleep 0.15; e=$(date +%s%N); echo "$s $e" >> "$1"'
+
+
+def crowded_server(lock_roots, role: str | None = None):
+    """(dsn, server): a private server with 20 connections (3 of them reserved for superusers);
+    its lanes are checked free at teardown, then it stops. role: a non-superuser to connect as
+    (it has 17)."""
+    if pg_server.binaries() is None:
+        pytest.skip("no PostgreSQL server")
+    server = pg_server.Server()
+    server.settings.update(max_connections=20, superuser_reserved_connections=3)
+    lock_roots.after(server.stop)
+    server.start()
+    dsn = server.dsn
+    if role is not None:
+        with psycopg.connect(server.dsn, autocommit=True) as conn:
+            conn.execute(f"CREATE ROLE {role} LOGIN")
+            conn.execute(f"GRANT ALL ON SCHEMA public TO {role}")
+        dsn = dsn.replace("postgres@", f"{role}@", 1)
+    lock_roots.watch_store(server.dsn)
+    return dsn, server
+
+
+def turns_at_once(procs, dsn: str, stamps, waits: list) -> list:
+    """One `lanelock run` per entry of waits (its --wait, or None: no wait), released together
+    by one write to the pipe that is their stdin (sh reads a pipe a byte at a time: one line
+    each), each running the stamping command. Returns the Popens."""
+    go_read, go_write = os.pipe()
+    turns = []
+    for wait in waits:
+        flags = [] if wait is None else ["--wait", str(wait)]
+        turns.append(procs.start(
+            ["sh", "-c", 'read go; exec "$@" </dev/null', "sh", *LANELOCK, "run",
+             "--store", dsn, *flags, "-b", "localhost:7030", "--",
+             "sh", "-c", STAMP, "sh", str(stamps)],
+            stdin=go_read, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ()))
+    os.close(go_read)
+    os.write(go_write, b"go\n" * len(waits))
+    os.close(go_write)
+    return turns
+
+
+def overlaps(stamps) -> list:
+    intervals = sorted(tuple(map(int, line.split())) for line in stamps.read_text().splitlines())
+    return [(a, b) for a, b in zip(intervals, intervals[1:]) if b[0] < a[1]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("role", [None, "lanes"], ids=["superuser", "role"])
+def test_thirty_turns_past_max_connections_wait_or_deflect_never_overlap(role, procs, lock_roots,
+                                                                        tmp_path):
+    dsn, _ = crowded_server(lock_roots, role)
+    stamps = tmp_path / "stamps"
+    stamps.touch()
+    waits = [30] * 22 + [None] * 8
+    turns = turns_at_once(procs, dsn, stamps, waits)
+    results = [(turn.wait(timeout=TIMEOUT * 4), turn.stderr.read().decode())
+               for turn in turns]
+    failed_open = [err for _, err in results if "running without it" in err]
+    assert failed_open == [], failed_open[:3]
+    assert overlaps(stamps) == []
+    waited = results[:22]
+    assert [status for status, _ in waited] == [0] * 22, [err for _, err in waited][:3]
+    # a turn without a wait ran (the lane was free) or was sent away: busy, or crowded, said so
+    for status, err in results[22:]:
+        assert status in (0, 75), err
+        assert "Traceback" not in err
+    assert len(stamps.read_text().splitlines()) == 22 + sum(s == 0 for s, _ in results[22:])
+
+
+def test_a_crowded_turn_without_a_wait_deflects_gate_crowded(procs, lock_roots, tmp_path):
+    """Every connection taken (by others' sessions): a turn without a wait says the gate is
+    crowded and runs nothing (exit 75), where it ran ungated before."""
+    dsn, _ = crowded_server(lock_roots)
+    hogs = [psycopg.connect(dsn, autocommit=True) for _ in range(20)]
+    try:
+        done = subprocess.run([*LANELOCK, "run", "--store", dsn, "-b", "localhost:7030", "--",
+                               "echo", "RAN"], capture_output=True, text=True, env=environ(),
+                              timeout=TIMEOUT)
+    finally:
+        for conn in hogs:
+            conn.close()
+    assert done.returncode == 75, done.stderr
+    assert "RAN" not in done.stdout
+    assert "gate_crowded" in done.stderr and "too many clients" in done.stderr
+    assert "running without it" not in done.stderr
+
+
+def test_a_crowded_turn_with_a_wait_runs_once_a_connection_frees(procs, lock_roots, tmp_path):
+    """Every connection taken: a turn with a wait tries again (backing off) and runs once one is
+    let go, inside its wait."""
+    dsn, server = crowded_server(lock_roots)
+    hogs = [psycopg.connect(dsn, autocommit=True) for _ in range(20)]
+    turn = procs.start([*LANELOCK, "run", "--store", dsn, "--wait", "30", "-b", "localhost:7030",
+                        "--", "echo", "RAN"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       env=environ())
+    # its first try is refused (the server logs the refusal), then a connection frees
+    wait_for(lambda: b"too many clients" in open(server.log_path, "rb").read(), "a refusal")
+    hogs.pop().close()
+    out, err = turn.communicate(timeout=TIMEOUT)
+    for conn in hogs:
+        conn.close()
+    assert turn.returncode == 0, err.decode()
+    assert b"RAN" in out
+    assert b"running without it" not in err
+
+
+def test_an_unreachable_server_still_fails_open(procs, tmp_path):
+    """Nothing listening: not crowded, absent -- the turn runs ungated and says so, as before."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    done = subprocess.run([*LANELOCK, "run", "--store", f"postgresql://postgres@127.0.0.1:{port}/x",
+                           "--wait", "5", "-b", "localhost:7030", "--", "echo", "RAN"],
+                          capture_output=True, text=True, env=environ(), timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    assert "RAN" in done.stdout and "running without it" in done.stderr
