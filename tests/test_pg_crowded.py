@@ -137,3 +137,67 @@ def test_an_unreachable_server_still_fails_open(procs, tmp_path):
                           capture_output=True, text=True, env=environ(), timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr
     assert "RAN" in done.stdout and "running without it" in done.stderr
+
+
+@pytest.mark.slow
+def test_twenty_five_waiting_requests_through_the_proxy_past_max_connections(procs, holder,
+                                                                             lock_roots):
+    """A proxy on a crowded server: 25 requests wait behind a holder while every server
+    connection its role may have is taken; the refused ones are asked again (not answered fail-open), and once the
+    holder lets go all 25 are forwarded one at a time."""
+    import json
+    import socket
+    import threading
+
+    pytest.importorskip("aiohttp")
+    from conftest import Server
+    from test_proxy import CHAT, LISTENING, Engine, chat_body
+    from test_proxy_edges import answer
+
+    dsn, server = crowded_server(lock_roots, "lanes")   # 17 slots; the test's check has 3 more
+    engine = Engine(procs, delay=0.01)
+    held = holder("--store", dsn, "-b", engine.backend)
+    proxy = Server(procs, [*LANELOCK, "proxy", "--listen", "127.0.0.1:0", "--store", dsn,
+                          "--no-witness", "-b", engine.backend, "--wait", "1d"],
+                   LISTENING.pattern)
+    results, sent = [], threading.Semaphore(0)
+
+    def ask():
+        try:
+            with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT * 4) as sock:
+                body = chat_body()
+                sock.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                             f"\r\nX-Lanelock-Wait: inf\r\nContent-Length: {len(body)}\r\n"
+                             "Connection: close\r\n\r\n".encode() + body)
+                sent.release()
+                data = b""
+                while chunk := sock.recv(65536):
+                    data += chunk
+            results.append(answer(data)[:2])
+        except OSError as error:
+            sent.release()
+            results.append((repr(error), {}))
+
+    threads = [threading.Thread(target=ask) for _ in range(25)]
+    for thread in threads:
+        thread.start()
+    for _ in threads:
+        assert sent.acquire(timeout=TIMEOUT)
+
+    def waiting_sessions() -> int:   # the server's own count, on a superuser's reserved slot
+        with psycopg.connect(server.dsn, autocommit=True) as conn:
+            return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name "
+                                "LIKE 'lanelock %'").fetchone()[0]
+
+    wait_for(lambda: b"connection slots are reserved" in open(server.log_path, "rb").read()
+             and waiting_sessions() >= 17, "the server's connections taken, one refused")
+    assert engine.stats()["total"] == 0, "the engine was asked while the holder held the lane"
+    assert not results, results[:3]
+    assert held.release() == 0
+    for thread in threads:
+        thread.join(TIMEOUT * 4)
+    states = [(status, headers.get("x-lanelock-state")) for status, headers in results]
+    assert states == [(200, "held")] * 25, sorted(set(map(str, states)))
+    assert engine.stats()["max_in_flight"] == 1
+    proxy.stop()
+    assert "running without it" not in proxy.log() and "fail-open" not in json.dumps(states)
