@@ -30,6 +30,16 @@ class ServerCrowded(GateCrowded):
     while its wait lasts (gate.Turn._take), one without deflects (gate_crowded)."""
 
 
+class GateUntrusted(GateCrowded):
+    """The gate's place is there but another user could remove or lock out its files (a lock
+    root group/other-writable without the sticky bit, a default root owned by another
+    unprivileged user). Attacked is not broken: failing open would let that user switch the
+    gate off for everyone, so the turn deflects as a crowded one does (it cannot tell whether
+    the lane is held), reason gate_untrusted, with the fix named."""
+
+    reason = "gate_untrusted"
+
+
 # The errnos that say "out of resources", not "no gate here".
 CROWDED_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOLCK, errno.ENOBUFS})
 

@@ -455,11 +455,11 @@ class Turn:
     def cannot_take(self, error: GateUnavailable) -> "Turn":
         """The store could not take the gate: a crowded one (GateCrowded: out of descriptors,
         memory or locks) deflects, a broken one fails open."""
-        if isinstance(error, GateCrowded):
-            return self._crowded(str(error))
+        if isinstance(error, GateCrowded):   # GateUntrusted too: attacked is not broken
+            return self._crowded(str(error), error.reason)
         return self._fail_open(str(error), self._handle)
 
-    def _crowded(self, why: str) -> "Turn":
+    def _crowded(self, why: str, reason: str = GateCrowded.reason) -> "Turn":
         """Crowded is not broken: the gate is there, this process only cannot open or read it
         now, so it cannot tell whether another turn holds the lane (with no descriptor, nothing
         can be asked of the kernel). Running beside a holder is what the gate exists to prevent,
@@ -470,7 +470,7 @@ class Turn:
             self.gate.store.release(self._handle)
             self._handle = None
         self._pending = None
-        self.state, self.reason, self.holder = DEFLECTED, GateCrowded.reason, None
+        self.state, self.reason, self.holder = DEFLECTED, reason, None
         self.crowded = why
         self._settled = True
         return self

@@ -12,7 +12,7 @@ import errno
 import os
 import stat
 
-from .errors import GateUnavailable
+from .errors import GateCrowded, GateUnavailable, GateUntrusted
 
 RUN_LOCK = "/run/lock"
 SHARED_ROOT = os.path.join(RUN_LOCK, "lanelock")
@@ -64,6 +64,13 @@ def resolve_root(settings) -> Root:
 
 # What a gate that cannot be taken means for the turns (where, probe, status say it alike).
 UNGATED = "turns here would run ungated (fail open)"
+DEFLECTING = "turns here deflect until it is fixed (never ungated)"
+
+
+def consequence(error: GateUnavailable) -> str:
+    """What turns do on a gate that raised error: a crowded or untrusted one deflects (the gate
+    is there), any other fails open."""
+    return DEFLECTING if isinstance(error, GateCrowded) else UNGATED
 
 
 def creation_problem(root: Root) -> str | None:
@@ -79,14 +86,14 @@ def creation_problem(root: Root) -> str | None:
         fd = open_root(root, create=False)
     except FileNotFoundError:
         error = _cannot_create_in(os.path.dirname(root.path))
-        return _why(root.path, error, creating=True) if error else None
+        return f"{_why(root.path, error, creating=True)}: {UNGATED}" if error else None
     except GateUnavailable as error:
-        return str(error)
+        return f"{error}: {consequence(error)}"
     try:
         error = _cannot_create_in(".", fd)
     finally:
         os.close(fd)
-    return f"cannot create lock files in {root.path}: {error.strerror}" if error else None
+    return f"cannot create lock files in {root.path}: {error.strerror}: {UNGATED}" if error else None
 
 
 def _cannot_create_in(directory: str, dir_fd: int | None = None) -> OSError | None:
@@ -163,14 +170,15 @@ def _check_trust(root: Root, st: os.stat_result) -> None:
     the gate off for everyone. So: never one writable by group or others without the sticky bit,
     whoever owns it; and never a default root owned by another unprivileged user, who may do all
     of that in it sticky or not (a "root squat": made first after boot). Another root is not
-    taken instead: every process must compute the same path (one gate, not two), so the turn
-    fails open with the fix named, once."""
+    taken instead: every process must compute the same path (one gate, not two). Nor does the
+    turn fail open: that would let whoever made the root switch the gate off for everyone. It
+    deflects (GateUntrusted), saying the fix."""
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        raise GateUnavailable(
+        raise GateUntrusted(
             f"lock root {root.path} is owned by uid {st.st_uid} and writable by others without "
             f"the sticky bit; not trusting it: {_fix(root)}")
     if root.source == "default" and st.st_uid not in (0, os.geteuid()):
-        raise GateUnavailable(
+        raise GateUntrusted(
             f"lock root {root.path} is owned by {_user(st.st_uid)}, who could remove or lock "
             f"out every lane in it; not trusting it: {_fix(root)}")
 

@@ -165,8 +165,9 @@ def test_unsafe_root_of_another_user_is_not_trusted(lanelock, tmp_path, monkeypa
     root.chmod(0o777)   # world-writable without the sticky bit: anyone could swap lock files
     monkeypatch.setenv("LANELOCK_DIR", str(root))
     done = lanelock("run", "--", "echo", "ran")
-    assert_fail_open(done)
-    assert "not trusting it" in done.stderr
+    # Attacked is not broken: the turn deflects (75, nothing ran), never runs ungated.
+    assert (done.returncode, done.stdout) == (75, ""), done
+    assert "gate_untrusted" in done.stderr and "not trusting it" in done.stderr
     assert not (root / LOCK).exists()
 
 

@@ -97,9 +97,10 @@ def namespace(procs, launcher_script, two_users, user_env):
     return Namespace(procs, launcher_script)
 
 
-def ran_ungated_saying(done, *words) -> str:
-    """The command ran (fail open), and lanelock said why in exactly one line."""
-    assert (done.returncode, done.stdout) == (0, "ran\n"), done
+def deflected_saying(done, *words) -> str:
+    """The command did not run (the turn deflected: attacked is not broken, so never fail open),
+    and lanelock said why in exactly one line."""
+    assert (done.returncode, done.stdout) == (75, ""), done
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("lanelock:"), done.stderr
     for word in words:
@@ -122,14 +123,15 @@ def test_lanelock_makes_the_default_root_sticky_and_every_user_shares_it(namespa
 def test_a_default_root_squatted_by_another_user_is_refused_with_the_fix(namespace, two_users,
                                                                          run_cmd, mode):
     """mallory makes /run/lock/lanelock first after boot: as its owner she could remove every
-    lock file in it (splitting each lane) or chmod it shut (everyone fails open). Every other
-    user's turn -- root's too -- refuses it, naming her and the fix, and creates nothing there."""
+    lock file in it (splitting each lane) or chmod it shut. Every other user's turn -- root's
+    too -- refuses it, deflecting (never failing open: that would be her switch to turn the gate
+    off for everyone), naming her and the fix, and creates nothing there."""
     mallory, alice = two_users
     made = run_cmd(namespace.as_user(mallory, "mkdir", "-m", mode, "/run/lock/lanelock"))
     assert made.returncode == 0, made
     for user in (alice, "root"):
         done = run_cmd(namespace.lanelock(user, "run", "-b", LANE, "--", "echo", "ran"))
-        ran_ungated_saying(done, f"owned by uid {uid(mallory)} ({mallory})",
+        deflected_saying(done, "gate_untrusted", f"owned by uid {uid(mallory)} ({mallory})",
                            "install -d -m 1777 /run/lock/lanelock")
     listed = run_cmd(namespace.argv("ls", "-A", "/run/lock/lanelock"))
     assert listed.stdout == "", "a turn created files in the squatter's root"
@@ -143,7 +145,7 @@ def test_a_root_owned_default_root_writable_without_the_sticky_bit_is_refused(na
                                   "chmod 0777 /run/lock/lanelock")).returncode == 0
     for user in (alice, "root"):
         done = run_cmd(namespace.lanelock(user, "run", "-b", LANE, "--", "echo", "ran"))
-        ran_ungated_saying(done, "without the sticky bit", "not trusting it")
+        deflected_saying(done, "gate_untrusted", "without the sticky bit", "not trusting it")
     assert run_cmd(namespace.argv("ls", "-A", "/run/lock/lanelock")).stdout == ""
 
 

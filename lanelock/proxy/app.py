@@ -335,7 +335,8 @@ class Proxy:
         if client.holds(turn.holder):
             await asyncturn.settle(turn, "busy")
             return self._holds_itself(dialect, turn.holder, client, applied)
-        why = Why.crowded(turn.crowded) if turn.crowded else Why.busy(holder_words(turn.holder))
+        why = (Why.crowded(turn.crowded, turn.reason) if turn.crowded
+               else Why.busy(holder_words(turn.holder)))
         response, failures = await self.chain.walk(request, path_qs, body, fields, why, applied)
         if response is not None:
             await asyncturn.settle(turn, "deflected")

@@ -29,6 +29,9 @@ CREDENTIALS = ("authorization", "proxy-authorization", "cookie", "x-api-key", "a
 DOWN_WORDS = "local model not answering"
 REASON_CROWDED = "gate_crowded"   # errors.GateCrowded.reason
 CROWDED_WORDS = "lanelock's gate is crowded: whether the local model is in use cannot be read now"
+REASON_UNTRUSTED = "gate_untrusted"   # errors.GateUntrusted.reason
+UNTRUSTED_WORDS = ("lanelock's gate is not to be trusted (another user could remove its files): "
+                   "the local model is not used until it is fixed")
 
 
 class Why:
@@ -49,12 +52,13 @@ class Why:
         return cls(REASON_DOWN, error)
 
     @classmethod
-    def crowded(cls, error: str) -> "Why":
-        return cls(REASON_CROWDED, error)
+    def crowded(cls, error: str, reason: str = REASON_CROWDED) -> "Why":
+        return cls(reason, error)   # gate_untrusted too: the gate is there, not to be believed
 
     @property
     def words(self) -> str:
-        said = {REASON_BUSY: BUSY_WORDS, REASON_CROWDED: CROWDED_WORDS}.get(self.reason, DOWN_WORDS)
+        said = {REASON_BUSY: BUSY_WORDS, REASON_CROWDED: CROWDED_WORDS,
+                REASON_UNTRUSTED: UNTRUSTED_WORDS}.get(self.reason, DOWN_WORDS)
         return f"{said} ({self.detail})"
 
     def sentence(self, then: str | None = None) -> str:

@@ -12,13 +12,14 @@ import errno
 import os
 
 from .. import exitcodes, lanes
-from ..errors import UsageProblem
+from ..errors import GateUntrusted, UsageProblem
 from ..gate import DEFLECTED, HELD, UNGATED, Gate, Turn, busy_sentence
 from ..holder import words as holder_words
 from ..say import Say
 from ..settings import Settings
 from . import runner
 
+UNTRUSTED = GateUntrusted.reason
 TYPE_CHECKING = False   # typing.TYPE_CHECKING without importing typing (milliseconds per turn)
 if TYPE_CHECKING:
     from .args import Request
@@ -231,6 +232,9 @@ def _deflect(gate: Gate, turn: Turn, options: Options, say: Say) -> int:
 def _sent_away(gate: Gate, turn: Turn, who: str, then: str) -> str:
     """The deflection's one line: the holder's words, or -- a crowded gate's turn could not
     look (gate.Turn._crowded) -- why it cannot tell whether anyone holds the lane."""
+    if turn.crowded and turn.reason == UNTRUSTED:
+        return (f"{turn.reason}: lane {gate.lane.name}'s gate is not to be trusted "
+                f"({turn.crowded}), so not running beside a holder it cannot see; {then}")
     if turn.crowded:
         return (f"{turn.reason}: cannot tell whether lane {gate.lane.name} is held "
                 f"({turn.crowded}), so not running beside a holder; {then}")

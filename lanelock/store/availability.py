@@ -11,16 +11,16 @@ problems() say whether a turn could create it. No second check to drift from the
 from __future__ import annotations
 
 from ..errors import GateUnavailable
-from ..paths import UNGATED
+from ..paths import consequence
 
 
 def gate_problem(store, lane) -> str | None:
-    """Why a turn on the lane would run ungated (fail open), as a sentence; None when it could
-    take the gate."""
+    """Why a turn on the lane could not take the gate, and what it does then (fail open, or
+    deflect on a crowded or untrusted gate), as a sentence; None when it could take it."""
     try:
         handle = store.open(lane, create=False)
     except GateUnavailable as error:
-        return f"{error}: {UNGATED}"
+        return f"{error}: {consequence(error)}"
     try:
         if not handle.exists:   # nothing to lock yet: the first turn would create it -- can it?
             problems = store.problems()

@@ -104,7 +104,7 @@ class FlockStore(LaneStore):
 
     def problems(self) -> list:
         why = creation_problem(self.root)   # a missing root is fine when the first turn can make it
-        return [f"{why}: {UNGATED}"] if why else []
+        return [why] if why else []
 
     def qualify(self, lane):
         return lane   # one machine, one root: "localhost" is this machine
