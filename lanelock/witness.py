@@ -68,7 +68,7 @@ class Verdicts:
         self.idle = 0.0          # held idle seconds not yet counted
         self.verdict = None      # the last sample's: covered, unseen, held-idle, outlived, idle
         self.generating = None   # the last sample's slots generating
-        self.turn_tasks: set = set()   # tasks seen generating during the last hold
+        self.turn_tasks: set = set()   # the last hold's tasks still generating when last seen
         self._was_held = False
         self._last: float | None = None
 
@@ -100,8 +100,12 @@ class Verdicts:
         if held and not self._was_held:
             self.turn_tasks = set()   # a new hold: its own tasks from now on
         self._was_held = held
-        if held:
-            self.turn_tasks.update(account.tasks)
+        if held and account.tasks:
+            # Only a task still generating can outlive the release (an engine never reuses a
+            # task's id): the tasks of the hold's last sample that saw any, not every task of a
+            # long hold (a lingering session, a batch job's turn: thousands). Never emptied
+            # during the hold: the turn's own tasks were seen.
+            self.turn_tasks = set(account.tasks)
         excess = self.excess(account, held, released_ago)
         self.verdict = ("unseen" if excess else "covered" if generating and held else
                         "outlived" if generating else "held-idle" if held else "idle")

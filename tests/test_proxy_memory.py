@@ -26,8 +26,6 @@ from test_proxy import CHAT, Engine, Proxy
 
 aiohttp = pytest.importorskip("aiohttp")
 
-pytestmark = pytest.mark.slow
-
 WARM_UP = 1_000
 ROUNDS = 5             # of ROUND requests each, after the warm-up
 ROUND = 2_000
@@ -85,6 +83,7 @@ async def drive(port: int, numbers: range, concurrent: int, answers: dict) -> No
         await asyncio.gather(*(client() for _ in range(concurrent)))
 
 
+@pytest.mark.slow
 def test_ten_thousand_requests_grow_the_proxys_memory_by_less_than_ten_percent(procs, holder):
     engine = Engine(procs, delay=0, tokens=4, interval=0)
     fallback = Engine(procs, delay=0, tokens=4, interval=0, name="fallback")
@@ -123,3 +122,26 @@ def test_ten_thousand_requests_grow_the_proxys_memory_by_less_than_ten_percent(p
     assert set(answers) <= {(200, "held"), (404, "held"), (503, "busy"), (529, "busy"),
                             (200, "deflected")}, answers
     assert growth < MAX_GROWTH, figures
+
+
+def test_a_long_hold_keeps_the_witness_from_remembering_every_task():
+    """The witness (the proxy's, `watch`) remembers the tasks it saw generating during a hold, so
+    that only those may outlive the release. A hold can run thousands: a lingering session, a
+    batch job's `lanelock run`. Only those still generating can outlive it (an engine never
+    reuses a task's id), so that is all it keeps -- and the rule after the release holds."""
+    from lanelock.engine import Account
+    from lanelock.witness import Verdicts
+
+    verdicts = Verdicts(interval=0.25, grace=2.0)
+    now = 0.0
+    for task in range(10_000):   # one generation after another, each sampled once
+        now += 0.25
+        verdicts.observe(now, now, Account(1, 1, {task: 5}), True, None)
+    assert len(verdicts.turn_tasks) <= 64
+    # Released: the turn's last task may outlive it; one it never ran is unseen at once.
+    now += 0.25
+    assert verdicts.observe(now, now, Account(1, 1, {9_999: 9}), False, 0.25) == []
+    assert verdicts.verdict == "outlived"
+    now += 0.25
+    found = verdicts.observe(now, now, Account(1, 1, {10_000: 1}), False, 0.5)
+    assert [what for what, _ in found] == ["started"] and verdicts.verdict == "unseen"
