@@ -1,4 +1,5 @@
-"""`lanelock proxy` under a long load keeps its memory flat (slow tier).
+"""`lanelock proxy` under a long load keeps its memory flat (the 10,000 requests: slow tier), and
+what it keeps per hold is bounded.
 
 A real proxy in front of the stand-in engine, with a URL fallback (a second stand-in), driven by
 an aiohttp client over loopback: generations on a free lane (plain and streamed, in four API
