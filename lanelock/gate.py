@@ -156,6 +156,7 @@ class Turn:
         self.holder: dict | None = None
         self.nested = False
         self.lost = False      # the store took the lane away mid-turn (PostgreSQL session ended)
+        self.ungated = 0.0     # seconds this held turn's lane was lost before it took it back
         self.waited = 0.0
         # True once the turn blocked in the store's wait: 'waited' is that fact, not a duration
         # (a hand-off can take less than a millisecond, and it was still a wait).
@@ -543,6 +544,28 @@ class Turn:
             self.command_pid, self._command = pid, command
             self._write_record(self._record())
 
+    def regain(self, lost_at: float) -> bool | None:
+        """A held turn whose store ended its session (self.lost, since time.time() lost_at):
+        take the lane back if the server restarted under it (store.retake). True: held again --
+        the row renewed, the ungated interval journaled ('regained', ungated seconds) and kept
+        in the record; False: the store ended the session itself, the lane stays lost; None:
+        not yet (ask again)."""
+        if self.state != HELD or self.nested or self._handle is None:
+            return False
+        try:
+            got = self.gate.store.retake(self._handle)
+        except GateUnavailable:
+            got = None
+        if not got:
+            return got
+        now = time.time()
+        self.lost = False
+        self.ungated += now - lost_at
+        self._write_record(self._record())
+        self._log(self._event("regained", at=(now, utc_now(now)), lost_at=utc_now(lost_at),
+                              ungated=round(now - lost_at, 3)))
+        return True
+
     def mark_stopped(self, stopped: bool) -> None:
         """The command was stopped (^Z, SIGSTOP) or continued: the holder record says since when,
         so `status` and deflection lines can tell a paused holder from a busy one."""
@@ -606,10 +629,13 @@ class Turn:
     def _record(self) -> dict:
         if self._argv_cache is None:
             self._argv_cache = holder_facts.argv_fields(self.argv)
-        return holder_facts.record(
+        record = holder_facts.record(
             lane=self.gate.lane, session=self.session, model=self.model, argv=self._argv_cache,
             acquired_at=self._acquired_at, acquired_monotonic=self._started, turn=self.token,
             stopped_at=self._stopped_at, labels=self.labels, command=self._command)
+        if self.ungated:   # the lane was lost (a store restart) and taken back: for how long
+            record["ungated_seconds"] = round(self.ungated, 3)
+        return record
 
     def _event(self, event: str, at: tuple[float, str] | None = None, **extra) -> dict:
         # "monotonic" is one system-wide clock: durations between turns survive wall-clock jumps.

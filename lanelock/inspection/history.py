@@ -256,6 +256,9 @@ def describe(event: dict) -> str:
                 f"({slots} slot{'' if slots == 1 else 's'} generating"
                 f"{f', {tokens} tokens' if isinstance(tokens, int) else ''}; seen by "
                 f"{event.get('witness')} at {event.get('engine')})")
+    if kind == "regained":   # a store restart ended the holder's session; it took the lane back
+        return (f"the lane store restarted under this turn: the lane was ungated "
+                f"{_number(event.get('ungated')) or 0:.1f}s, then taken back")
     if kind == "acquired":
         parts = ["back on local after deflections"] if event.get("way_back") else []
         return "; ".join(parts + [_ending(event)]).strip("; ")

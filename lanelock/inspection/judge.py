@@ -160,6 +160,10 @@ def _held(result: dict, facts, record, released: bool, stale: str | None) -> dic
         if facts.stopped:
             holder["stopped"] = facts.stopped
             message += f"; {facts.stopped['words']}"
+        ungated = field(record, "ungated_seconds", float)
+        if ungated is not None:   # its session was lost to a store restart, the lane taken back
+            holder["ungated_seconds"] = ungated
+            message += f"; ungated {ungated:.1f}s while the lane store restarted"
         if facts.bound and holder["host"]:
             message += f"; {facts.bound}"
         return _verdict(result, HELD, "held", message)

@@ -181,9 +181,44 @@ class LaneWatch:
                 return
             if self.turn.gate.store.lost(self.turn.handle):
                 self.turn.lost = True
-                self.say.warn(f"lane {self.turn.lane} lost: the lane store ended this turn's "
-                              "session; the command goes on, no longer gated")
-                return
+                if not self._regain():
+                    return
+                self.fd = self.turn.gate.store.watch_fd(self.turn.handle)
+
+    # A lost lane is asked for again after these pauses; while it is not back, said again this often.
+    PAUSES = (0.05, 0.1, 0.2, 0.5, 1.0)
+    SAY_AGAIN = 10.0
+
+    def _regain(self) -> bool:
+        """The session is gone. A restart is an outage, not a release: the lane is taken back as
+        soon as the server answers (its claim keeps other turns off), with a warning until then.
+        A session the server ended itself (terminated) leaves the lane lost. True: held again."""
+        import select
+        import time
+
+        lane, turn = self.turn.lane, self.turn
+        lost_at, since, said, tries = time.time(), time.monotonic(), None, 0
+        while True:
+            got = turn.regain(lost_at)
+            if got:
+                self.say.warn(f"lane {lane} taken back after {time.monotonic() - since:.1f} s "
+                              "ungated: the lane store restarted under this turn")
+                return True
+            if got is False:
+                if said is None:
+                    self.say.warn(f"lane {lane} lost: the lane store ended this turn's session; "
+                                  "the command goes on, no longer gated")
+                return False
+            now = time.monotonic()
+            if said is None or now - said >= self.SAY_AGAIN:
+                self.say.warn(f"lane {lane} lost: the lane store's session ended "
+                              f"{now - since:.0f} s ago; the command goes on, ungated until the "
+                              "lane is taken back")
+                said = now
+            pause = self.PAUSES[min(tries, len(self.PAUSES) - 1)]
+            tries += 1
+            if select.select([self.stop_read], [], [], pause)[0]:
+                return False
 
     def stop(self) -> None:
         if self.thread is None:

@@ -188,6 +188,12 @@ class LaneStore(ABC):
         """After watch_fd fired: has the store really ended this turn's hold? Default: never."""
         return False
 
+    def retake(self, handle) -> bool | None:
+        """After lost(): take the lane back for its turn when the store's server restarted under
+        it (an outage, not a release). True: held again; False: lost for good; None: not yet,
+        ask again. Default: lost for good."""
+        return False
+
     # -- the turn's records (RecordNotWritten on failure) --------------------------------------------
     @abstractmethod
     def write_holder(self, handle, record: dict) -> None:

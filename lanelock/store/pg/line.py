@@ -8,7 +8,7 @@ from __future__ import annotations
 from ...errors import GateUnavailable
 from ..order import Line, QueueBroken
 from . import queue as pg_queue
-from .session import driver
+from .session import driver, ended
 
 
 class PgLine(Line):
@@ -37,7 +37,8 @@ class PgLine(Line):
     def _queue(self, function, *args, default):
         """A queue statement; its error (a deadlock the server broke, a missing table) is
         QueueBroken -- the walk then waits in the server's order -- unless the wait was cancelled
-        (the cancel is the error): then default, and the walk sees the cancel."""
+        (the cancel is the error): then default, and the walk sees the cancel; or the session
+        ended (a restart): GateUnavailable, and the wait connects again (store.wait_lock)."""
         if self.handle.cancelled:
             return default
         try:
@@ -45,6 +46,8 @@ class PgLine(Line):
         except GateUnavailable as error:
             if self.handle.cancelled:
                 return default
+            if ended(self.handle.conn):
+                raise   # the session is gone, not the queue: the wait connects again
             self.store._queue_unusable(error)
             raise QueueBroken(str(error)) from None
 

@@ -131,6 +131,14 @@ def ensure_schema(conn) -> str | None:
         return f"lane store tables: {first_line(error)}"
 
 
+def ended(conn) -> bool:
+    """Has the connection's session ended (the server closed it, a restart, a broken link)?"""
+    try:
+        return bool(conn.closed or conn.broken)
+    except Exception:  # noqa: BLE001 - psycopg internals: a connection we cannot ask is gone
+        return True
+
+
 def first_line(error: Exception) -> str:
     text = str(error).strip() or type(error).__name__
     return text.splitlines()[0][:300]

@@ -12,6 +12,11 @@ collision between two lanes is reported, never silent.
 A vanished holder host: the server holds the lock until its own socket gives up, so every lanelock
 session sets the server's keepalives (session.py): the lane frees within about 11 s of the
 host's disappearance (PITFALLS 12).
+
+A restart is an outage, not a release: every session ends with it, the holder's and the waiters'.
+The holder's row (updated before the server started) is its claim: a taker that gets the lock
+within CLAIM_GRACE of the server's start lets it go again and waits, while the holder takes its
+lane back (retake) and renews its row; a waiter whose session ended connects again and waits on.
 """
 
 from __future__ import annotations
@@ -28,9 +33,16 @@ from . import queue as pg_queue
 from ..base import LaneFacts, LaneStore, LockHandle
 from ...priority import DEFAULT_AGING
 from .line import PgLine
-from .session import BOUND, NAMESPACE, connect, driver, ensure_schema, first_line, redact
+from .session import (BOUND, NAMESPACE, connect, driver, ended, ensure_schema, first_line,
+                      redact)
 
 NO_ROW = "no holder row yet"
+# How long after the server starts a turn that held the lane when it went down may take it back
+# before anyone else: the holder asks again within about a second of the server answering.
+CLAIM_GRACE = 10.0
+# A waiter whose session ended (a restart) connects again after these pauses, within its wait.
+RECONNECT_PAUSES = (0.05, 0.1, 0.2, 0.5, 1.0)
+CLAIM_PAUSE = 0.1   # a taker that deferred to a claim asks again after this
 WITNESS_NAMESPACE = 0x4C4E5754   # "LNWT": the lane's one witness, never a lane's or a queue's key
 COLLISION = "advisory key collision"
 
@@ -54,6 +66,8 @@ class PgHandle(LockHandle):
     held: bool = False             # this session holds the lane's lock (release unlocks it then)
     asker: dict | None = None      # who waits (LockHandle.asker)
     outlived: object = None  # a killed turn's command still running (outlived.Command)
+    started: float | None = None   # the server's start (epoch s) when this session began
+    claimed: float | None = None   # seconds left of another turn's claim (the take was let go)
     exists = True                  # a lock row exists as soon as anyone asks
 
     def close(self) -> None:
@@ -112,15 +126,31 @@ class PgStore(LaneStore):
         # The tables only label turns: a schema that cannot be set up (no CREATE privilege) must
         # not decide whether a turn is gated, so its failure shows later, as record warnings.
         ensure_schema(conn)
+        backend, started = self._session(conn)
+        key = lane_key(lane)
+        return PgHandle(conn, lane, key, backend, ident=("pg", self.dsn, key), fd=_socket(conn),
+                        started=started)
+
+    def _session(self, conn) -> tuple[int, float]:
+        """(backend pid, the server's start in epoch seconds) of a new connection."""
         try:
             with conn.cursor() as cursor:
-                cursor.execute("SELECT pg_backend_pid()")
-                backend = cursor.fetchone()[0]
-        except psycopg.Error as error:
+                cursor.execute("SELECT pg_backend_pid(), "
+                               "extract(epoch FROM pg_postmaster_start_time())::float8")
+                return cursor.fetchone()
+        except driver().Error as error:
             conn.close()
             raise GateUnavailable(f"lane store {redact(self.dsn)}: {first_line(error)}") from None
-        key = lane_key(lane)
-        return PgHandle(conn, lane, key, backend, ident=("pg", self.dsn, key), fd=_socket(conn))
+
+    def _reopen(self, handle: PgHandle) -> None:
+        """A new session for a handle whose session ended: connection, backend and socket
+        swapped in place (the old one is closed). GateUnavailable while the server does not
+        answer."""
+        conn = self.connect(f"lanelock {handle.lane}")
+        backend, started = self._session(conn)
+        handle.close()
+        handle.conn, handle.backend_pid, handle.fd = conn, backend, _socket(conn)
+        handle.started, handle.held = started, False
 
     def watch_fd(self, handle: PgHandle) -> int | None:
         return handle.fd
@@ -147,8 +177,17 @@ class PgStore(LaneStore):
         return True
 
     def _try_lane(self, handle: PgHandle) -> bool:
+        handle.claimed = None
         handle.held = self._call(handle, "SELECT pg_try_advisory_lock(%s, %s)", handle.key)
-        return handle.held and self._same_session(handle)
+        return handle.held and self._same_session(handle) and self._unclaimed(handle)
+
+    def _unclaimed(self, handle: PgHandle) -> bool:
+        """The lock is ours: is the lane too, or does a turn that held it when the server went
+        down still have time to take it back (handle.claimed, and the lock let go)?"""
+        if handle.claimed is None:
+            return True
+        self._unlock_lane(handle)
+        return False
 
     def _unlock_lane(self, handle: PgHandle) -> None:
         handle.held = False
@@ -166,13 +205,67 @@ class PgStore(LaneStore):
     def wait_lock(self, handle: PgHandle, timeout: float | None, cancel=None,
                   rank: int = 1) -> bool:
         """In the lane's queue, blocking in the server (never polling) until the lane is ours,
-        timeout seconds pass (None: forever) or the wait is cancelled (cancel_wait)."""
-        try:
-            return order.wait(PgLine(self, handle, self._join(handle, rank)), timeout, cancel)
-        except GateUnavailable:
-            if handle.cancelled:
+        timeout seconds pass (None: forever) or the wait is cancelled (cancel_wait). A wait whose
+        session ends (a restart) is an outage, not a release: it connects again and waits on."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return order.wait(PgLine(self, handle, self._join(handle, rank)), timeout,
+                                  cancel)
+            except GateUnavailable:
+                if handle.cancelled:
+                    return False
+                if not ended(handle.conn):
+                    raise
+            if not self._reconnect(handle, deadline, cancel):
                 return False
-            raise
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def _reconnect(self, handle: PgHandle, deadline: float | None, cancel=None) -> bool:
+        """A new session for a waiter whose session ended, asked again after growing pauses
+        until the server answers (True) or the wait is over or cancelled (False)."""
+        tries = 0
+        while not handle.cancelled and not (cancel is not None and cancel.is_set()):
+            try:
+                self._reopen(handle)
+                return True
+            except GateUnavailable:
+                pass
+            pause = RECONNECT_PAUSES[min(tries, len(RECONNECT_PAUSES) - 1)]
+            if deadline is not None and deadline - time.monotonic() <= pause:
+                return False
+            tries += 1
+            time.sleep(pause)
+        return False
+
+    def retake(self, handle: PgHandle) -> bool | None:
+        """After lost(): take the lane back when the server restarted under the turn. True: held
+        again (the caller rewrites the row, which renews the claim); False: the server ended
+        this session itself (pg_terminate_backend, a partition's keepalives) and kept running --
+        the lane stays lost; None: not yet (the server does not answer, or a turn holds the
+        lane). Its claim (CLAIM_GRACE) keeps every other taker off meanwhile: no queue here."""
+        before = handle.started
+        try:
+            self._reopen(handle)
+        except GateUnavailable:
+            return None
+        if before is not None and handle.started is not None and \
+                abs(handle.started - before) < 0.001:
+            return False
+        psycopg = driver()
+        try:
+            with handle.conn.cursor() as cursor:
+                cursor.execute("SET lock_timeout = 1000")   # a taker deferring lets go at once
+                try:
+                    cursor.execute("SELECT pg_advisory_lock(%s, %s)", handle.key)
+                    handle.held = True
+                except psycopg.errors.LockNotAvailable:
+                    return None
+                finally:
+                    cursor.execute("SET lock_timeout = 0")
+        except psycopg.Error:
+            return None   # the server went again: asked again
+        return True
 
     def _join(self, handle: PgHandle, rank: int) -> int | None:
         """This turn's ticket; None when the queue cannot be used (said once: the wait then
@@ -182,8 +275,8 @@ class PgStore(LaneStore):
                                     {**(handle.asker or {}), "pid": os.getpid(),
                                      "backend": handle.backend_pid})
         except GateUnavailable as error:
-            if handle.cancelled:
-                raise
+            if handle.cancelled or ended(handle.conn):
+                raise   # the session is gone, not the queue (wait_lock connects again)
             self._queue_unusable(error)
             return None
 
@@ -213,14 +306,24 @@ class PgStore(LaneStore):
         psycopg = driver()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            handle.claimed = None
             try:
-                return self._lock_lane_once(handle, timeout, psycopg)
+                if self._lock_lane_once(handle, timeout, psycopg) and self._unclaimed(handle):
+                    return True
+                if handle.claimed is None or handle.cancelled:
+                    return False
+                # A claim from before a restart: its turn is taking the lane back. Asked again
+                # shortly (only in the seconds after a restart), within the timeout.
+                pause = min(handle.claimed, CLAIM_PAUSE)
+                if deadline is not None and deadline - time.monotonic() <= pause:
+                    return False
+                time.sleep(pause)
             except psycopg.errors.QueryCanceled:
                 if handle.cancelled:
                     return False
                 # Not our own cancel: another waiter passed this one over while it was stopped
                 # (queue.py _unblock). Its place is kept: it asks again, within its timeout.
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
 
     def _lock_lane_once(self, handle: PgHandle, timeout: float | None, psycopg) -> bool:
         millis = 0 if timeout is None else max(1, int(timeout * 1000))
@@ -249,23 +352,33 @@ class PgStore(LaneStore):
         if backend != handle.backend_pid:
             raise GateUnavailable("the lane store connection goes through a transaction-mode "
                                   "pooler (backend pid changed); connect to PostgreSQL directly")
-        handle.outlived = outlived.running_command(self._unreleased_here(handle))
+        record, handle.claimed = self._unreleased(handle)
+        handle.outlived = outlived.running_command(record)
         return True
 
-    def _unreleased_here(self, handle: PgHandle) -> dict | None:
-        """The record of a turn of this machine that never released (it was killed), if the
-        lane's is one; a row only then, so the usual hand-off reads nothing back."""
+    def _unreleased(self, handle: PgHandle) -> tuple[dict | None, float | None]:
+        """The lane's row when its turn never released, in one query (a row only then, so the
+        usual hand-off reads nothing back): (its record when the turn was this machine's -- it
+        was killed, its command may run on --, the seconds left of its claim when it held the
+        lane as the server went down: CLAIM_GRACE from the server's start)."""
         from ...facts import hostname
 
         try:
             with handle.conn.cursor() as cursor:
-                cursor.execute("SELECT record FROM lanelock_holders WHERE key2 = %s AND "
-                               "NOT record ? 'released_at' AND record->>'hostname' = %s",
-                               (handle.key[1], hostname()))
+                cursor.execute("SELECT record, record->>'hostname' = %s, CASE WHEN updated_at < "
+                               "pg_postmaster_start_time() THEN %s - extract(epoch FROM "
+                               "clock_timestamp() - pg_postmaster_start_time())::float8 END "
+                               "FROM lanelock_holders WHERE key2 = %s AND "
+                               "NOT record ? 'released_at'",
+                               (hostname(), CLAIM_GRACE, handle.key[1]))
                 row = cursor.fetchone()
         except driver().Error:
-            return None   # no holder table (the records only label turns): nothing to wait for
-        return row[0] if row and isinstance(row[0], dict) else None
+            return None, None   # no holder table (records only label turns): nothing to wait for
+        if row is None:
+            return None, None
+        record, here, claim = row
+        return (record if here and isinstance(record, dict) else None,
+                claim if claim is not None and claim > 0 else None)
 
     def release(self, handle: PgHandle, count: dict | None = None) -> None:
         if count is not None:   # on the turn's own connection, before the round trip that unlocks
