@@ -8,6 +8,7 @@ or a zombie.
 
 from __future__ import annotations
 
+import errno
 import os
 
 
@@ -76,12 +77,15 @@ def ancestors(pid: int | None = None) -> list[int]:
     return chain
 
 
-def files_uid(pid: int) -> int | None:
+def files_uid(pid: int, strict: bool = False) -> int | None:
     """The uid a process makes files as (its fsuid, from /proc/PID/status, which every user may
-    read; /proc/PID's own owner is root for a process that changed its uid), None when gone."""
+    read; /proc/PID's own owner is root for a process that changed its uid), None when gone.
+    strict: out of descriptors or memory raises (the process may well be there) instead."""
     try:
         fd = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    except OSError as error:
+        if strict and error.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+            raise
         return None
     try:
         text = os.read(fd, 4096)

@@ -150,3 +150,51 @@ def test_a_crowded_turn_never_takes_the_lane_past_a_queue_it_cannot_read(run_cmd
     assert sorted(os.listdir(queue)) == entries
     os.kill(waiter.pid, signal.SIGCONT)
     assert waiter.wait(timeout=TIMEOUT) == 0
+
+
+# Run in a real process with its descriptors counted out: the queue asked of a live waiter's entry
+# with 0 descriptors to spare (the entry cannot be opened) and with 1 (the entry opens, the
+# waiter's /proc status cannot). Prints what first_alive did and whether the entry is still there.
+_ASK_CROWDED = textwrap.dedent("""
+    import errno, os, sys
+    from lanelock.store.flock.queue import Queue
+    root, stem, spare = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    queue = Queue(os.open(root, os.O_RDONLY | os.O_DIRECTORY), stem, 60.0)
+    entries = queue.listed()
+    hoard = []
+    while True:
+        try:
+            hoard.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            break
+    for fd in hoard[:spare]:
+        os.close(fd)
+    try:
+        found = queue.first_alive(entries)
+        said = "found" if found is not None else "none"
+    except OSError as error:
+        said = errno.errorcode.get(error.errno, str(error.errno))
+    for fd in hoard[spare:]:
+        os.close(fd)
+    print(said, len(os.listdir(os.path.join(root, stem + ".queue"))))
+""")
+
+
+@pytest.mark.parametrize("spare", [0, 1])
+def test_a_queue_asked_without_descriptors_neither_drops_nor_skips_a_live_waiter(
+        holder, procs, lock_dir, run_cmd, spare):
+    """Out of descriptors, a live waiter's entry cannot be asked: that is crowded, not 'gone'
+    (its file was removed: the waiter lost its place) nor 'no waiter's entry' (skipped: the
+    asking turn took the lane past it). The asker hears the error; the entry stays."""
+    from conftest import STEM, is_waiting, wait_for
+
+    held = holder()
+    waiter = procs.start([*LANELOCK, "run", "-w", "60", "--", "true"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lock = lock_dir / f"{STEM}.lock"
+    wait_for(lambda: is_waiting(lock, waiter.pid), what="the waiter to wait in flock()")
+    done = run_cmd([sys.executable, "-c", _ASK_CROWDED, str(lock_dir), STEM, str(spare)])
+    assert done.returncode == 0, done
+    assert done.stdout.split() == ["EMFILE", "1"], done
+    assert held.release() == 0
+    assert waiter.wait(timeout=TIMEOUT) == 0

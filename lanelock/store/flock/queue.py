@@ -34,6 +34,7 @@ import stat
 import time
 
 from ... import locks, proc
+from ...errors import crowded
 from ...priority import CLASSES, TOP, effective, next_step, order_key
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -219,13 +220,17 @@ class Queue:
         try:
             fd = os.open(entry.name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
                          dir_fd=self.dir_fd)
-        except OSError:
+        except OSError as error:
+            if crowded(error):   # not asked is not gone: its file stays, the asker hears why
+                raise
             return False
         try:
             if not genuine(os.fstat(fd), entry.pid):
                 return None
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as error:
+            if crowded(error):   # its /proc status unread, or no lock record: not gone either
+                raise
             return error.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
         finally:
             os.close(fd)
@@ -278,7 +283,7 @@ def genuine(st: os.stat_result, pid: int) -> bool:
     can put a file in the queue directory (1777); one named for another user's process (a
     locked "pid 1"), or a FIFO, must queue no one and blame no one. A user's entry naming one of
     their own processes can only make them wait in line, as a real turn of theirs could."""
-    return stat.S_ISREG(st.st_mode) and st.st_uid == proc.files_uid(pid)
+    return stat.S_ISREG(st.st_mode) and st.st_uid == proc.files_uid(pid, strict=True)
 
 
 def is_mine(entry: Entry) -> bool:
