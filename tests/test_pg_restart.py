@@ -36,11 +36,13 @@ def private_server(lock_roots):
 
 
 def waiting(server) -> int:
-    """Turns waiting in the server: sessions blocked on an advisory lock (the lane's or the
-    ticket of the one ahead)."""
+    """Turns waiting in the lane's queue: sessions holding a ticket lock (store/pg/queue.py)."""
+    from lanelock.store.pg.queue import QUEUE_NAMESPACE
+
     with psycopg.connect(server.dsn, autocommit=True) as conn:
-        return conn.execute("SELECT count(DISTINCT pid) FROM pg_locks WHERE locktype = "
-                            "'advisory' AND NOT granted").fetchone()[0]
+        return conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND "
+                            "granted AND mode = 'ExclusiveLock' AND classid = %s",
+                            (QUEUE_NAMESPACE,)).fetchone()[0]
 
 
 @pytest.mark.parametrize("kill", [False, pytest.param(True, marks=pytest.mark.slow)],
@@ -58,7 +60,7 @@ def test_a_restart_mid_turn_never_lets_a_waiter_run_beside_the_holder(kill, proc
     waiters = [procs.start([*run, "--wait", "60", "--", "sh", "-c", STAMP, "sh", str(stamps)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ())
                for _ in range(WAITERS)]
-    wait_for(lambda: waiting(server) == WAITERS, "the waiters blocked in the server")
+    wait_for(lambda: waiting(server) == WAITERS, "the waiters queued")
 
     server.restart(kill=kill)
 

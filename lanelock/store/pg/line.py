@@ -12,6 +12,8 @@ from .session import driver, ended
 
 
 class PgLine(Line):
+    listening = False   # this session LISTENs on the queue's channel (queue.wait_behind)
+
     def look(self, cancel=None) -> tuple:
         # who is ahead and this ticket's next step: one query, one statement_timestamp()
         return self._queue(pg_queue.ahead_and_step, self.handle.lane, self.ticket,
@@ -32,7 +34,12 @@ class PgLine(Line):
         return entry.here()   # a waiter of this host: its state can be read
 
     def behind(self, entry, timeout: float | None, cancel=None) -> None:
-        self._queue(pg_queue.wait_behind, entry, timeout, driver(), default=None)
+        if timeout is not None and not self.listening:
+            self._queue(pg_queue.listen, default=None)
+            self.listening = True
+        self._queue(pg_queue.wait_behind, entry, timeout, driver(),
+                    lambda: self.handle.cancelled or (cancel is not None and cancel.is_set()),
+                    default=None)
 
     def _queue(self, function, *args, default):
         """A queue statement; its error (a deadlock the server broke, a missing table) is
@@ -55,6 +62,6 @@ class PgLine(Line):
         if self.ticket is None or self.handle.cancelled:
             return   # a cancelled session is closed with its ticket lock
         try:
-            self.store._queue_call(self.handle, pg_queue.leave, self.ticket)
+            self.store._queue_call(self.handle, pg_queue.leave, self.ticket, self.listening)
         except GateUnavailable:
             pass   # the session is gone: its ticket lock with it

@@ -7,17 +7,25 @@ its connection holds while it waits. The row becomes visible only with its lock 
 transaction), so a row whose lock nobody holds is a waiter that is gone -- its session ended
 (kill -9, or a vanished host after the keepalive bound) -- and whoever sees it skips and deletes
 it. One clock, the server's, orders arrivals and ages waits on every host. A waiter blocks in the
-server on the ticket lock of the one ahead (pg_advisory_lock_shared under a lock_timeout that ends
-at its own next aging step), or on the lane's own lock when it is first.
+server on the ticket lock of the one ahead (pg_advisory_lock_shared), or on the lane's own lock
+when it is first. A wait behind that must end at a moment (its next aging step, its next look for
+a waiter stopped ahead) is not a statement under a lock_timeout -- each of those ended as an ERROR
+line in the server's log, every second for every such waiter -- but LISTEN on CHANNEL: a leaving
+waiter notifies it, and the waiter behind asks the ticket lock without blocking (a try) when
+woken, at its moment, and every RECHECK (a waiter ahead killed notifies no one).
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 from ...priority import CLASSES, effective, next_step, order_key
 
 QUEUE_NAMESPACE = 0x4C4E5155   # "LNQU": never a lane's key (store/pg/store.py NAMESPACE)
+CHANNEL = "lanelock_queue"     # a waiter left (its ticket is the payload)
+RECHECK = 1.0                  # a waiter ahead that died notified no one: asked again this often
+CANCEL_LOOK = 0.1              # how soon a cancelled wait behind notices (no query: a flag)
 _LIVE = """
 SELECT q.ticket, q.rank, extract(epoch FROM q.arrival)::float8,
        extract(epoch FROM statement_timestamp() - q.arrival)::float8, q.facts, l.pid IS NOT NULL
@@ -73,10 +81,17 @@ def join(conn, lane: str, rank: int, facts: dict) -> int:
     return ticket
 
 
-def leave(conn, ticket: int) -> None:
+def leave(conn, ticket: int, listening: bool = False) -> None:
     with conn.cursor() as cursor:
         cursor.execute("DELETE FROM lanelock_queue WHERE ticket = %s", (ticket,))
-        cursor.execute("SELECT pg_advisory_unlock(%s, %s)", key(ticket))
+        cursor.execute("SELECT pg_advisory_unlock(%s, %s), pg_notify(%s, %s)",
+                       (*key(ticket), CHANNEL, str(ticket)))
+        if listening:   # a holder's session is not woken by the queue for the rest of its turn
+            cursor.execute(f"UNLISTEN {CHANNEL}")
+
+
+def listen(conn) -> None:
+    conn.execute(f"LISTEN {CHANNEL}")
 
 
 def live(conn, lane: str) -> list[Entry]:
@@ -147,22 +162,74 @@ def describe(conn, lane: str, aging: float) -> list[dict]:
             for position, entry in enumerate(entries, 1)]
 
 
-def wait_behind(conn, entry: Entry, timeout: float | None, psycopg) -> None:
-    """Block in the server until the entry's waiter leaves (or dies), or timeout passes, or the
-    server ends a cycle of waits through this one. Such a cycle is the order changed under a
-    wait, never a broken queue: the wait's timeout (this waiter's next step) is counted from the
-    look's return, and a look that returns late (a busy machine, its DELETE of a gone row waiting
-    on a row lock) leaves the waiter waiting past its step on an entry by then behind it -- which,
-    looking after the step, waits on it (the step is now counted from before the look, which
-    narrows that to a round trip). The detector's error ends the wait like a timeout: the waiter
-    looks again."""
-    millis = 0 if timeout is None else max(1, int(timeout * 1000))
+def wait_behind(conn, entry: Entry, timeout: float | None, psycopg, cancelled=None) -> None:
+    """Until the entry's waiter leaves (or dies) or timeout passes. With no timeout: blocked in
+    the server on its ticket lock (woken by the server, its death included); a cycle of waits
+    through this one that the server's detector ends is the order changed under a wait, never a
+    broken queue (a look that returned late leaves a waiter on an entry by then behind it): it
+    ends the wait, and the waiter looks again. With a timeout: on the session's LISTEN (the
+    caller's listen()), a try of the ticket lock when notified, at timeout, and every RECHECK --
+    no statement that times out (an ERROR in the server's log each time), and no cycle.
+    cancelled(): the wait was given up (looked at every CANCEL_LOOK)."""
+    import time
+
     with conn.cursor() as cursor:
-        cursor.execute(f"SET lock_timeout = {millis}")
+        if timeout is None:
+            try:
+                cursor.execute("SELECT pg_advisory_lock_shared(%s, %s)", key(entry.ticket))
+                cursor.execute("SELECT pg_advisory_unlock_shared(%s, %s)", key(entry.ticket))
+            except psycopg.errors.DeadlockDetected:
+                pass
+            return
+        deadline = time.monotonic() + timeout
+        death = _death(entry)
         try:
-            cursor.execute("SELECT pg_advisory_lock_shared(%s, %s)", key(entry.ticket))
-            cursor.execute("SELECT pg_advisory_unlock_shared(%s, %s)", key(entry.ticket))
-        except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected):
-            pass
+            while True:
+                cursor.execute("SELECT pg_try_advisory_lock_shared(%s, %s)", key(entry.ticket))
+                if cursor.fetchone()[0]:
+                    cursor.execute("SELECT pg_advisory_unlock_shared(%s, %s)",
+                                   key(entry.ticket))
+                    return
+                if _woken(conn, min(deadline, time.monotonic() + RECHECK), death, cancelled):
+                    # Its process is gone: its session's lock goes as the server notices the
+                    # closed socket -- a wait with no timeout, ended by the server.
+                    cursor.execute("SELECT pg_advisory_lock_shared(%s, %s)", key(entry.ticket))
+                    cursor.execute("SELECT pg_advisory_unlock_shared(%s, %s)",
+                                   key(entry.ticket))
+                    return
+                if time.monotonic() >= deadline or (cancelled is not None and cancelled()):
+                    return
         finally:
-            cursor.execute("SET lock_timeout = 0")
+            if death is not None:
+                os.close(death)
+
+
+def _death(entry: Entry) -> int | None:
+    """A descriptor readable once the entry's waiter has died, for a waiter of this host that is
+    a process of its own (a pidfd; a proxy's request shares its proxy's pid, and leaving it
+    notifies); None when there is none (another host's waiter: asked every RECHECK)."""
+    pid = entry.facts.get("pid")
+    if not entry.here() or not isinstance(pid, int) or pid == os.getpid():
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _woken(conn, until: float, death: int | None, cancelled) -> bool:
+    """Wait until a notification (False), the moment until (False), a cancel (False) or the
+    death of the waiter ahead (True), without a statement: no query runs meanwhile."""
+    import select
+    import time
+
+    watched = [conn.fileno()] + ([death] if death is not None else [])
+    while (left := until - time.monotonic()) > 0:
+        if cancelled is not None and cancelled():
+            return False
+        ready, _, _ = select.select(watched, [], [], min(left, CANCEL_LOOK))
+        if death is not None and death in ready:
+            return True
+        if ready and any(True for _ in conn.notifies(timeout=0, stop_after=1)):
+            return False
+    return False
