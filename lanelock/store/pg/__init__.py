@@ -3,5 +3,6 @@
 - store.py     PgStore: the lane's advisory lock, the holder row, events and counts;
 - line.py      its medium for the order (store/order.py): queue rows and ticket locks;
 - queue.py     the queue's SQL: one query answers who is ahead and this turn's next step;
-- session.py   the connection: autocommit, keepalives, the schema, a pooler detected.
+- session.py   the connection: autocommit, keepalives, the schema, a pooler detected;
+- outage.py    a restart is an outage: the holder's claim, its retake, waiters reconnecting.
 """

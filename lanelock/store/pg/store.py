@@ -15,8 +15,9 @@ host's disappearance (PITFALLS 12).
 
 A restart is an outage, not a release: every session ends with it, the holder's and the waiters'.
 The holder's row (updated before the server started) is its claim: a taker that gets the lock
-within CLAIM_GRACE of the server's start lets it go again and waits, while the holder takes its
-lane back (retake) and renews its row; a waiter whose session ended connects again and waits on.
+within outage.CLAIM_GRACE of the server's start lets it go again and waits, while the holder takes
+its lane back (outage.retake) and renews its row; a waiter whose session ended connects again and
+waits on (outage.reconnect).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 from ...errors import GateUnavailable, RecordNotWritten, ServerCrowded
 from .. import order, outlived
+from . import outage
 from . import queue as pg_queue
 from ..base import LaneFacts, LaneStore, LockHandle
 from ...priority import DEFAULT_AGING
@@ -37,12 +39,7 @@ from .session import (BOUND, NAMESPACE, connect, driver, ended, ensure_schema, f
                       redact)
 
 NO_ROW = "no holder row yet"
-# How long after the server starts a turn that held the lane when it went down may take it back
-# before anyone else: the holder asks again within about a second of the server answering.
-CLAIM_GRACE = 10.0
-# A waiter whose session ended (a restart) connects again after these pauses, within its wait.
-RECONNECT_PAUSES = (0.05, 0.1, 0.2, 0.5, 1.0)
-CLAIM_PAUSE = 0.1   # a taker that deferred to a claim asks again after this
+
 WITNESS_NAMESPACE = 0x4C4E5754   # "LNWT": the lane's one witness, never a lane's or a queue's key
 COLLISION = "advisory key collision"
 
@@ -142,7 +139,7 @@ class PgStore(LaneStore):
             conn.close()
             raise GateUnavailable(f"lane store {redact(self.dsn)}: {first_line(error)}") from None
 
-    def _reopen(self, handle: PgHandle) -> None:
+    def reopen(self, handle: PgHandle) -> None:
         """A new session for a handle whose session ended: connection, backend and socket
         swapped in place (the old one is closed). GateUnavailable while the server does not
         answer."""
@@ -217,55 +214,12 @@ class PgStore(LaneStore):
                     return False
                 if not ended(handle.conn):
                     raise
-            if not self._reconnect(handle, deadline, cancel):
+            if not outage.reconnect(self, handle, deadline, cancel):
                 return False
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
 
-    def _reconnect(self, handle: PgHandle, deadline: float | None, cancel=None) -> bool:
-        """A new session for a waiter whose session ended, asked again after growing pauses
-        until the server answers (True) or the wait is over or cancelled (False)."""
-        tries = 0
-        while not handle.cancelled and not (cancel is not None and cancel.is_set()):
-            try:
-                self._reopen(handle)
-                return True
-            except GateUnavailable:
-                pass
-            pause = RECONNECT_PAUSES[min(tries, len(RECONNECT_PAUSES) - 1)]
-            if deadline is not None and deadline - time.monotonic() <= pause:
-                return False
-            tries += 1
-            time.sleep(pause)
-        return False
-
     def retake(self, handle: PgHandle) -> bool | None:
-        """After lost(): take the lane back when the server restarted under the turn. True: held
-        again (the caller rewrites the row, which renews the claim); False: the server ended
-        this session itself (pg_terminate_backend, a partition's keepalives) and kept running --
-        the lane stays lost; None: not yet (the server does not answer, or a turn holds the
-        lane). Its claim (CLAIM_GRACE) keeps every other taker off meanwhile: no queue here."""
-        before = handle.started
-        try:
-            self._reopen(handle)
-        except GateUnavailable:
-            return None
-        if before is not None and handle.started is not None and \
-                abs(handle.started - before) < 0.001:
-            return False
-        psycopg = driver()
-        try:
-            with handle.conn.cursor() as cursor:
-                cursor.execute("SET lock_timeout = 1000")   # a taker deferring lets go at once
-                try:
-                    cursor.execute("SELECT pg_advisory_lock(%s, %s)", handle.key)
-                    handle.held = True
-                except psycopg.errors.LockNotAvailable:
-                    return None
-                finally:
-                    cursor.execute("SET lock_timeout = 0")
-        except psycopg.Error:
-            return None   # the server went again: asked again
-        return True
+        return outage.retake(self, handle)
 
     def _join(self, handle: PgHandle, rank: int) -> int | None:
         """This turn's ticket; None when the queue cannot be used (said once: the wait then
@@ -314,7 +268,7 @@ class PgStore(LaneStore):
                     return False
                 # A claim from before a restart: its turn is taking the lane back. Asked again
                 # shortly (only in the seconds after a restart), within the timeout.
-                pause = min(handle.claimed, CLAIM_PAUSE)
+                pause = min(handle.claimed, outage.CLAIM_PAUSE)
                 if deadline is not None and deadline - time.monotonic() <= pause:
                     return False
                 time.sleep(pause)
@@ -360,7 +314,7 @@ class PgStore(LaneStore):
         """The lane's row when its turn never released, in one query (a row only then, so the
         usual hand-off reads nothing back): (its record when the turn was this machine's -- it
         was killed, its command may run on --, the seconds left of its claim when it held the
-        lane as the server went down: CLAIM_GRACE from the server's start)."""
+        lane as the server went down: outage.CLAIM_GRACE from the server's start)."""
         from ...facts import hostname
 
         try:
@@ -370,7 +324,7 @@ class PgStore(LaneStore):
                                "clock_timestamp() - pg_postmaster_start_time())::float8 END "
                                "FROM lanelock_holders WHERE key2 = %s AND "
                                "NOT record ? 'released_at'",
-                               (hostname(), CLAIM_GRACE, handle.key[1]))
+                               (hostname(), outage.CLAIM_GRACE, handle.key[1]))
                 row = cursor.fetchone()
         except driver().Error:
             return None, None   # no holder table (records only label turns): nothing to wait for
