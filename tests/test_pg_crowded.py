@@ -88,7 +88,7 @@ def test_thirty_turns_past_max_connections_wait_or_deflect_never_overlap(role, p
     assert len(stamps.read_text().splitlines()) == 22 + sum(s == 0 for s, _ in results[22:])
 
 
-def test_a_crowded_turn_without_a_wait_deflects_gate_crowded(procs, lock_roots, tmp_path):
+def test_a_crowded_turn_without_a_wait_deflects_gate_crowded(lock_roots):
     """Every connection taken (by others' sessions): a turn without a wait says the gate is
     crowded and runs nothing (exit 75), where it ran ungated before."""
     dsn, _ = crowded_server(lock_roots)
@@ -106,7 +106,7 @@ def test_a_crowded_turn_without_a_wait_deflects_gate_crowded(procs, lock_roots, 
     assert "running without it" not in done.stderr
 
 
-def test_a_crowded_turn_with_a_wait_runs_once_a_connection_frees(procs, lock_roots, tmp_path):
+def test_a_crowded_turn_with_a_wait_runs_once_a_connection_frees(procs, lock_roots):
     """Every connection taken: a turn with a wait tries again (backing off) and runs once one is
     let go, inside its wait."""
     dsn, server = crowded_server(lock_roots)
@@ -125,7 +125,7 @@ def test_a_crowded_turn_with_a_wait_runs_once_a_connection_frees(procs, lock_roo
     assert b"running without it" not in err
 
 
-def test_an_unreachable_server_still_fails_open(procs, tmp_path):
+def test_an_unreachable_server_still_fails_open():
     """Nothing listening: not crowded, absent -- the turn runs ungated and says so, as before."""
     import socket
 
