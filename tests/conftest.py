@@ -254,8 +254,8 @@ def _another_workers(lock: Path) -> bool:
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return False
     holders = flock_entries(lock)[0]
-    if not holders:
-        return False
+    if not holders:   # let go between the lock attempt and this look: nobody's now
+        return not lane_held(lock)
     for pid in holders:
         try:
             ancestors = {parent.pid for parent in psutil.Process(pid).parents()}
