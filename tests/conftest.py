@@ -389,12 +389,14 @@ class Processes:
         return process
 
     def cleanup(self) -> None:
+        # Each session's processes, even once its leader was reaped (a session id is not reused
+        # while the session has a process): the groups `lanelock run` gives its commands too.
+        # One pass over /proc for all of them.
+        sessions = {proc.pid for proc in self.popens if proc.own_group}
+        sessions |= {child.pid for child in self.spawns}
+        for pid in session_members(sessions) if sessions else ():
+            self.adopt(pid)
         for proc in self.popens:
-            if proc.own_group:
-                # Its session, even once it was reaped (a session id is not reused while the
-                # session has a process): the groups `lanelock run` gives its commands too.
-                for pid in session_members(proc.pid):
-                    self.adopt(pid)
             if proc.returncode is None:       # not reaped yet: its pid (and group id) is still ours
                 if proc.own_group:
                     try:
@@ -416,8 +418,6 @@ class Processes:
                     except OSError:
                         pass
         for child in self.spawns:
-            for pid in session_members(child.pid):
-                self.adopt(pid)
             if child.isalive():
                 try:
                     os.killpg(child.pid, signal.SIGKILL)
@@ -441,17 +441,18 @@ class Processes:
             death.wait()   # not our child: whoever adopted it reaps it; a zombie no longer runs
 
 
-def session_members(sid: int) -> list[int]:
-    """The processes of session sid, from /proc (those that end meanwhile are left out)."""
+def session_members(sids: set) -> list[int]:
+    """The processes of the sessions sids but their leaders, from /proc (those that end meanwhile
+    are left out)."""
     found = []
     for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != sid:
+        if name.isdigit() and int(name) not in sids:
             try:
                 with open(f"/proc/{name}/stat", "rb") as handle:
                     fields = handle.read().rsplit(b")", 1)[1].split()
             except (OSError, IndexError):
                 continue
-            if int(fields[3]) == sid:
+            if int(fields[3]) in sids:
                 found.append(int(name))
     return found
 
