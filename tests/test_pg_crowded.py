@@ -146,13 +146,10 @@ def test_twenty_five_waiting_requests_through_the_proxy_past_max_connections(pro
     connection its role may have is taken; the refused ones are asked again (not answered fail-open), and once the
     holder lets go all 25 are forwarded one at a time."""
     import json
-    import socket
-    import threading
 
     pytest.importorskip("aiohttp")
-    from conftest import Server
+    from conftest import Server, send_waiting
     from test_proxy import CHAT, LISTENING, Engine, chat_body
-    from test_proxy_edges import answer
 
     dsn, server = crowded_server(lock_roots, "lanes")   # 17 slots; the test's check has 3 more
     engine = Engine(procs, delay=0.01)
@@ -160,29 +157,11 @@ def test_twenty_five_waiting_requests_through_the_proxy_past_max_connections(pro
     proxy = Server(procs, [*LANELOCK, "proxy", "--listen", "127.0.0.1:0", "--store", dsn,
                           "--no-witness", "-b", engine.backend, "--wait", "1d"],
                    LISTENING.pattern)
-    results, sent = [], threading.Semaphore(0)
-
-    def ask():
-        try:
-            with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT * 4) as sock:
-                body = chat_body()
-                sock.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                             f"\r\nX-Lanelock-Wait: inf\r\nContent-Length: {len(body)}\r\n"
-                             "Connection: close\r\n\r\n".encode() + body)
-                sent.release()
-                data = b""
-                while chunk := sock.recv(65536):
-                    data += chunk
-            results.append(answer(data)[:2])
-        except OSError as error:
-            sent.release()
-            results.append((repr(error), {}))
-
-    threads = [threading.Thread(target=ask) for _ in range(25)]
-    for thread in threads:
-        thread.start()
-    for _ in threads:
-        assert sent.acquire(timeout=TIMEOUT)
+    body = chat_body()
+    request = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               f"X-Lanelock-Wait: inf\r\nContent-Length: {len(body)}\r\n"
+               "Connection: close\r\n\r\n").encode() + body
+    results, threads = send_waiting(proxy.port, 25, request, TIMEOUT * 4)
 
     def waiting_sessions() -> int:   # the server's own count, on a superuser's reserved slot
         with psycopg.connect(server.dsn, autocommit=True) as conn:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, Server, is_waiting, read_line, wait_for
+from conftest import LANELOCK, TIMEOUT, Server, is_waiting, read_all, read_line, wait_for
 from lanelock import Gate, locks
 
 pytest.importorskip("aiohttp")
@@ -178,17 +178,6 @@ def read_until(sock, marker: bytes, seen: bytes = b"") -> bytes:
             break
         seen += chunk
     return seen
-
-
-def read_all(sock, seen: bytes = b"") -> bytes:
-    while True:
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:
-            return seen
-        if not chunk:
-            return seen
-        seen += chunk
 
 
 # -- the lane, asked of lanelock ----------------------------------------------------------------

@@ -15,12 +15,11 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, Server, wait_for
+from conftest import LANELOCK, TIMEOUT, Server, answer, read_all, send_waiting, wait_for
 from test_proxy import CHAT, LISTENING, Engine, Proxy, Recorder, chat_body, free_port, request
 
 pytest.importorskip("aiohttp")
@@ -49,25 +48,7 @@ def raw(port: int, data: bytes, timeout: float = TIMEOUT) -> bytes:
     """Send data on a fresh connection; everything the proxy answers until it closes."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(data)
-        seen = b""
-        while True:
-            try:
-                chunk = sock.recv(65536)
-            except ConnectionResetError:
-                return seen
-            if not chunk:
-                return seen
-            seen += chunk
-
-
-def answer(data: bytes) -> tuple[int, dict, bytes]:
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    return int(lines[0].split()[1]), headers, body
+        return read_all(sock)
 
 
 # -- crowded is not broken ------------------------------------------------------------------------
@@ -80,29 +61,11 @@ def test_150_waiting_requests_under_96_descriptors_wait_and_none_fails_open(proc
     proxy = Server(procs, ["prlimit", "--nofile=96:96", *LANELOCK, "proxy", "--listen",
                           "127.0.0.1:0", "-b", engine.backend, "--wait", "1d"], LISTENING.pattern)
     cap = int(re.search(r"at most (\d+) connections", proxy.said("connections at once")).group(1))
-    results, sent = [], threading.Semaphore(0)
-
-    def ask():
-        try:
-            with socket.create_connection(("127.0.0.1", proxy.port), timeout=TIMEOUT * 2) as sock:
-                body = chat_body()
-                sock.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                             f"\r\nX-Lanelock-Wait: inf\r\nContent-Length: {len(body)}\r\n"
-                             "Connection: close\r\n\r\n".encode() + body)
-                sent.release()
-                data = b""
-                while chunk := sock.recv(65536):
-                    data += chunk
-            results.append(answer(data)[:2])
-        except OSError as error:
-            sent.release()
-            results.append((repr(error), {}))
-
-    threads = [threading.Thread(target=ask) for _ in range(150)]
-    for thread in threads:
-        thread.start()
-    for _ in threads:
-        assert sent.acquire(timeout=TIMEOUT)
+    body = chat_body()
+    request = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               f"X-Lanelock-Wait: inf\r\nContent-Length: {len(body)}\r\n"
+               "Connection: close\r\n\r\n").encode() + body
+    results, threads = send_waiting(proxy.port, 150, request, TIMEOUT * 2)
 
     # The proxy has taken as many as its descriptors allow; they wait in the lane's queue (the
     # queue's files say so: nothing else reports a wait in the kernel).
