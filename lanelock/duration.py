@@ -24,3 +24,14 @@ def seconds(text) -> float | None:
     if not (whole + fraction).isdigit() or not (whole + fraction).isascii():
         return None
     return float(number) * UNITS.get(unit, 1.0)
+
+
+# Something that refused for now (a crowded gate or server, a lost store session) is asked again
+# after these pauses: at once at first, then once a second at most, so a long refusal costs a
+# few attempts a second, never a busy loop.
+BACKOFF = (0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+def backoff(tries: int) -> float:
+    """The pause before asking again after `tries` refusals (0: the first)."""
+    return BACKOFF[min(tries, len(BACKOFF) - 1)]

@@ -18,6 +18,7 @@ import time
 
 from . import holder as holder_facts
 from . import handover, say
+from .duration import backoff
 from .errors import GateCrowded, GateUnavailable, RecordNotWritten, ServerCrowded, WouldBlock
 from .facts import boot_id, default_session, hostname, own_start_ticks, user_name, utc_now
 from .place import Place, check_arguments
@@ -32,10 +33,6 @@ HELD, DEFLECTED, UNGATED, FAIL_OPEN, RELEASED = "held", "deflected", "ungated", 
 CANCELLED = "cancelled"   # an asyncio turn whose task was cancelled while it waited
 REASON_BUSY = "local_backend_busy"
 BUSY_WORDS = "local model in use by another session"
-# A crowded server (ServerCrowded) is asked again after these pauses while a turn's wait lasts:
-# its connections free as other turns end. Bounded, so a long outage of slots costs a few
-# connection attempts a second at most.
-CROWDED_PAUSES = (0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 def busy_sentence(who: str, then: str | None = None) -> str:
@@ -282,7 +279,7 @@ class Turn:
         if self._handle is not None:   # refused after it opened: nothing of it is kept
             self.gate.store.release(self._handle)
             self._handle = None
-        pause = CROWDED_PAUSES[min(tries, len(CROWDED_PAUSES) - 1)]
+        pause = backoff(tries)   # a crowded server's connections free as other turns end
         if try_only or self.wait is not None and self._crowded_since + self.wait - now <= pause:
             return None
         return pause

@@ -22,6 +22,7 @@ import time
 from aiohttp import web
 
 from .. import asyncturn
+from ..duration import backoff
 from ..gate import CANCELLED, DEFLECTED, FAIL_OPEN, HELD, REASON_BUSY, UNGATED, Gate
 from ..handover import HEADER
 from ..holder import words as holder_words
@@ -455,9 +456,6 @@ def _json_fields(body: bytes) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-# A crowded gate (out of descriptors or memory) is asked again after these pauses, while the
-# request's wait lasts: what it lacks comes back as other requests end.
-CROWDED_PAUSES = (0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 async def _take(turn, new_turn, wait: float | None):
@@ -470,7 +468,7 @@ async def _take(turn, new_turn, wait: float | None):
         if not turn.crowded:
             return turn
         left = None if deadline is None else deadline - time.monotonic()
-        pause = CROWDED_PAUSES[min(tries, len(CROWDED_PAUSES) - 1)]
+        pause = backoff(tries)   # what a crowded gate lacks comes back as other requests end
         if left is not None and left <= pause:
             return turn
         tries += 1

@@ -12,6 +12,7 @@ import errno
 import os
 
 from .. import exitcodes, lanes
+from ..duration import backoff
 from ..errors import GateUntrusted, UsageProblem
 from ..gate import DEFLECTED, HELD, UNGATED, Gate, Turn, busy_sentence
 from ..holder import words as holder_words
@@ -185,8 +186,7 @@ class LaneWatch:
                     return
                 self.fd = self.turn.gate.store.watch_fd(self.turn.handle)
 
-    # A lost lane is asked for again after these pauses; while it is not back, said again this often.
-    PAUSES = (0.05, 0.1, 0.2, 0.5, 1.0)
+    # While a lost lane is not back (asked for again after duration.backoff), said this often.
     SAY_AGAIN = 10.0
 
     def _regain(self) -> bool:
@@ -215,7 +215,7 @@ class LaneWatch:
                               f"{now - since:.0f} s ago; the command goes on, ungated until the "
                               "lane is taken back")
                 said = now
-            pause = self.PAUSES[min(tries, len(self.PAUSES) - 1)]
+            pause = backoff(tries)
             tries += 1
             if select.select([self.stop_read], [], [], pause)[0]:
                 return False

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+from ...duration import backoff
 from ...errors import GateUnavailable
 from .session import driver
 
@@ -23,8 +24,6 @@ from .session import driver
 # before anyone else: the holder asks again within about a second of the server answering.
 CLAIM_GRACE = 10.0
 CLAIM_PAUSE = 0.1   # a taker that deferred to a claim asks again after this
-# A waiter whose session ended connects again after these pauses, within its wait.
-RECONNECT_PAUSES = (0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 def reconnect(store, handle, deadline: float | None, cancel=None) -> bool:
@@ -37,7 +36,7 @@ def reconnect(store, handle, deadline: float | None, cancel=None) -> bool:
             return True
         except GateUnavailable:
             pass
-        pause = RECONNECT_PAUSES[min(tries, len(RECONNECT_PAUSES) - 1)]
+        pause = backoff(tries)   # a waiter whose session ended connects again, within its wait
         if deadline is not None and deadline - time.monotonic() <= pause:
             return False
         tries += 1
