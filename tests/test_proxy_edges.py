@@ -52,6 +52,7 @@ def raw(port: int, data: bytes, timeout: float = TIMEOUT) -> bytes:
 
 
 # -- crowded is not broken ------------------------------------------------------------------------
+@pytest.mark.slow   # a stress: 150 waiting connections
 @needs_prlimit
 def test_150_waiting_requests_under_96_descriptors_wait_and_none_fails_open(procs, holder,
                                                                              lanelock):
@@ -88,7 +89,6 @@ def test_150_waiting_requests_under_96_descriptors_wait_and_none_fails_open(proc
 
 
 @needs_prlimit
-@needs_prlimit
 def test_the_proxy_raises_its_soft_fd_limit_to_the_hard_one(procs):
     engine = Engine(procs)
     proxy = Server(procs, ["prlimit", "--nofile=64:4096", *LANELOCK, "proxy", "--listen",
@@ -123,6 +123,7 @@ def test_a_proxy_short_of_descriptors_for_the_gate_never_forwards_beside_the_hol
     held.release()
 
 
+@pytest.mark.slow   # a stress: 1,100 idle connections
 @needs_prlimit
 def test_idle_connections_cannot_shut_out_a_client_with_the_token(procs):
     raise_own_fd_limit(4096)
