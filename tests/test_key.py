@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import shutil
 import socket
 from pathlib import Path
 
@@ -50,10 +51,11 @@ LOCAL_SPELLINGS = [
     "0.0.0.0:8080", "[::]:8080", "http://localhost:8080/v1/chat", "http://127.0.0.1:8080",
     "HTTP://LOCALHOST:8080/v1", "https://[::1]:8080/v1/chat/completions", "app.localhost:8080",
     f"{HOSTNAME}:8080", f"{HOSTNAME.upper()}:8080", f"http://{HOSTNAME}:8080/v1",
-    *[f"{bracket(address)}:8080" for address in own_interface_addresses()],
 ]
-LOCAL_HOSTS = ["localhost", "127.0.0.1", "127.5.6.7", "[::1]", "0.0.0.0", "[::]", HOSTNAME,
-               *[bracket(address) for address in own_interface_addresses()]]
+# The machine's own interface addresses are read when a test runs, never at collection: an
+# interface that comes or goes (a VPN, Docker, another test's veth) between two xdist workers'
+# collections made them collect different tests, and the whole run failed.
+LOCAL_HOSTS = ["localhost", "127.0.0.1", "127.5.6.7", "[::1]", "0.0.0.0", "[::]", HOSTNAME]
 
 LAN = {   # backend -> its own lane name
     "192.168.1.50:8080": "192.168.1.50:8080",
@@ -103,6 +105,57 @@ def test_every_local_spelling_gives_one_lock_path_in_a_subprocess(backend, lanel
     assert info["lock_path"] == str(lock_dir / "localhost-8080.lock")
     assert (info["lane"], info["scope"], info["gated"]) == ("localhost:8080", "local", True)
     assert not lock_dir.exists(), "`where` must not create anything"
+
+
+def settled_interface_addresses(check) -> list[str]:
+    """The addresses check(address) refused, leaving out each that is no longer this machine's
+    (it went away between the reading and the check: another test's veth)."""
+    return [address for address in own_interface_addresses()
+            if not check(address) and address in own_interface_addresses()]
+
+
+def test_every_own_interface_address_is_the_localhost_lane(lanelock, lock_dir):
+    def local(address: str) -> bool:
+        lane = lane_for(f"{bracket(address)}:8080")
+        return (lane.name, lane.scope, lane.gated) == ("localhost:8080", "local", True)
+
+    def local_in_a_subprocess(address: str) -> bool:
+        info = where(lanelock, "--backend", f"{bracket(address)}:8080")
+        return info["lock_path"] == str(lock_dir / "localhost-8080.lock")
+
+    assert settled_interface_addresses(local) == []
+    assert settled_interface_addresses(local_in_a_subprocess) == []
+    assert not lock_dir.exists(), "`where` must not create anything"
+
+
+def test_the_tests_collected_do_not_depend_on_the_machines_interfaces(tmp_path):
+    """xdist fails a run whose workers collect different tests: an address appearing between two
+    collections must change nothing collected."""
+    import os
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("adding an interface needs root and iproute2")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or "0"
+    link, address = f"lkcol{worker}", f"10.250.{100 + int(worker)}.1/30"
+
+    def collected() -> str:
+        result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                                 "--collect-only", "-q", __file__], capture_output=True,
+                                text=True, timeout=120, cwd=Path(__file__).parent.parent)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        return "\n".join(line for line in result.stdout.splitlines() if "::" in line)
+
+    before = collected()
+    subprocess.run(["ip", "link", "add", link, "type", "veth", "peer", "name", f"{link}p"],
+                   check=True)
+    try:
+        subprocess.run(["ip", "addr", "add", address, "dev", link], check=True)
+        subprocess.run(["ip", "link", "set", link, "up"], check=True)
+        assert collected() == before
+    finally:
+        subprocess.run(["ip", "link", "del", link], check=False)
 
 
 @pytest.mark.parametrize("backend", ["[::1]:8080", "http://localhost:8080/v1/chat", f"{HOSTNAME}:8080"])
