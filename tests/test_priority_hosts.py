@@ -11,7 +11,7 @@ there, `run` never asks the engine. The hosts share this machine's files and pid
 network and UTS namespaces differ): each waiter's command appends its name to one file, in the
 order the lane served them, and `status` names each queued waiter by its pid and host.
 
-Three users: the shared root of test_users.py (a 1777 base under /tmp) and its launcher, a real
+Three users: the shared root of other_users.py (a 1777 base under /tmp) and its launcher, a real
 process of nobody, daemon or root. The queue directory is 1777 with the sticky bit like /tmp, so a
 dead waiter's file can be removed only by its owner, the directory's owner or root: the others
 must skip it.
@@ -34,12 +34,8 @@ import pytest
 
 from conftest import LANELOCK, TIMEOUT, ExitWatch, is_waiting, json_of, wait_for
 from netns import ENGINE_IP, Host, two_hosts
-import test_users
-from test_users import launcher
+from other_users import launcher, shared_root, users  # noqa: F401 - fixtures
 
-# test_users.py's fixtures, bound here for pytest to find: imported by name, pyflakes reads them as
-# unused imports and user_site's parameters as their redefinitions.
-users, shared_root = test_users.users, test_users.shared_root
 
 NO_AGING = "3600"
 ENGINE = f"{ENGINE_IP}:8093"         # nobody listens: `run` never asks the engine

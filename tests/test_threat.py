@@ -16,12 +16,11 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
 from conftest import LANE, STEM, read_line
-from test_users import AS_USER, shared_root  # noqa: F401 - a fixture
+from other_users import AS_USER, shared_root  # noqa: F401 - a fixture
 
 NOWHERE = "/nonexistent-lanelock"   # config files another user could not read: none at all
 
