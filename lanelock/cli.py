@@ -60,6 +60,8 @@ def setting_option(name: str):
     kind = setting.kind
     if kind == "key-by":
         kwargs["type"] = click.Choice(["backend", "model"])
+    elif kind == "on-lost":
+        kwargs["type"] = click.Choice(["continue", "stop"])
     elif kind == "priority":
         kwargs["type"] = click.Choice(list(SPELLED), case_sensitive=False)
     elif kind == "seconds":
@@ -96,7 +98,8 @@ def run_options(function):
         else:
             kwargs.update(default=None, metavar=metavar)
         function = click.option(*spellings, parameter, **kwargs)(function)
-    for name in ("gate", "kill_after", "grace", "busy_exit_code", "priority", "wait", "session"):
+    for name in ("gate", "on_lost", "kill_after", "grace", "busy_exit_code", "priority", "wait",
+                 "session"):
         function = setting_option(name)(function)
     return lane_options(function)
 

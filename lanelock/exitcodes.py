@@ -13,6 +13,9 @@ CANNOT_LISTEN = 69     # EX_UNAVAILABLE: `proxy`: its address is in use or not o
 INTERNAL = 70         # EX_SOFTWARE: a lanelock bug (LANELOCK_DEBUG=1 shows the traceback)
 RESOURCES = 71        # EX_OSERR: too few file descriptors (ulimit -n) or no memory to start anything
 BUSY = 75             # EX_TEMPFAIL: lane busy and no fallback ran (--busy-exit-code)
+LOST = 75             # EX_TEMPFAIL: `run --on-lost stop` stopped the command, its lane lost for
+                      # good: not done, try again (busy's code, not --busy-exit-code's: the
+                      # command did not finish, whatever busy is set to mean)
 CANNOT_EXECUTE = 126  # command found but not executable
 NOT_FOUND = 127       # command not found
 SIGNAL_BASE = 128     # child died of signal N -> 128 + N

@@ -231,6 +231,10 @@ TABLE = (
     Setting("kill_after", flags=("--kill-after",), kind="seconds", check=_seconds,
             read=_seconds_read, metavar="SECONDS", shown="off",
             help="SIGKILL the child this long after forwarding it a signal it ignores."),
+    Setting("on_lost", flags=("--on-lost",), kind="on-lost", default="continue",
+            check=_choice("continue", "stop"), metavar="WHAT",
+            help="When the lane store takes the lane away for good mid-turn (a PostgreSQL session "
+                 "ended, not a restart): continue (default) or stop the command (exit 75)."),
     Setting("journal_max_bytes", default=JOURNAL_MAX_BYTES, check=_journal_bytes,
             help="Rotate the journal past this size."),
     Setting("chains", check=_chains, shown="none",
@@ -252,7 +256,7 @@ TABLE = (
 SETTINGS = {setting.name: setting for setting in TABLE}
 # The settings `lanelock run` takes as flags (run/args.py and the click command read this).
 RUN_FLAGS = ("backend", "lock_dir", "model", "session", "key_by", "store", "gate", "wait",
-             "busy_exit_code", "priority", "grace", "kill_after")
+             "busy_exit_code", "priority", "grace", "kill_after", "on_lost")
 
 
 # Settings that no longer exist, and what replaced them. A file that still sets one is read with

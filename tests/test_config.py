@@ -317,6 +317,7 @@ BAD_VALUES = {   # setting: (the file's bad value as TOML, the environment's bad
     "store": ('"mysql://x"', "mysql://x"), "gate": ('"maybe"', None), "wait": ('"soon"', None),
     "busy_exit_code": ("300", None), "priority": ('"bogus"', "bogus"),
     "priority_aging": ('"abc"', "abc"), "grace": ("-1", None), "kill_after": ("-3", None),
+    "on_lost": ('"kill"', None),
     "journal_max_bytes": ("1", None), "chains": ("3", None), "proxy_listen": ('"x"', None),
     "proxy_linger": ("-1", None), "proxy_session_header": ('"a b"', None),
     "proxy_cheap_paths": ("3", None),

@@ -65,6 +65,8 @@ def runargs_kind(option: click.Option) -> str:
             assert not kind.case_sensitive, option.name
             return "priority"
         assert kind.case_sensitive, option.name
+        if tuple(kind.choices) == ("continue", "stop"):
+            return "on-lost"
         assert tuple(kind.choices) == ("backend", "model"), option.name
         return "key-by"
     if isinstance(kind, click.IntRange):
@@ -157,6 +159,7 @@ COMMON = [
     ["--priority=INTERACTIVE", "cmd"],   # a class in any case, as click reads it
     ["--priority", "Normal", "--", "cmd"],
     ["--key-by=backend", "cmd"],
+    ["--on-lost", "stop", "cmd"], ["--on-lost=continue", "cmd"],
     ["-s", "me@tty", "--session", "other", "cmd"],          # last wins
     ["-b", "a:1", "-b", "b:2", "cmd"],
     ["-f", "a", "--fallback", "b", "-f", "c", "cmd"],       # fallbacks accumulate
@@ -206,6 +209,7 @@ OTHERS = [
     ["-w=5", "cmd"], ["--wait=3", "--wait", "cmd"], ["-b-q", "cmd"],
     # bad choices
     ["--key-by", "BACKEND", "cmd"], ["--key-by", "host", "cmd"], ["--key-by=", "cmd"],
+    ["--on-lost", "STOP", "cmd"], ["--on-lost", "kill", "cmd"], ["--on-lost=", "cmd"],
 ]
 BAD_FLOATS = ["abc", "nan", "inf", "-inf", "1e3", "-1", "", " 5", "5 ", ".", "1_0", "+1", "0x1",
               "1.2.3", "٣", "５", "²"]

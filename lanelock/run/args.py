@@ -29,7 +29,8 @@ RUN_ONLY = (
     (("--verbose", "-v"), "verbose", "flag", None, "Report the wait time and the lock path."),
 )
 # A setting's kind as this parser reads its text.
-_KINDS = {"text": "text", "store": "text", "key-by": "key-by", "priority": "priority",
+_KINDS = {"text": "text", "store": "text", "key-by": "key-by", "on-lost": "on-lost",
+          "priority": "priority",
           "seconds": "float",
           "optional-seconds": "optional-float", "exit": "exit"}
 
@@ -169,6 +170,10 @@ def _convert(kind: str, value: str):
         return value
     if kind == "key-by":
         if value not in ("backend", "model"):
+            raise _Unsure
+        return value
+    if kind == "on-lost":
+        if value not in ("continue", "stop"):
             raise _Unsure
         return value
     if kind == "priority":

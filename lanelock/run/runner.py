@@ -492,6 +492,16 @@ class _Supervision:
             _kill_group(self.pid, signal.SIGCONT)
 
 
+def end_group(pgid: int, kill: bool = False) -> None:
+    """Stop a turn's process group from another thread (its lane was lost for good, run
+    --on-lost stop): SIGTERM, and SIGCONT so a stopped group can act on it; kill: SIGKILL."""
+    if kill:
+        _kill_group(pgid, signal.SIGKILL)
+        return
+    _kill_group(pgid, signal.SIGTERM)
+    _kill_group(pgid, signal.SIGCONT)
+
+
 def _kill_group(pgid: int, signo: int) -> None:
     try:
         os.killpg(pgid, signo)

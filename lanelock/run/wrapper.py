@@ -9,10 +9,8 @@ runner.py), before anything else is done.
 from __future__ import annotations
 
 import errno
-import os
 
 from .. import exitcodes, lanes
-from ..duration import backoff
 from ..errors import GateUntrusted, UsageProblem
 from ..gate import DEFLECTED, HELD, UNGATED, Gate, Turn, busy_sentence
 from ..holder import words as holder_words
@@ -37,6 +35,7 @@ class Options:
         self.fallbacks = fallbacks
         self.busy_exit_code = settings.get("busy_exit_code")
         self.kill_after = settings.get("kill_after")
+        self.on_lost = settings.get("on_lost")   # "continue" or "stop" (lanewatch.py)
         self.quiet, self.verbose = request.quiet, request.verbose
         self.settings = settings        # fallback entries' gates read the same files
 
@@ -117,7 +116,8 @@ def _run(argv, changes, options: Options, say: Say, turn: Turn | None,
          starter: runner.Starter | None = None) -> runner.Outcome | None:
     """Run and release; None when the process could not even be forked."""
     outcome = None
-    watch = LaneWatch(turn, say) if turn is not None and turn.held and not turn.nested else None
+    group: list[int] = []   # the command's process group, once it runs
+    watch = _watch(turn, options, say, group)
 
     try:
         if not isinstance(starter, runner.Starter):
@@ -128,6 +128,7 @@ def _run(argv, changes, options: Options, say: Say, turn: Turn | None,
             if holding:
                 turn.command_started(started.pid)
             if watch:
+                group.append(started.pid)
                 watch.start()
 
         def lingering(pids: list[int]) -> None:
@@ -151,82 +152,35 @@ def _run(argv, changes, options: Options, say: Say, turn: Turn | None,
             watch.stop()
         if turn is not None:
             turn.release(outcome.exit_code if outcome else None)
+    if watch and watch.gone and options.on_lost == "stop" and outcome is not None \
+            and not outcome.error:
+        outcome.exit_code = exitcodes.LOST   # stopped because its lane was lost, not its own end
     return outcome
 
 
-class LaneWatch:
-    """For a store that can take the lane away (a PostgreSQL session can be terminated), notice
-    it while the child runs and say so once. A flock store has nothing to watch."""
+def _watch(turn: Turn | None, options: Options, say: Say, group: list[int]):
+    """The lane's watch (lanewatch.py) for a holder whose store can take the lane away (a
+    PostgreSQL session); None for a flock lane, which nothing takes away. With --on-lost stop,
+    a lane lost for good stops the command's process group: SIGTERM, then SIGKILL after
+    --kill-after if it is still there. From the watch's thread, not through the wrapper's own
+    signals: a signal sent to the wrapper just as the command ended would still be pending when
+    runner.run unblocks them, and kill the wrapper before it releases."""
+    if turn is None or not turn.held or turn.nested or turn.handle is None or \
+            turn.gate.store.watch_fd(turn.handle) is None:
+        return None
+    from ..lanewatch import LaneWatch, Words
 
-    def __init__(self, turn: Turn, say: Say):
-        self.turn, self.say = turn, say
-        self.fd = turn.gate.store.watch_fd(turn.handle) if turn.handle is not None else None
-        self.thread = None
-        self.stop_read = self.stop_write = -1
+    stop = options.on_lost == "stop"
 
-    def start(self) -> None:
-        if self.fd is None:
+    def lost() -> None:
+        if not stop or not group:
             return
-        import threading
+        runner.end_group(group[0])
+        if options.kill_after is not None and not watch.stopped_within(options.kill_after):
+            runner.end_group(group[0], kill=True)
 
-        self.stop_read, self.stop_write = os.pipe()
-        self.thread = threading.Thread(target=self._watch, name="lanelock-watch", daemon=True)
-        self.thread.start()
-
-    def _watch(self) -> None:
-        import select
-
-        while True:
-            ready, _, _ = select.select([self.fd, self.stop_read], [], [])
-            if self.stop_read in ready:
-                return
-            if self.turn.gate.store.lost(self.turn.handle):
-                self.turn.lost = True
-                if not self._regain():
-                    return
-                self.fd = self.turn.gate.store.watch_fd(self.turn.handle)
-
-    # While a lost lane is not back (asked for again after duration.backoff), said this often.
-    SAY_AGAIN = 10.0
-
-    def _regain(self) -> bool:
-        """The session is gone. A restart is an outage, not a release: the lane is taken back as
-        soon as the server answers (its claim keeps other turns off), with a warning until then.
-        A session the server ended itself (terminated) leaves the lane lost. True: held again."""
-        import select
-        import time
-
-        lane, turn = self.turn.lane, self.turn
-        lost_at, since, said, tries = time.time(), time.monotonic(), None, 0
-        while True:
-            got = turn.regain(lost_at)
-            if got:
-                self.say.warn(f"lane {lane} taken back after {time.monotonic() - since:.1f} s "
-                              "ungated: the lane store restarted under this turn")
-                return True
-            if got is False:
-                if said is None:
-                    self.say.warn(f"lane {lane} lost: the lane store ended this turn's session; "
-                                  "the command goes on, no longer gated")
-                return False
-            now = time.monotonic()
-            if said is None or now - said >= self.SAY_AGAIN:
-                self.say.warn(f"lane {lane} lost: the lane store's session ended "
-                              f"{now - since:.0f} s ago; the command goes on, ungated until the "
-                              "lane is taken back")
-                said = now
-            pause = backoff(tries)
-            tries += 1
-            if select.select([self.stop_read], [], [], pause)[0]:
-                return False
-
-    def stop(self) -> None:
-        if self.thread is None:
-            return
-        os.write(self.stop_write, b"x")
-        self.thread.join()
-        os.close(self.stop_read)
-        os.close(self.stop_write)
+    watch = LaneWatch(turn, say.warn, Words(stop=stop), on_lost=lost)
+    return watch
 
 
 def _verbose(gate: Gate, turn: Turn, say: Say) -> None:

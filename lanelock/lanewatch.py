@@ -1,0 +1,154 @@
+"""Watching a held lane that its store can take away, for whoever holds it: `run`'s command and
+the proxy's request.
+
+A flock lane is held until its holder lets go; a PostgreSQL lane lives in a server session, and
+the server can end that session under the turn. Two endings, told apart by store.retake()
+(store/pg/outage.py):
+- a restart is an outage, not a release: the lane is taken back as soon as the server answers
+  (Turn.regain; 'regained' journaled with the seconds it was ungated), and the holder goes on;
+- a session the server ended itself (pg_terminate_backend, a partition's keepalives) leaves the
+  lane lost for good: someone else may hold it now. on_lost() is then called once, and the holder
+  decides (run: go on, or stop the command; the proxy: cut the request).
+
+One thread per watched turn, blocked in select() on the session's socket and a stop pipe: every
+step after a wake-up (is the session gone? reconnect, retake, rewrite the row) is a blocking round
+trip to the server, which must not run on the proxy's event loop, and only a holder is watched --
+one turn per lane at a time in a process (a nested turn is not), so it is one thread, not one per
+waiting request. A flock store has nothing to watch: no thread at all.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .duration import backoff
+
+TYPE_CHECKING = False   # typing.TYPE_CHECKING without importing typing (the run path)
+if TYPE_CHECKING:
+    from .gate import Turn
+
+
+class Words:
+    """What a watched turn says, and how often, while its lane is lost (`run`'s lines: the
+    proxy has its own, proxy/app.py). None: nothing said."""
+
+    # While a lost lane is not back, the line is said again this often (None: once).
+    SAY_AGAIN: float | None = 10.0
+
+    def __init__(self, stop: bool = False):
+        self.stop = stop
+
+    def lost(self, lane: str) -> str | None:
+        then = ("stopping the command (--on-lost stop)" if self.stop else
+                "the command goes on, no longer gated")
+        return f"lane {lane} lost: the lane store ended this turn's session; {then}"
+
+    def pending(self, lane: str, seconds: float) -> str | None:
+        return (f"lane {lane} lost: the lane store's session ended {seconds:.0f} s ago; the "
+                "command goes on, ungated until the lane is taken back")
+
+    def regained(self, lane: str, seconds: float) -> str | None:
+        return (f"lane {lane} taken back after {seconds:.1f} s ungated: the lane store "
+                "restarted under this turn")
+
+    def unfinished(self, lane: str, seconds: float) -> str | None:
+        """The turn ended while its lane was still lost and not yet lost for good."""
+        return None
+
+
+class LaneWatch:
+    """start() once the holder's work runs, stop() before the turn is released. on_lost(): called
+    once, from the watch's thread, when the lane is lost for good."""
+
+    def __init__(self, turn: Turn, warn, words: Words | None = None, on_lost=None):
+        self.turn, self.warn, self.words = turn, warn, words or Words()
+        self.on_lost = on_lost
+        self.fd = turn.gate.store.watch_fd(turn.handle) if turn.handle is not None else None
+        self.thread = None
+        self.stop_read = self.stop_write = -1
+        self.gone = False         # lost for good
+        self._since = None        # monotonic: when the session was found gone, until taken back
+
+    @property
+    def watching(self) -> bool:
+        return self.fd is not None
+
+    def start(self) -> None:
+        if self.fd is None or self.thread is not None:
+            return
+        import threading
+
+        self.stop_read, self.stop_write = os.pipe2(os.O_CLOEXEC)
+        self.thread = threading.Thread(target=self._watch, name="lanelock-watch", daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        import select
+
+        while True:
+            ready, _, _ = select.select([self.fd, self.stop_read], [], [])
+            if self.stop_read in ready:
+                return
+            if self.turn.gate.store.lost(self.turn.handle):
+                self.turn.lost = True
+                if not self._regain():
+                    return
+                self.fd = self.turn.gate.store.watch_fd(self.turn.handle)
+
+    def _regain(self) -> bool:
+        """The session is gone: take the lane back as soon as the server answers, if it restarted
+        (its claim keeps other turns off), saying so until then. True: held again; False: lost for
+        good (on_lost called) or stopped meanwhile."""
+        import select
+        import time
+
+        lane, turn = self.turn.lane, self.turn
+        lost_at, said, tries = time.time(), None, 0
+        since = self._since = time.monotonic()
+        while True:
+            got = turn.regain(lost_at)
+            if got:
+                self._since = None
+                self._say(self.words.regained(lane, time.monotonic() - since))
+                return True
+            if got is False:
+                self.gone = True
+                self._say(self.words.lost(lane))
+                if self.on_lost is not None:
+                    self.on_lost()
+                return False
+            now = time.monotonic()
+            again = self.words.SAY_AGAIN
+            if said is None or (again is not None and now - said >= again):
+                self._say(self.words.pending(lane, now - since))
+                said = now
+            pause = backoff(tries)
+            tries += 1
+            if select.select([self.stop_read], [], [], pause)[0]:
+                return False
+
+    def stopped_within(self, seconds: float) -> bool:
+        """From the watch's thread (on_lost): wait up to seconds for stop(); True once stopped."""
+        import select
+
+        return bool(select.select([self.stop_read], [], [], seconds)[0])
+
+    def _say(self, text: str | None) -> None:
+        if text:
+            self.warn(text)
+
+    def stop(self) -> None:
+        """Stop watching (the turn's work ended); a lane still lost and not back is said
+        (Words.unfinished)."""
+        if self.thread is None:
+            return
+        import time
+
+        os.write(self.stop_write, b"x")
+        self.thread.join()
+        self.thread = None
+        os.close(self.stop_read)
+        os.close(self.stop_write)
+        since = self._since
+        if since is not None and not self.gone:
+            self._say(self.words.unfinished(self.turn.lane, time.monotonic() - since))
