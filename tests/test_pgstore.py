@@ -87,9 +87,10 @@ def test_wait_hands_off_when_the_holder_ends(lanelock, holder, procs):
     held = holder()
     waiter = procs.start([*LANELOCK, "run", "--wait", "30", "--", "sh", "-c", "echo $LANELOCK_STATE"],
                          env=environ(), stdout=subprocess.PIPE, text=True)
-    # Blocked on the server, where no process can tell us: its lock table is polled.
-    wait_for(lambda: json.loads(lanelock("status", "--json").stdout)["lanes"][0]["waiters"],
-             what="the waiter to block on the server")
+    # Queued in the server (asleep on its LISTEN until the holder's unlock wakes it), where no
+    # process can tell us: the lane's queue is polled.
+    wait_for(lambda: json.loads(lanelock("status", "--json").stdout)["lanes"][0]["queue"],
+             what="the waiter to queue on the server")
     os.kill(held.pid, signal.SIGTERM)
     out, _ = waiter.communicate(timeout=TIMEOUT)
     assert waiter.returncode == 0 and out.strip() == "held"

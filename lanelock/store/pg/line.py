@@ -1,14 +1,15 @@
 """The PostgreSQL store's medium for the order (store/order.py): a waiting turn's entry is a row of
 lanelock_queue and a session advisory lock on its ticket (queue.py), the clock is the server's
-(one for every host), and every wait blocks in the server -- on the lane's advisory lock, or on
-the ticket lock of the entry just ahead -- under a lock_timeout, never by polling."""
+(one for every host), and every wait -- for the lane's advisory lock, or for the ticket lock of
+the entry just ahead -- is a try, then a sleep on the session's LISTEN until a wake-up
+(queue.until_taken): no statement waits in the server, so none times out or is cancelled."""
 
 from __future__ import annotations
 
 from ...errors import GateUnavailable
 from ..order import Line, QueueBroken
 from . import queue as pg_queue
-from .session import driver, ended
+from .session import ended
 
 
 class PgLine(Line):
@@ -17,12 +18,14 @@ class PgLine(Line):
     def look(self, cancel=None) -> tuple:
         # who is ahead and this ticket's next step: one query, one statement_timestamp()
         return self._queue(pg_queue.ahead_and_step, self.handle.lane, self.ticket,
-                           self.store.aging, self.handle.key, default=(None, None))
+                           self.store.aging, default=(None, None))
 
     def lock(self, timeout: float | None, cancel=None) -> bool:
         if self.handle.cancelled:
             return False
-        return self.store._lock_lane(self.handle, timeout)   # the pooler check included
+        # the pooler check included; a cancel is a flag the wait looks at
+        return self.store._lock_lane(self.handle, timeout,
+                                     None if cancel is None else cancel.is_set)
 
     def checked(self, got: bool) -> bool:
         return got
@@ -34,10 +37,10 @@ class PgLine(Line):
         return entry.here()   # a waiter of this host: its state can be read
 
     def behind(self, entry, timeout: float | None, cancel=None) -> None:
-        if timeout is not None and not self.listening:
+        if not self.listening:
             self._queue(pg_queue.listen, default=None)
             self.listening = True
-        self._queue(pg_queue.wait_behind, entry, timeout, driver(),
+        self._queue(pg_queue.wait_behind, entry, timeout,
                     lambda: self.handle.cancelled or (cancel is not None and cancel.is_set()),
                     default=None)
 

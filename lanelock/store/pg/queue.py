@@ -6,13 +6,13 @@ clock_timestamp() at arrival, who) and a session advisory lock on (QUEUE_NAMESPA
 its connection holds while it waits. The row becomes visible only with its lock held (one
 transaction), so a row whose lock nobody holds is a waiter that is gone -- its session ended
 (kill -9, or a vanished host after the keepalive bound) -- and whoever sees it skips and deletes
-it. One clock, the server's, orders arrivals and ages waits on every host. A waiter blocks in the
-server on the ticket lock of the one ahead (pg_advisory_lock_shared), or on the lane's own lock
-when it is first. A wait behind that must end at a moment (its next aging step, its next look for
-a waiter stopped ahead) is not a statement under a lock_timeout -- each of those ended as an ERROR
-line in the server's log, every second for every such waiter -- but LISTEN on CHANNEL: a leaving
-waiter notifies it, and the waiter behind asks the ticket lock without blocking (a try) when
-woken, at its moment, and every RECHECK (a waiter ahead killed notifies no one).
+it. One clock, the server's, orders arrivals and ages waits on every host. No waiter blocks in
+the server: a statement that waits must end at a moment (an aging step, a look for a waiter
+stopped ahead, the turn's --wait) or on a cancel, and each such end was an ERROR line in the
+server's log. A waiter LISTENs on the lane's channel when first, on CHANNEL when behind another,
+and tries the lock (the lane's, or the ticket lock of the one ahead) when woken: by the
+notification of whoever lets go, in the statement that unlocks; by the death of the process
+ahead, when it is of this host; at its moments; and every RECHECK (until_taken).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from ...priority import CLASSES, effective, next_step, order_key
 
 QUEUE_NAMESPACE = 0x4C4E5155   # "LNQU": never a lane's key (store/pg/store.py NAMESPACE)
 CHANNEL = "lanelock_queue"     # a waiter left (its ticket is the payload)
-RECHECK = 1.0                  # a waiter ahead that died notified no one: asked again this often
+LANE_CHANNEL = "lanelock_lane_{:08x}"   # the lane's lock let go (by its key2, unsigned)
+RECHECK = 1.0                  # one that died elsewhere notified no one: asked again this often
+AFTER_DEATH = 0.005            # a death seen: asked again this soon, then twice as late each time
 CANCEL_LOOK = 0.1              # how soon a cancelled wait behind notices (no query: a flag)
 _LIVE = """
 SELECT q.ticket, q.rank, extract(epoch FROM q.arrival)::float8,
@@ -90,8 +92,12 @@ def leave(conn, ticket: int, listening: bool = False) -> None:
             cursor.execute(f"UNLISTEN {CHANNEL}")
 
 
-def listen(conn) -> None:
-    conn.execute(f"LISTEN {CHANNEL}")
+def listen(conn, channel: str = CHANNEL) -> None:
+    conn.execute(f"LISTEN {channel}")
+
+
+def lane_channel(lane_key: tuple) -> str:
+    return LANE_CHANNEL.format(lane_key[1] & 0xFFFFFFFF)
 
 
 def live(conn, lane: str) -> list[Entry]:
@@ -109,7 +115,7 @@ def live(conn, lane: str) -> list[Entry]:
     return [Entry(*row[:5]) for row in rows if row[5]]
 
 
-def ahead_and_step(conn, lane: str, ticket: int, aging: float, lane_key=None) -> tuple:
+def ahead_and_step(conn, lane: str, ticket: int, aging: float) -> tuple:
     """(the live entry just ahead of this ticket's, or None when it is first; seconds until this
     ticket's class rises a step, or None), both from ONE reading: one query, in which every
     row's wait is measured from the one statement_timestamp() (PITFALLS 24). Asked in two
@@ -120,29 +126,12 @@ def ahead_and_step(conn, lane: str, ticket: int, aging: float, lane_key=None) ->
     mine = next((entry for entry in entries if entry.ticket == ticket), None)
     if mine is None:
         return None, None
-    before = [entry for entry in entries if entry.order(aging) < mine.order(aging)]
-    stopped = [entry for entry in before if entry.stopped_here()]
-    if stopped and lane_key is not None:
-        _unblock(conn, stopped, lane_key)
-    before = [entry for entry in before if entry not in stopped]
+    # A stopped waiter is passed over; it holds nothing in the server meanwhile (no waiter
+    # blocks there: until_taken), so nothing can be granted to it while it is stopped.
+    before = [entry for entry in entries
+              if entry.order(aging) < mine.order(aging) and not entry.stopped_here()]
     ahead = max(before, key=lambda entry: entry.order(aging), default=None)
     return ahead, next_step(mine.rank, mine.waited, aging)
-
-
-def _unblock(conn, stopped: list, lane_key: tuple) -> None:
-    """A stopped waiter passed over may already wait in the server for the lane's own lock: the
-    server would grant it there, stopped, at the release, and every turn would wait for it
-    again. Its blocked statement is cancelled (its session, ticket and place stay); continued, it
-    asks again (store.py _lock_lane)."""
-    backends = [entry.facts.get("backend") for entry in stopped
-                if isinstance(entry.facts.get("backend"), int)]
-    if not backends:
-        return
-    with conn.cursor() as cursor:
-        cursor.execute("SELECT pg_cancel_backend(l.pid) FROM pg_locks l WHERE l.locktype = "
-                       "'advisory' AND NOT l.granted AND l.pid = ANY(%s) AND l.classid = %s "
-                       "AND l.objid = %s AND l.objsubid = 2",
-                       (backends, lane_key[0] & 0xFFFFFFFF, lane_key[1] & 0xFFFFFFFF))
 
 
 def queued_at_or_above(conn, lane: str, rank: int, aging: float) -> bool:
@@ -162,67 +151,84 @@ def describe(conn, lane: str, aging: float) -> list[dict]:
             for position, entry in enumerate(entries, 1)]
 
 
-def wait_behind(conn, entry: Entry, timeout: float | None, psycopg, cancelled=None) -> None:
-    """Until the entry's waiter leaves (or dies) or timeout passes. With no timeout: blocked in
-    the server on its ticket lock (woken by the server, its death included); a cycle of waits
-    through this one that the server's detector ends is the order changed under a wait, never a
-    broken queue (a look that returned late leaves a waiter on an entry by then behind it): it
-    ends the wait, and the waiter looks again. With a timeout: on the session's LISTEN (the
-    caller's listen()), a try of the ticket lock when notified, at timeout, and every RECHECK --
-    no statement that times out (an ERROR in the server's log each time), and no cycle.
-    cancelled(): the wait was given up (looked at every CANCEL_LOOK)."""
+def wait_behind(conn, entry: Entry, timeout: float | None, cancelled=None) -> None:
+    """Until the entry's waiter leaves (or dies), timeout passes (None: never) or the wait is
+    cancelled: a try of its ticket lock, then a sleep on the session's LISTEN (the caller's
+    listen()) -- until_taken, never a statement that blocks, so neither a timeout nor a cancel
+    is an ERROR in the server's log, and no cycle of waits can form through it."""
     import time
 
-    with conn.cursor() as cursor:
-        if timeout is None:
-            try:
-                cursor.execute("SELECT pg_advisory_lock_shared(%s, %s)", key(entry.ticket))
-                cursor.execute("SELECT pg_advisory_unlock_shared(%s, %s)", key(entry.ticket))
-            except psycopg.errors.DeadlockDetected:
-                pass
-            return
-        deadline = time.monotonic() + timeout
-        death = _death(entry)
-        try:
-            while True:
-                cursor.execute("SELECT pg_try_advisory_lock_shared(%s, %s)", key(entry.ticket))
-                if cursor.fetchone()[0]:
-                    cursor.execute("SELECT pg_advisory_unlock_shared(%s, %s)",
-                                   key(entry.ticket))
-                    return
-                if _woken(conn, min(deadline, time.monotonic() + RECHECK), death, cancelled):
-                    # Its process is gone: its session's lock goes as the server notices the
-                    # closed socket -- a wait with no timeout, ended by the server.
-                    cursor.execute("SELECT pg_advisory_lock_shared(%s, %s)", key(entry.ticket))
-                    cursor.execute("SELECT pg_advisory_unlock_shared(%s, %s)",
-                                   key(entry.ticket))
-                    return
-                if time.monotonic() >= deadline or (cancelled is not None and cancelled()):
-                    return
-        finally:
-            if death is not None:
-                os.close(death)
+    def free() -> bool:
+        with conn.cursor() as cursor:
+            cursor.execute("SELECT pg_try_advisory_lock_shared(%s, %s)", key(entry.ticket))
+            if not cursor.fetchone()[0]:
+                return False
+            cursor.execute("SELECT pg_advisory_unlock_shared(%s, %s)", key(entry.ticket))
+            return True
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    death = death_of(entry.facts.get("pid") if entry.here() else None)
+    try:
+        until_taken(conn, free, deadline, lambda: death, cancelled)
+    finally:
+        if death is not None:
+            os.close(death)
 
 
-def _death(entry: Entry) -> int | None:
-    """A descriptor readable once the entry's waiter has died, for a waiter of this host that is
-    a process of its own (a pidfd; a proxy's request shares its proxy's pid, and leaving it
-    notifies); None when there is none (another host's waiter: asked every RECHECK)."""
-    pid = entry.facts.get("pid")
-    if not entry.here() or not isinstance(pid, int) or pid == os.getpid():
+def until_taken(conn, attempt, deadline: float | None, death, cancelled) -> bool:
+    """The one way a lanelock session waits in the server, for the lane's own lock (store.py
+    _lock_lane_once) or for the entry ahead to leave: attempt() -- a try that never blocks --
+    and, while it fails, a sleep on the session's LISTEN with no statement running. Woken by a
+    notification (whoever lets go notifies in the statement that unlocks), by death() -- a pidfd
+    (or None) readable once the process holding what is waited for has died: its session's lock then goes
+    as the server reads the closed socket, asked again at AFTER_DEATH, doubling -- and every
+    RECHECK (one that died elsewhere notified no one). True once attempt() succeeds; False at
+    the deadline (None: never) or once cancelled() (a flag, looked at every CANCEL_LOOK: a
+    cancel is never a server-side cancel, an ERROR in its log)."""
+    import time
+
+    pause, dead = RECHECK, False
+    while True:
+        if attempt():
+            return True
+        now = time.monotonic()
+        if (cancelled is not None and cancelled()) or (deadline is not None and now >= deadline):
+            return False
+        until = now + pause if deadline is None else min(deadline, now + pause)
+        if _woken(conn, until, None if dead else death(), cancelled):
+            dead, pause = True, AFTER_DEATH
+        elif pause < RECHECK:
+            pause = min(RECHECK, pause * 2)
+
+
+def death_of(pid, ticks=None) -> int | None:
+    """A descriptor readable once the process pid of this host has died (a pidfd); None for
+    another host's (asked every RECHECK), this process itself (a proxy's request shares its
+    proxy's pid, and leaving notifies), or a pid reused since ticks (its start time) was read."""
+    if not isinstance(pid, int) or pid == os.getpid():
         return None
     try:
-        return os.pidfd_open(pid)
+        fd = os.pidfd_open(pid)
     except (AttributeError, OSError):
         return None
+    if ticks is not None:
+        from ...proc import start_ticks
+
+        if start_ticks(pid) != ticks:   # read after the open: the pidfd is of the right process
+            os.close(fd)
+            return None
+    return fd
 
 
 def _woken(conn, until: float, death: int | None, cancelled) -> bool:
     """Wait until a notification (False), the moment until (False), a cancel (False) or the
-    death of the waiter ahead (True), without a statement: no query runs meanwhile."""
+    death watched (True), without a statement: no query runs meanwhile. A notification that
+    came in with a statement's answer is already read off the socket: taken first."""
     import select
     import time
 
+    if any(True for _ in conn.notifies(timeout=0)):
+        return False
     watched = [conn.fileno()] + ([death] if death is not None else [])
     while (left := until - time.monotonic()) > 0:
         if cancelled is not None and cancelled():
@@ -230,6 +236,6 @@ def _woken(conn, until: float, death: int | None, cancelled) -> bool:
         ready, _, _ = select.select(watched, [], [], min(left, CANCEL_LOOK))
         if death is not None and death in ready:
             return True
-        if ready and any(True for _ in conn.notifies(timeout=0, stop_after=1)):
+        if ready and any(True for _ in conn.notifies(timeout=0)):
             return False
     return False

@@ -175,8 +175,12 @@ class PgStore(LaneStore):
 
     def _try_lane(self, handle: PgHandle) -> bool:
         handle.claimed = None
+        return self._try_lane_lock(handle) and self._same_session(handle) and \
+            self._unclaimed(handle)
+
+    def _try_lane_lock(self, handle: PgHandle) -> bool:
         handle.held = self._call(handle, "SELECT pg_try_advisory_lock(%s, %s)", handle.key)
-        return handle.held and self._same_session(handle) and self._unclaimed(handle)
+        return handle.held
 
     def _unclaimed(self, handle: PgHandle) -> bool:
         """The lock is ours: is the lane too, or does a turn that held it when the server went
@@ -187,16 +191,17 @@ class PgStore(LaneStore):
         return False
 
     def _unlock_lane(self, handle: PgHandle) -> None:
+        # The unlock and the wake-up of the lane's first waiter in one statement: one round trip,
+        # and no moment when the lane is free with its waiter asleep (queue.until_taken).
         handle.held = False
-        self._call(handle, "SELECT pg_advisory_unlock(%s, %s)", handle.key)
+        self._call(handle, "SELECT pg_advisory_unlock(%s, %s), pg_notify(%s, '')",
+                   (*handle.key, pg_queue.lane_channel(handle.key)))
 
     def cancel_wait(self, handle: PgHandle) -> None:
-        """Give up a wait from another thread: the server cancels the blocked statement."""
+        """Give up a wait from another thread: a flag the waiting thread looks at between its
+        tries (queue.until_taken) -- no statement waits in the server, so none is cancelled
+        there (each such cancel was an ERROR in the server's log)."""
         handle.cancelled = True
-        try:
-            handle.conn.cancel()
-        except Exception:  # noqa: BLE001 - a connection already gone has nothing to cancel
-            pass
 
     # -- waiting in order (store/order.py walks it; line.py is this store's medium) ----------------
     def wait_lock(self, handle: PgHandle, timeout: float | None, cancel=None,
@@ -256,48 +261,75 @@ class PgStore(LaneStore):
         except psycopg.Error as error:
             raise GateUnavailable(f"lane store: {first_line(error)}") from None
 
-    def _lock_lane(self, handle: PgHandle, timeout: float | None) -> bool:
-        psycopg = driver()
+    def _lock_lane(self, handle: PgHandle, timeout: float | None, cancelled=None) -> bool:
+        """The lane's lock, within timeout (None: no bound); cancelled(): given up (besides
+        cancel_wait)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             handle.claimed = None
-            try:
-                if self._lock_lane_once(handle, timeout, psycopg) and self._unclaimed(handle):
-                    return True
-                if handle.claimed is None or handle.cancelled:
-                    return False
-                # A claim from before a restart: its turn is taking the lane back. Asked again
-                # shortly (only in the seconds after a restart), within the timeout.
-                pause = min(handle.claimed, outage.CLAIM_PAUSE)
-                if deadline is not None and deadline - time.monotonic() <= pause:
-                    return False
-                time.sleep(pause)
-            except psycopg.errors.QueryCanceled:
-                if handle.cancelled:
-                    return False
-                # Not our own cancel: another waiter passed this one over while it was stopped
-                # (queue.py _unblock). Its place is kept: it asks again, within its timeout.
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if self._lock_lane_once(handle, deadline, cancelled) and self._unclaimed(handle):
+                return True
+            if handle.claimed is None or handle.cancelled:
+                return False
+            # A claim from before a restart: its turn is taking the lane back. Asked again
+            # shortly (only in the seconds after a restart), within the timeout.
+            pause = min(handle.claimed, outage.CLAIM_PAUSE)
+            if deadline is not None and deadline - time.monotonic() <= pause:
+                return False
+            time.sleep(pause)
 
-    def _lock_lane_once(self, handle: PgHandle, timeout: float | None, psycopg) -> bool:
-        millis = 0 if timeout is None else max(1, int(timeout * 1000))
+    def _lock_lane_once(self, handle: PgHandle, deadline: float | None, cancelled) -> bool:
+        """A try; then, while the lane is held, a sleep on the lane's channel (LISTENed before
+        the second try: a release between the two is a notification), woken by the holder's
+        unlock, by its death when it is a process of this host (its row names it), and every
+        queue.RECHECK (a holder that died elsewhere notifies no one) -- queue.until_taken, the
+        queue's own wait. No statement waits in the server: none times out, none is cancelled."""
+        psycopg = driver()
+        death = None
+
+        def attempt() -> bool:
+            nonlocal death
+            if self._try_lane_lock(handle):
+                return True
+            if death is None:
+                death = self._holder_death(handle)
+            return False
+
         try:
-            with handle.conn.cursor() as cursor:
-                cursor.execute(f"SET lock_timeout = {millis}")
-                try:
-                    cursor.execute("SELECT pg_advisory_lock(%s, %s)", handle.key)
-                    handle.held = True   # even should a cancel then end the SET below
-                except psycopg.errors.LockNotAvailable:
-                    return self._try_lane(handle)
-                finally:
-                    cursor.execute("SET lock_timeout = 0")
-        except psycopg.errors.QueryCanceled:
-            raise
+            if self._try_lane_lock(handle):
+                return self._same_session(handle)
+            pg_queue.listen(handle.conn, pg_queue.lane_channel(handle.key))
+            given_up = (lambda: handle.cancelled or (cancelled is not None and cancelled()))
+            if not pg_queue.until_taken(handle.conn, attempt, deadline, lambda: death,
+                                        given_up):
+                return False
         except psycopg.Error as error:
             if handle.cancelled:
                 return False
             raise GateUnavailable(f"lane store: {first_line(error)}") from None
+        finally:
+            if death is not None:
+                os.close(death)
         return self._same_session(handle)
+
+    def _holder_death(self, handle: PgHandle) -> int | None:
+        """A pidfd of the lane's holder when it is a process of this host: its row, written by
+        the session that holds the lock now (its start time checked), names it."""
+        from ...facts import hostname
+
+        try:
+            with handle.conn.cursor() as cursor:
+                cursor.execute("SELECT h.record->'pid', h.record->'start_ticks' FROM "
+                               "lanelock_holders h JOIN pg_locks l ON l.pid = h.backend_pid "
+                               "AND l.locktype = 'advisory' AND l.granted AND l.classid = %s "
+                               "AND l.objid = %s AND l.objsubid = 2 "
+                               "WHERE h.key2 = %s AND h.record->>'hostname' = %s",
+                               (handle.key[0] & 0xFFFFFFFF, handle.key[1] & 0xFFFFFFFF,
+                                handle.key[1], hostname()))
+                row = cursor.fetchone()
+        except driver().Error:
+            return None   # no holder table (records only label turns): asked every RECHECK
+        return None if row is None else pg_queue.death_of(row[0], row[1])
 
     def _same_session(self, handle: PgHandle) -> bool:
         """The session (and so the lock) is ours: a transaction-mode pooler would hand later
@@ -335,8 +367,6 @@ class PgStore(LaneStore):
                 claim if claim is not None and claim > 0 else None)
 
     def release(self, handle: PgHandle, count: dict | None = None) -> None:
-        if count is not None:   # on the turn's own connection, before the round trip that unlocks
-            self._add_count(handle.conn, handle.lane, dict(count))
         # Only a lock this session holds: a turn that deflected or gave its wait up holds none,
         # and the server warns of every unlock of a lock not held ("you don't own a lock").
         if handle.held:
@@ -344,6 +374,11 @@ class PgStore(LaneStore):
                 self._unlock_lane(handle)
             except GateUnavailable:
                 pass   # the session is gone, and the lock with it
+        # The count after the unlock, on the same connection: the next turn starts while this
+        # one counts (the hand-off waits for no bookkeeping), and it is counted before release
+        # returns.
+        if count is not None:
+            self._add_count(handle.conn, handle.lane, dict(count))
         handle.close()
 
     def count(self, lane, outcome: str, **facts) -> None:
