@@ -580,7 +580,7 @@ def duel(backend, lock_dir, store, hold, fallback, users, profile_env, cron_env,
 
     from .inspection import render
     from .run import words
-    from .testing.duel import Duel
+    from .testing.duel import LANE_MODEL, Duel
 
     user_list = [name for name in (users or "").split(",") if name]
     if user_list and os.geteuid() != 0:
@@ -597,7 +597,7 @@ def duel(backend, lock_dir, store, hold, fallback, users, profile_env, cron_env,
         fallback_argv = words.split(fallback) if fallback else []
     except ValueError as error:
         raise click.UsageError(f"--fallback {fallback!r}: {error}") from None
-    gate = strict_gate(backend, lock_dir, None, None, store=store)
+    gate = strict_gate(backend, lock_dir, LANE_MODEL, "model", store=store)
     contest = Duel(gate, hold=hold, command=list(command), users=user_list, lock_dir=lock_dir,
                    store=store,
                    fallback=fallback_argv,

@@ -42,12 +42,30 @@ def test_duel_passes_and_reports_one_lock_path(lanelock, tmp_path, monkeypatch):
     report = json.loads(done.stdout)
     assert report["result"] == "PASS" and report["reason"] is None
     paths = set(report["lock_paths"].values()) | {report["expected_lock_path"]}
-    assert paths == {str(tmp_path / "root" / "localhost-8080.lock")}
+    assert paths == {str(tmp_path / "root" / "localhost-8080~lanelock-duel.lock")}
     assert set(report["lock_paths"]) == {"A", "B", "C", "D"}
     assert report["handoff_ms"] is not None and report["handoff_ms"] >= 0
     assert [s["step"] for s in report["steps"] if not s["ok"]] == []
     assert lanelock("probe").returncode == 0
     assert leftover_duelists(str(tmp_path / "root")) == []
+
+
+def test_the_duel_writes_into_a_lane_of_its_own_not_the_users(lanelock, tmp_path, monkeypatch):
+    """The README's first command proves the root every process computes, beside the user's lane:
+    after it, the user's lane has no history and no counts, and the duel runs while it is held."""
+    monkeypatch.setenv("LANELOCK_DIR", str(tmp_path / "root"))
+    held = lanelock("run", "-s", "user-turn", "--", "true")   # the user's turn, before the duel
+    assert held.returncode == 0, held.stderr
+    done = lanelock("duel", "--json", "--hold", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["lane"] == "localhost:8080#lanelock-duel", report["lane"]
+    assert report["expected_lock_path"] == str(tmp_path / "root" / "localhost-8080~lanelock-duel.lock")
+    events = json.loads(lanelock("history", "--json").stdout)["events"]
+    assert {event.get("session") for event in events} == {"user-turn"}, events
+    metrics = lanelock("metrics").stdout
+    assert 'lanelock_turns_total{lane="localhost:8080",outcome="deflected"} 0.0' in metrics, metrics
+    assert 'lanelock_turns_total{lane="localhost:8080",outcome="local"} 1.0' in metrics, metrics
 
 
 def test_duel_witness_sees_a_direct_request_and_not_a_gated_turn(lanelock, tmp_path, monkeypatch):
@@ -64,7 +82,7 @@ def test_duel_witness_sees_a_direct_request_and_not_a_gated_turn(lanelock, tmp_p
     assert "while no turn held the lane" in report["witness"]["unseen_reported"]
     assert report["witness"]["gated_reported"] == []
     names = {path.name.partition(".")[0] for path in (tmp_path / "root").iterdir()}
-    assert names == {"localhost-8080"}   # the witness's lane lived in the duel's own work dir
+    assert names == {"localhost-8080~lanelock-duel"}   # the witness's lane: the duel's work dir
 
 
 def test_duel_human_report_ends_with_pass(lanelock, tmp_path, monkeypatch):
@@ -98,8 +116,8 @@ def test_a_split_root_fails_loudly_with_both_paths(lanelock, tmp_path, monkeypat
     report = json.loads(done.stdout)
     assert report["result"] == "FAIL"
     assert "two gates" in report["reason"]
-    assert str(other / "localhost-8080.lock") in report["reason"]
-    assert str(tmp_path / "shared" / "localhost-8080.lock") in report["reason"]
+    assert str(other / "localhost-8080~lanelock-duel.lock") in report["reason"]
+    assert str(tmp_path / "shared" / "localhost-8080~lanelock-duel.lock") in report["reason"]
     assert lanelock("probe").returncode == 0
     assert leftover_duelists(str(tmp_path / "shared")) == []
     assert leftover_duelists(str(other)) == []

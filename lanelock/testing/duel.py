@@ -29,6 +29,11 @@ from ..gate import REASON_BUSY, Gate
 
 PHASE_TIMEOUT = 30.0
 MINIMAL_PATH = "/usr/bin:/bin"
+# The duel's turns take a lane of their own beside the backend's -- keyed by this model, in the same
+# root -- so it proves the root every process computes without writing turns, deflections and
+# counts into the history and metrics of the lane the user's sessions share (nor waiting for it).
+LANE_MODEL = "lanelock-duel"
+KEY = ["--key-by", "model", "--model", LANE_MODEL]
 
 
 @dataclass
@@ -187,7 +192,7 @@ class Duel:
 
     # -- command lines and environments ------------------------------------------------------------
     def _base(self, role: str) -> list[str]:
-        argv = [sys.executable, "-m", "lanelock", "run", "--session", f"duel-{role}"]
+        argv = [sys.executable, "-m", "lanelock", "run", "--session", f"duel-{role}", *KEY]
         if self.gate.lane.given:
             argv += ["--backend", self.gate.lane.given]
         if self.lock_dir:
