@@ -125,3 +125,181 @@ def test_the_default_goes_on_after_a_loss_and_status_does_not_name_it_the_holder
     turn.stdin.write(b"go\n")
     turn.stdin.close()
     assert turn.wait(timeout=TIMEOUT) == 4   # the command's own status: it was not stopped
+
+
+# -- the proxy ---------------------------------------------------------------------------------------
+# An engine that says on stdout when a request comes ("request") and when its client's connection
+# is gone ("gone"). A streamed request gets an event every 0.05 s until the file named by argv[1]
+# exists (then [DONE]); any other waits, answering nothing, until its client goes.
+ENGINE = r"""
+import json, os, select, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+finish = sys.argv[1]
+
+class Engine(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        print("request", flush=True)
+        try:
+            if body.get("stream"):
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                while not os.path.exists(finish):
+                    self.wfile.write(b'data: {"object": "chat.completion.chunk"}\n\n')
+                    self.wfile.flush()
+                    time.sleep(0.05)
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+                print("finished", flush=True)
+                return
+            while self.connection.recv(1, 0x40 if False else 0) if select.select(
+                    [self.connection], [], [], 0.05)[0] else True:
+                pass
+        except OSError:
+            pass
+        print("gone", flush=True)
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+LISTENING = r"proxy listening on http://127\.0\.0\.1:(\d+)"
+
+
+@pytest.fixture
+def engine(procs, tmp_path):
+    import sys
+
+    finish = tmp_path / "finish"
+    proc = procs.start([sys.executable, "-c", ENGINE, str(finish)], stdout=subprocess.PIPE)
+    port = int(read_line(proc.stdout))
+    return proc, port, finish
+
+
+def start_proxy(procs, store: str, engine_port: int):
+    from conftest import Server
+
+    return Server(procs, [*LANELOCK, "proxy", "--listen", "127.0.0.1:0", "--store", store,
+                          "-b", f"127.0.0.1:{engine_port}"], LISTENING)
+
+
+def ask(port: int, stream: bool):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+    conn.request("POST", "/v1/chat/completions",
+                 json.dumps({"model": "m", "stream": stream,
+                             "messages": [{"role": "user", "content": "hi"}]}),
+                 {"Content-Type": "application/json"})
+    return conn
+
+
+def proxy_lines(proxy, words: str) -> list[str]:
+    return [line for line in proxy.log().splitlines() if words in line]
+
+
+def test_the_proxy_cuts_a_streamed_request_whose_lane_is_lost(store, procs, engine):
+    import http.client
+
+    proc, port, _ = engine
+    proxy = start_proxy(procs, store, port)
+    conn = ask(proxy.port, stream=True)
+    response = conn.getresponse()
+    assert response.status == 200 and response.getheader("X-Lanelock-State") == "held"
+    assert response.readline().startswith(b"data: ")
+    assert read_line(proc.stdout) == "request\n"
+
+    terminate_holder(store)
+
+    # The answer stops where it was: no [DONE], no last chunk (the client sees it cut).
+    with pytest.raises((http.client.IncompleteRead, http.client.HTTPException, OSError)):
+        while response.read(65536):
+            pass
+    assert read_line(proc.stdout) == "gone\n"   # the engine's connection was closed
+    proxy.said("lost mid-request")
+    wait_for(lambda: [event for event in history(store, f"127.0.0.1:{port}")
+                      if event.get("event") == "lost"], "the lost event")
+    assert len(proxy_lines(proxy, "lost mid-request")) == 1, proxy.log()
+    assert lane_holders(store) == []
+
+
+def test_the_proxy_answers_a_request_cut_before_its_answer_with_the_dialects_error(store, procs,
+                                                                                  engine):
+    proc, port, _ = engine
+    proxy = start_proxy(procs, store, port)
+    conn = ask(proxy.port, stream=False)
+    assert read_line(proc.stdout) == "request\n"   # held, forwarded, the engine thinking
+
+    terminate_holder(store)
+
+    response = conn.getresponse()
+    body = json.loads(response.read())
+    assert response.status == 503, body
+    assert response.getheader("X-Lanelock-Reason") == "lane_lost"
+    assert body["error"]["type"] == "lane_lost", body   # OpenAI's error shape
+    assert read_line(proc.stdout) == "gone\n"
+    assert len(proxy_lines(proxy, "lost mid-request")) == 1, proxy.log()
+
+
+@pytest.fixture
+def private_server(lock_roots):
+    if pg_server.binaries() is None:
+        pytest.skip("no PostgreSQL server")
+    server = pg_server.Server()
+    lock_roots.after(server.stop)
+    server.start()
+    lock_roots.watch_store(server.dsn)
+    return server
+
+
+STAMP = 's=$(date +%s%N); echo "$s" > "$1"'
+
+
+def test_a_restart_mid_request_the_proxy_takes_its_lane_back(private_server, procs, engine,
+                                                            tmp_path):
+    proc, port, finish = engine
+    dsn = private_server.dsn
+    proxy = start_proxy(procs, dsn, port)
+    conn = ask(proxy.port, stream=True)
+    response = conn.getresponse()
+    assert response.readline().startswith(b"data: ")
+    started = tmp_path / "started"
+    waiter = procs.start([*LANELOCK, "run", "--store", dsn, "-b", f"127.0.0.1:{port}", "--wait",
+                          "60", "--", "sh", "-c", STAMP, "sh", str(started)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ())
+    wait_for(lambda: lane_waiters(dsn) == 1, "the waiter queued")
+
+    private_server.restart()
+
+    proxy.said("taken back after")
+    wait_for(lambda: lane_waiters(dsn) == 1, "the waiter waiting again", TIMEOUT * 2)
+    assert not started.exists(), "a turn ran beside the proxy's request after the restart"
+    finish.touch()
+    text = b""
+    while True:
+        chunk = response.read(65536)
+        if not chunk:
+            break
+        text += chunk
+    ended = time.time_ns()
+    assert text.rstrip().endswith(b"data: [DONE]")   # the request went on to its end
+    assert waiter.wait(timeout=TIMEOUT * 2) == 0, waiter.stderr.read()
+    assert int(started.read_text()) >= ended - 50_000_000   # after the request (clock slack)
+    assert proxy_lines(proxy, "lost mid-request") == [] and \
+        len(proxy_lines(proxy, "taken back after")) == 1, proxy.log()
+    regained = [event for event in history(dsn, f"127.0.0.1:{port}")
+                if event.get("event") == "regained"]
+    assert len(regained) == 1, regained
+
+
+def lane_waiters(dsn: str) -> int:
+    from lanelock.store.pg.queue import QUEUE_NAMESPACE
+
+    return sql(dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND "
+                    "mode = 'ExclusiveLock' AND classid = %s", QUEUE_NAMESPACE)[0][0]

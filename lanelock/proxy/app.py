@@ -30,6 +30,7 @@ from . import asks, dialects
 from .chain import REASON_DOWN, Chain, Why
 from .listener import HEADER_TIMEOUT, IDLE_TIMEOUT, MAX_CONNECTIONS
 from .logs import Incidents
+from .lost import REASON_LOST, Cut, LaneLost, ProxyWords, unwatch
 from .peer import Client
 from .relay import CUT, GONE_BEFORE, Unreachable, error_response, relay, request_headers
 from .retry import RetryAfter
@@ -226,13 +227,20 @@ class Proxy:
             if turn.state in (HELD, UNGATED, FAIL_OPEN):
                 if turn.state == UNGATED:
                     self.ungated += 1
+                watch, cut = self._watch(turn, request, path)
                 try:
                     response = await relay(self.client, request, self.backend_url + path_qs,
                                            body, request_headers(request, drop=self.drop()),
-                                           {STATE: turn.state, **applied})
+                                           {STATE: turn.state, **applied}, cut=cut)
                 except Unreachable as error:
+                    await unwatch(watch)
                     return await self._down(request, path_qs, body, fields, turn, reused, error,
                                             applied)
+                except LaneLost:
+                    await unwatch(watch)
+                    return self._lost(request, turn, applied)
+                finally:
+                    await unwatch(watch)   # before the turn's release (_end)
                 status = response.status
                 return response
             if turn.state == DEFLECTED:
@@ -244,6 +252,28 @@ class Proxy:
             status = status or request.get("lanelock_status")
             await self._end(turn, session, status, reused, timing.held_until_now(),
                             _ended(request, status))
+
+    def _watch(self, turn, request, path: str) -> tuple:
+        """(the lane watch, its cut) of a request that holds a lane its store can take away
+        (PostgreSQL; lost.py), started; (None, None) otherwise (a flock lane, a nested turn)."""
+        if turn.state != HELD or turn.nested or turn.handle is None or \
+                turn.gate.store.watch_fd(turn.handle) is None:
+            return None, None
+        from ..lanewatch import LaneWatch
+
+        cut = Cut(asyncio.get_running_loop())
+        watch = LaneWatch(turn, self.say.warn, ProxyWords(request.method, path),
+                          on_lost=cut.threadsafe)
+        watch.start()
+        return watch, cut
+
+    def _lost(self, request, turn, applied) -> web.Response:
+        """The lane was lost for good before the engine's answer started: the request was cut
+        (the engine's connection closed); the client gets the dialect's error."""
+        request["lanelock_cut"] = CUT["lost"]
+        body = dialects.error_answer(request["lanelock_dialect"], 503, REASON_LOST,
+                                     f"{CUT['lost']}; the request was cut, try again")
+        return _answer(503, body, {STATE: turn.state, REASON: REASON_LOST, **applied})
 
     def _refused(self, dialect, error: asks.Malformed) -> web.Response:
         """A malformed X-Lanelock-* header: 400 in the client's dialect, naming the header,

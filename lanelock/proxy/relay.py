@@ -26,7 +26,8 @@ PRIVATE = frozenset({HEADER.lower()})
 
 
 # How an answer that did not reach its end ended (the turn's release says it: never "cleanly").
-CUT = {"engine": "the engine cut the answer", "client": "the client hung up mid-answer"}
+CUT = {"engine": "the engine cut the answer", "client": "the client hung up mid-answer",
+       "lost": "the lane was lost mid-answer (the lane store ended its session)"}
 GONE_BEFORE = "the client hung up before the answer"
 
 
@@ -56,10 +57,12 @@ def response_headers(upstream) -> list:
 
 
 async def relay(session, request: web.BaseRequest, url: str, body: bytes, headers: dict,
-                extra: dict, answer_within: float | None = None) -> web.StreamResponse:
+                extra: dict, answer_within: float | None = None, cut=None) -> web.StreamResponse:
     """Send the request to url and stream the answer to the client; extra: headers of ours.
     answer_within: seconds for the answer's status line and headers (a fallback's bound; None
-    for the local engine, which may think for minutes before a non-streamed answer)."""
+    for the local engine, which may think for minutes before a non-streamed answer). cut: the
+    held request's lost.Cut -- LaneLost when it fires before the answer started; after, the
+    stream stops where it was (request["lanelock_cut"] says why)."""
     import asyncio
 
     from yarl import URL
@@ -72,12 +75,25 @@ async def relay(session, request: web.BaseRequest, url: str, body: bytes, header
                                   data=body if body else None, allow_redirects=False,
                                   skip_auto_headers=skip)
         entering = context.__aenter__()
+        if cut is not None:
+            entering = cut.entered(asyncio.ensure_future(entering))
         upstream = await (entering if answer_within is None
                           else asyncio.wait_for(entering, answer_within))
     except asyncio.TimeoutError:
         raise Unreachable(f"no answer within {answer_within:g}s") from None
     except (ClientError, OSError) as error:
         raise Unreachable(unreachable_words(error)) from None
+    except asyncio.CancelledError:
+        if cut is not None and cut.cut_while_entering():
+            from .lost import CUT_WORDS, LaneLost
+
+            raise LaneLost(CUT_WORDS) from None
+        raise
+    if cut is not None:
+        cut.upstream = upstream
+        if cut.fired:   # between the headers and now
+            cut.fired = False
+            cut.fire()
     request["lanelock_status"] = upstream.status   # the turn's record, even if the client leaves
     request["lanelock_state"] = extra.get("X-Lanelock-State", "-")
     try:
@@ -101,9 +117,9 @@ async def relay(session, request: web.BaseRequest, url: str, body: bytes, header
             await response.write_eof()
         except (ClientError, OSError):
             # The engine failed mid-answer, or the client went away (aiohttp's reset error is
-            # both; the side that was being read or written says which): what was relayed
-            # stands; close the client's side.
-            request["lanelock_cut"] = CUT[side]
+            # both; the side that was being read or written says which), or the lane was lost
+            # (lost.Cut): what was relayed stands; close the client's side.
+            request["lanelock_cut"] = CUT["lost"] if cut is not None and cut.fired else CUT[side]
             request.transport and request.transport.close()
             return response
         request["lanelock_done"] = True

@@ -5,10 +5,11 @@ holder's advisory lock too, and nothing said who held the lane once the server w
   released, names a turn that held the lane as it went down. For CLAIM_GRACE after the server's
   start, a taker that gets the lock while such a row stands lets it go and asks again every
   CLAIM_PAUSE (store.py _unreleased, _lock_lane): the holder comes first.
-- retake(): the holder, told its session ended (run/wrapper.py LaneWatch), opens a new session;
+- retake(): the holder, told its session ended (lanewatch.py), opens a new session;
   a changed server start time says it was a restart, and it takes the lock outside the queue.
   The same start time says the server ended the session itself (pg_terminate_backend, a
-  partition's keepalives): that is a release, as it always was.
+  partition's keepalives): that is a release, as it always was. So is a session whose link
+  timed out (a partition seen from the holder's side): lost at once, without asking.
 - reconnect(): a waiter whose session ended connects again and waits on, within its wait.
 """
 
@@ -49,7 +50,12 @@ def retake(store, handle) -> bool | None:
     again (the caller rewrites the row, which renews the claim); False: the server ended
     this session itself (pg_terminate_backend, a partition's keepalives) and kept running --
     the lane stays lost; None: not yet (the server does not answer, or a turn holds the
-    lane). Its claim (CLAIM_GRACE) keeps every other taker off meanwhile: no queue here."""
+    lane). Its claim (CLAIM_GRACE) keeps every other taker off meanwhile: no queue here.
+    A session whose link timed out (handle.cut_off: a partition, or a server host that stopped
+    answering) is lost at once: the server ends it for its silence within the keepalive bound
+    and hands the lane on, and this host cannot tell that from an outage until it can ask."""
+    if handle.cut_off:
+        return False
     before = handle.started
     try:
         store.reopen(handle)

@@ -65,6 +65,7 @@ class PgHandle(LockHandle):
     outlived: object = None  # a killed turn's command still running (outlived.Command)
     started: float | None = None   # the server's start (epoch s) when this session began
     claimed: float | None = None   # seconds left of another turn's claim (the take was let go)
+    cut_off: bool = False          # the session's link timed out (lost(): a partition)
     exists = True                  # a lock row exists as soon as anyone asks
 
     def close(self) -> None:
@@ -601,7 +602,12 @@ class PgStore(LaneStore):
             raise GateUnavailable(f"lane store {redact(self.dsn)}: {first_line(error)}") from None
 
     def lost(self, handle: PgHandle) -> bool:
-        """Has the server ended our session (pg_terminate_backend, restart)? Then the lane is gone."""
+        """Has the server ended our session (pg_terminate_backend, restart)? Then the lane is gone.
+        A link that timed out (this host's keepalives gave up on a server that stopped answering:
+        a partition) is handle.cut_off: the server's keepalives end the session within the same
+        bound, so the lane is someone else's to take even while the server cannot be asked
+        (outage.retake)."""
+        handle.cut_off = _timed_out(handle.fd)
         try:
             self._call(handle, "SELECT 1", ())
             return False
@@ -628,6 +634,26 @@ def _lockers(cursor, key: tuple[int, int]) -> list[tuple]:
         "AND l.classid = %s AND l.objid = %s AND l.objsubid = 2",
         (key[0] & 0xFFFFFFFF, key[1] & 0xFFFFFFFF))
     return cursor.fetchall()
+
+
+def _timed_out(fd: int | None) -> bool:
+    """Did the session's socket fail with ETIMEDOUT (keepalives or tcp_user_timeout gave up),
+    rather than being closed by the server?"""
+    import errno
+    import socket
+
+    if fd is None:
+        return False
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        return sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ETIMEDOUT
+    except OSError:
+        return False
+    finally:
+        sock.close()
 
 
 def _socket(conn) -> int | None:
