@@ -159,6 +159,7 @@ class Turn:
         # (a hand-off can take less than a millisecond, and it was still a wait).
         self._blocked = False
         self._handle = None
+        self._ungated_place = None   # a fail-open turn's handle the store keeps (keeps_place)
         self._key: tuple | None = None
         self._started = 0.0
         self._acquired_at = ""
@@ -483,7 +484,10 @@ class Turn:
                 self.gate.store.append_event(handle, self._event("fail-open", reason=why))
             except RecordNotWritten:   # the one warning above is all a failing gate may say
                 pass
-            self.gate.store.release(handle, {"outcome": "fail_open"})
+            if self.gate.store.keeps_place(handle):
+                self._ungated_place = handle   # let go when the turn ends (release())
+            else:
+                self.gate.store.release(handle, {"outcome": "fail_open"})
             self._settled = True
         self._handle = None
         return self
@@ -493,6 +497,9 @@ class Turn:
         """Let the lane go (idempotent). exit_status is recorded in the holder record and the
         journal; ended, beside it, how a turn that did not finish its work ended, in words (the
         proxy's 'the client hung up mid-answer'), so no view calls it a clean release."""
+        if self.state == FAIL_OPEN and self._ungated_place is not None:
+            place, self._ungated_place = self._ungated_place, None
+            self.gate.store.release(place, {"outcome": "fail_open"})
         if self.state != HELD:
             return
         if self.nested:

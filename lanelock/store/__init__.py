@@ -17,7 +17,7 @@ def for_settings(settings, root):
     if dsn:
         from .pg.store import PgStore
 
-        return PgStore(dsn, float(settings.get("priority_aging")))
+        return PgStore(dsn, float(settings.get("priority_aging")), root)
     from .flock.store import FlockStore
 
     return FlockStore(root, settings.get("journal_max_bytes"),

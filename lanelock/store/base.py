@@ -178,6 +178,12 @@ class LaneStore(ABC):
         turn's outcome for the metrics (count()'s keywords with "outcome"), added where it costs
         the next turn least."""
 
+    def keeps_place(self, handle) -> bool:
+        """After the gate failed a turn open: does the handle still hold something that keeps
+        this machine's turns one at a time (the PostgreSQL store's host lane, when the server
+        cannot be reached)? Then the gate releases it when the turn ends. Default: no."""
+        return False
+
     def watch_fd(self, handle) -> int | None:
         """A descriptor that becomes readable when the store may have taken the lock away from
         its holder (a server ended the session), or None when it cannot (default: a lock that

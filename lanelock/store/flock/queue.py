@@ -138,8 +138,10 @@ class Queue:
             os.close(self.dir_fd)
             self.dir_fd = None
 
-    def join(self, rank: int, facts: dict) -> Ticket:
-        """Queue this turn: its file, locked before it appears (OSError: the queue is broken)."""
+    def join(self, rank: int, facts: dict, arrival: int | None = None) -> Ticket:
+        """Queue this turn: its file, locked before it appears (OSError: the queue is broken).
+        arrival: when it began waiting (CLOCK_MONOTONIC ns; default: now) -- a turn that waited
+        elsewhere and comes back keeps its place."""
         self.open(create=True)
         temp = f".new.{os.getpid()}.{os.urandom(6).hex()}"
         fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
@@ -150,7 +152,7 @@ class Queue:
             os.fchmod(fd, 0o644)
             fcntl.flock(fd, fcntl.LOCK_EX)
             os.write(fd, (json.dumps(facts) + "\n").encode())
-            arrival = time.monotonic_ns()
+            arrival = time.monotonic_ns() if arrival is None else arrival
             entry = Entry(f"{arrival:020d}.{rank}.{os.getpid()}.{os.urandom(4).hex()}", arrival,
                           rank, os.getpid())
             os.rename(temp, entry.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)

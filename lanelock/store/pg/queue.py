@@ -73,11 +73,13 @@ class Entry:
         return order_key(self.rank, self.arrival, self.waited, aging, self.ticket)
 
 
-def join(conn, lane: str, rank: int, facts: dict) -> int:
-    """Queue a turn: its row, visible only once its ticket lock is held."""
+def join(conn, lane: str, rank: int, facts: dict, waited: float = 0.0) -> int:
+    """Queue a turn: its row, visible only once its ticket lock is held. waited: seconds it
+    already waited on its host (hostqueue.py): its arrival is the server's clock minus those."""
     with conn.transaction(), conn.cursor() as cursor:
-        cursor.execute("INSERT INTO lanelock_queue (lane, rank, facts) VALUES (%s, %s, %s) "
-                       "RETURNING ticket", (lane, rank, json.dumps(facts)))
+        cursor.execute("INSERT INTO lanelock_queue (lane, rank, facts, arrival) VALUES "
+                       "(%s, %s, %s, clock_timestamp() - make_interval(secs => %s)) "
+                       "RETURNING ticket", (lane, rank, json.dumps(facts), max(0.0, waited)))
         ticket = cursor.fetchone()[0]
         cursor.execute("SELECT pg_advisory_lock(%s, %s)", key(ticket))
     return ticket

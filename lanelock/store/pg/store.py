@@ -66,6 +66,7 @@ class PgHandle(LockHandle):
     started: float | None = None   # the server's start (epoch s) when this session began
     claimed: float | None = None   # seconds left of another turn's claim (the take was let go)
     cut_off: bool = False          # the session's link timed out (lost(): a partition)
+    local: object = None           # its place on the host lane (hostqueue.Local), or None
     exists = True                  # a lock row exists as soon as anyone asks
 
     def close(self) -> None:
@@ -80,9 +81,11 @@ class PgStore(LaneStore):
     _queue_warned = False   # the one warning of a queue that cannot be used, per process
     _unreachable = False    # this process found the server unreachable (event_handle: no retry)
 
-    def __init__(self, dsn: str, priority_aging: float = DEFAULT_AGING):
+    def __init__(self, dsn: str, priority_aging: float = DEFAULT_AGING, root=None):
         self.dsn = dsn
         self.aging = priority_aging
+        self.root = root      # the lock root of this host's host lanes (hostqueue.py)
+        self._flock = None    # the flock store of those host lanes, once a turn opens one
 
     def problems(self) -> list:
         return []   # `where` does not connect; an unreachable store fails open at the turn
@@ -112,22 +115,63 @@ class PgStore(LaneStore):
         return connect(self.dsn, application_name)
 
     def open(self, lane_obj, *, create: bool = True) -> PgHandle:
+        """A handle with no connection yet: a turn that waits behind another of this host never
+        opens one (hostqueue.py); a try, the host's head and the records connect (connected())."""
         lane = lane_obj.name
+        key = lane_key(lane)
+        handle = PgHandle(None, lane, key, 0, ident=("pg", self.dsn, key))
+        handle.local = self._local(lane)
+        return handle
+
+    def connected(self, handle: PgHandle) -> None:
+        """The handle's own session, opened now when it has none. ServerCrowded: there, and
+        busy (its next connection may be had); GateUnavailable: it cannot be reached."""
+        if handle.conn is not None:
+            return
         try:
-            conn = self.connect(f"lanelock {lane}")
+            conn = self.connect(f"lanelock {handle.lane}")
         except ServerCrowded:
-            raise   # there, and busy: its next connection may be had
+            raise
         except GateUnavailable:
             self._unreachable = True
             raise
-        psycopg = driver()
+        self._unreachable = False
         # The tables only label turns: a schema that cannot be set up (no CREATE privilege) must
         # not decide whether a turn is gated, so its failure shows later, as record warnings.
         ensure_schema(conn)
         backend, started = self._session(conn)
-        key = lane_key(lane)
-        return PgHandle(conn, lane, key, backend, ident=("pg", self.dsn, key), fd=_socket(conn),
-                        started=started)
+        handle.conn, handle.backend_pid, handle.fd, handle.started = \
+            conn, backend, _socket(conn), started
+
+    def disconnect(self, handle: PgHandle) -> None:
+        """Close the handle's session (with it, any lock and ticket it held): a waiter that is
+        not its host's head holds no connection."""
+        if handle.conn is not None:
+            handle.close()
+        handle.conn, handle.fd, handle.held, handle.backend_pid = None, None, False, 0
+
+    def _local(self, lane: str):
+        """The turn's place on this host's host lane, or None (no usable lock root)."""
+        from . import hostqueue
+
+        if self._flock is None:
+            self._flock = hostqueue.flock_store(self._root(), self.aging)
+        return hostqueue.open_local(self._flock, self.dsn, lane)
+
+    def _root(self):
+        from ...paths import Root, default_root
+
+        if self.root is not None:
+            return self.root
+        given = os.environ.get("LANELOCK_DIR")
+        if given:
+            return Root(os.path.abspath(given), "env", "set by LANELOCK_DIR")
+        return default_root()
+
+    def keeps_place(self, handle: PgHandle) -> bool:
+        """A head that could not reach the server keeps its host lane while its turn runs
+        ungated (the gate releases it at the turn's end): one at a time on this host."""
+        return handle.local is not None and handle.local.ungated
 
     def _session(self, conn) -> tuple[int, float]:
         """(backend pid, the server's start in epoch seconds) of a new connection."""
@@ -154,6 +198,27 @@ class PgStore(LaneStore):
         return handle.fd
 
     def try_lock(self, handle: PgHandle, rank: int = 1) -> bool:
+        from . import hostqueue
+
+        local = handle.local
+        if local is None or local.head:
+            return self._try_server(handle, rank)
+        if not hostqueue.try_head(local, rank):
+            return False   # a turn of this host is ahead of this one: busy, with no connection
+        try:
+            self.connected(handle)
+        except ServerCrowded:
+            hostqueue.let_go(local)
+            raise
+        except GateUnavailable as error:
+            raise hostqueue.ungated(local, error) from None
+        try:
+            return self._try_server(handle, rank)
+        finally:
+            hostqueue.let_go(local)
+
+    def _try_server(self, handle: PgHandle, rank: int) -> bool:
+        self.connected(handle)
         if not self._try_lane(handle):
             return False
         # No barging: a free lane is not taken past a queued waiter of this class or higher.
@@ -203,18 +268,35 @@ class PgStore(LaneStore):
         tries (queue.until_taken) -- no statement waits in the server, so none is cancelled
         there (each such cancel was an ERROR in the server's log)."""
         handle.cancelled = True
+        if handle.local is not None:   # a wait on the host lane: its own Event
+            from . import hostqueue
+
+            hostqueue.cancel(handle.local)
 
     # -- waiting in order (store/order.py walks it; line.py is this store's medium) ----------------
     def wait_lock(self, handle: PgHandle, timeout: float | None, cancel=None,
                   rank: int = 1) -> bool:
+        """Behind this host's other waiters on its host lane, then -- as the host's head, its
+        one connection -- in the server's queue (hostqueue.py)."""
+        if handle.local is None:
+            return self.wait_in_server(handle, timeout, cancel, rank)
+        from . import hostqueue
+
+        return hostqueue.wait(self, handle, timeout, cancel, rank)
+
+    def wait_in_server(self, handle: PgHandle, timeout: float | None, cancel=None,
+                       rank: int = 1, waited: float = 0.0) -> bool:
         """In the lane's queue, blocking in the server (never polling) until the lane is ours,
-        timeout seconds pass (None: forever) or the wait is cancelled (cancel_wait). A wait whose
-        session ends (a restart) is an outage, not a release: it connects again and waits on."""
+        timeout seconds pass (None: forever) or the wait is cancelled (cancel_wait). waited: the
+        seconds the turn already waited on its host (its arrival is that much earlier). A wait
+        whose session ends (a restart) is an outage, not a release: it connects again and waits
+        on."""
+        self.connected(handle)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                return order.wait(PgLine(self, handle, self._join(handle, rank)), timeout,
-                                  cancel)
+                return order.wait(PgLine(self, handle, self._join(handle, rank, waited)),
+                                  timeout, cancel)
             except GateUnavailable:
                 if handle.cancelled:
                     return False
@@ -227,13 +309,13 @@ class PgStore(LaneStore):
     def retake(self, handle: PgHandle) -> bool | None:
         return outage.retake(self, handle)
 
-    def _join(self, handle: PgHandle, rank: int) -> int | None:
+    def _join(self, handle: PgHandle, rank: int, waited: float = 0.0) -> int | None:
         """This turn's ticket; None when the queue cannot be used (said once: the wait then
         takes the server's order, as before there was a queue)."""
         try:
             return self._queue_call(handle, pg_queue.join, handle.lane, rank,
                                     {**(handle.asker or {}), "pid": os.getpid(),
-                                     "backend": handle.backend_pid})
+                                     "backend": handle.backend_pid}, waited)
         except GateUnavailable as error:
             if handle.cancelled or ended(handle.conn):
                 raise   # the session is gone, not the queue (wait_lock connects again)
@@ -257,6 +339,7 @@ class PgStore(LaneStore):
 
     def _queue_call(self, handle: PgHandle, function, *args):
         psycopg = driver()
+        self.connected(handle)
         try:
             return function(handle.conn, *args)
         except psycopg.Error as error:
@@ -368,6 +451,11 @@ class PgStore(LaneStore):
                 claim if claim is not None and claim > 0 else None)
 
     def release(self, handle: PgHandle, count: dict | None = None) -> None:
+        local = handle.local
+        if handle.held and local is not None:   # no gap for another host's later waiter
+            from . import hostqueue
+
+            hostqueue.await_next_head(local, lambda: self._host_queued(handle))
         # Only a lock this session holds: a turn that deflected or gave its wait up holds none,
         # and the server warns of every unlock of a lock not held ("you don't own a lock").
         if handle.held:
@@ -378,9 +466,31 @@ class PgStore(LaneStore):
         # The count after the unlock, on the same connection: the next turn starts while this
         # one counts (the hand-off waits for no bookkeeping), and it is counted before release
         # returns.
-        if count is not None:
+        if count is not None and handle.conn is not None:
             self._add_count(handle.conn, handle.lane, dict(count))
+        elif count is not None and not self._unreachable:   # a waiter that never connected
+            self._count_apart(handle.lane, dict(count))
         handle.close()
+        if local is not None:
+            local.close()
+
+    def _host_queued(self, handle: PgHandle) -> bool:
+        """Is a turn of this host in the lane's server queue (its head joined)?"""
+        try:
+            return any(entry.here() for entry in
+                       self._queue_call(handle, pg_queue.live, handle.lane))
+        except GateUnavailable:
+            return True   # nothing to wait for that can be seen
+
+    def _count_apart(self, lane: str, count: dict) -> None:
+        try:
+            conn = self.connect(f"lanelock count {lane}")
+        except GateUnavailable:
+            return
+        try:
+            self._add_count(conn, lane, count)
+        finally:
+            conn.close()
 
     def count(self, lane, outcome: str, **facts) -> None:
         try:
@@ -488,7 +598,8 @@ class PgStore(LaneStore):
         """Facts for one lane (or every lane the store knows): pg_locks joined with
         pg_stat_activity is the truth; the holder row only labels it. handle: read through the
         turn's own connection (a deflection asks on the busy path: no second connection)."""
-        own = handle is None or lane is None
+        # a handle with no session (a waiter behind another of its host): a short one of its own
+        own = handle is None or lane is None or handle.conn is None
         conn = self.connect("lanelock status") if own else handle.conn
         try:
             if own:
@@ -536,6 +647,11 @@ class PgStore(LaneStore):
             facts.queue = pg_queue.describe(conn, lane, self.aging)
         except driver().Error:
             facts.queue = []   # no queue table (no CREATE privilege): nobody queues here
+        from . import hostqueue
+
+        # the waiters of this host still on its host lane (only its head is in the server's)
+        facts.queue = hostqueue.merged(facts.queue, hostqueue.local_rows(
+            self._root().path, self.dsn, lane, self.aging))
         record, problem = self.holder_row(conn, key, lane)
         facts.record, facts.record_problem = record, problem
         facts.record_absent = problem == NO_ROW
@@ -617,6 +733,10 @@ class PgStore(LaneStore):
 
     def _call(self, handle: PgHandle, sql: str, params, fetch: bool = True):
         psycopg = driver()
+        if handle.conn is None:   # a turn that never connected (it waited on its host): now
+            if self._unreachable:
+                raise GateUnavailable(f"cannot reach the lane store {redact(self.dsn)}")
+            self.connected(handle)
         try:
             with handle.conn.cursor() as cursor:
                 cursor.execute(sql, params)
