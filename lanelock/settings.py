@@ -198,7 +198,9 @@ TABLE = (
             help="The local engine: HOST:PORT, [V6]:PORT or URL."),
     Setting("lock_dir", flags=("--lock-dir",), env="LANELOCK_DIR", check=_lock_dir, metavar="DIR",
             shown="computed", safe=False,
-            help="Lock root, an absolute path (system file only; default /run/lock/lanelock)."),
+            help="Lock root, an absolute path (default /run/lock/lanelock). Of the config files, only "
+                 "the system config file (/etc/lanelock/config.toml) may set it: a root of one "
+                 "user's own would be a second gate."),
     Setting("model", flags=("--model", "-m"), env="LANELOCK_MODEL", check=_text, metavar="NAME",
             help="Model label."),
     Setting("session", flags=("--session", "-s"), env="LANELOCK_SESSION", check=_text,
@@ -206,7 +208,7 @@ TABLE = (
             help="Session label (default user@tty or user@cron)."),
     Setting("key_by", flags=("--key-by",), kind="key-by", default="backend",
             check=_choice("backend", "model"),
-            help="Key the lane on the backend (default) or backend+model."),
+            help="Key the lane on the backend or on backend+model."),
     Setting("store", flags=("--store",), env="LANELOCK_STORE", kind="store", check=store_problem,
             metavar="URL", shown="flock under the lock root", safe=False,
             help="postgresql://... lane store for several hosts (default: flock under the lock "
@@ -216,12 +218,13 @@ TABLE = (
             help="Force gating on or off, whatever the backend's classification."),
     Setting("wait", flags=("--wait", "-w"), kind="optional-seconds", default=0, check=_seconds,
             read=_seconds_read, metavar="[SECONDS]",
-            help="Block in the kernel until the lane is free (up to SECONDS), then fall back."),
+            help="Wait in the lane's queue up to SECONDS (90, 500ms, 5m) for the lane, then fall back; "
+                 "a bare --wait waits for ever."),
     Setting("busy_exit_code", flags=("--busy-exit-code", "-E"), kind="exit", default=exitcodes.BUSY,
             check=_exit_code, metavar="N", help="Exit status when busy and no fallback ran."),
     Setting("priority", flags=("--priority",), env="LANELOCK_PRIORITY", kind="priority",
             default=DEFAULT_CLASS, check=_class, read=_class_read, metavar="CLASS",
-            help="Who goes first among waiting turns: interactive, normal (default) or batch."),
+            help="Who goes first among waiting turns: interactive, normal or batch."),
     Setting("priority_aging", env="LANELOCK_PRIORITY_AGING", default=DEFAULT_AGING,
             check=_seconds, read=_seconds_read,
             help="Seconds a waiting turn's class takes to rise one step (nobody starves; 0: "
@@ -234,7 +237,7 @@ TABLE = (
     Setting("on_lost", flags=("--on-lost",), kind="on-lost", default="continue",
             check=_choice("continue", "stop"), metavar="WHAT",
             help="When the lane store takes the lane away for good mid-turn (a PostgreSQL session "
-                 "ended, not a restart): continue (default) or stop the command (exit 75)."),
+                 "ended, not a restart): continue, or stop the command (exit 75)."),
     Setting("journal_max_bytes", default=JOURNAL_MAX_BYTES, check=_journal_bytes,
             help="Rotate the journal past this size."),
     Setting("chains", check=_chains, shown="none",

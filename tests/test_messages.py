@@ -252,3 +252,15 @@ def test_a_proxy_on_a_port_in_use_says_so_with_its_own_status(lanelock):
         taken.close()
     assert result.returncode == 69, result
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in one_line(result)
+
+
+# -- what `run --help` says of its options -----------------------------------------------------------
+def test_run_help_says_what_a_bare_wait_and_the_lock_dir_do(lanelock):
+    """A newcomer read "(up to SECONDS)" and never learnt that a bare --wait waits for ever, and
+    read "(system file only)" as a riddle; a default is said once, not twice."""
+    text = " ".join(lanelock("run", "--help").stdout.split())
+    assert "a bare --wait waits for ever" in text, text
+    assert "only the system config file (/etc/lanelock/config.toml) may set it" in text, text
+    assert "system file only" not in text
+    for doubled in ("(default) or", "normal (default)", "continue (default)"):
+        assert doubled not in text, doubled
