@@ -28,6 +28,12 @@ if TYPE_CHECKING:
     from .gate import Turn
 
 
+# Why a lane is lost for good, in words: the server ended the session itself, or the link to it
+# timed out (a partition: the server's keepalives end the session within the same bound).
+ENDED = "the lane store ended this turn's session"
+CUT_OFF = "the link to the lane store timed out, and the lane store ends its session for that"
+
+
 class Words:
     """What a watched turn says, and how often, while its lane is lost (`run`'s lines: the
     proxy has its own, proxy/app.py). None: nothing said."""
@@ -38,10 +44,10 @@ class Words:
     def __init__(self, stop: bool = False):
         self.stop = stop
 
-    def lost(self, lane: str) -> str | None:
+    def lost(self, lane: str, why: str = ENDED) -> str | None:
         then = ("stopping the command (--on-lost stop)" if self.stop else
                 "the command goes on, no longer gated")
-        return f"lane {lane} lost: the lane store ended this turn's session; {then}"
+        return f"lane {lane} lost: {why}; {then}"
 
     def pending(self, lane: str, seconds: float) -> str | None:
         return (f"lane {lane} lost: the lane store's session ended {seconds:.0f} s ago; the "
@@ -113,7 +119,8 @@ class LaneWatch:
                 return True
             if got is False:
                 self.gone = True
-                self._say(self.words.lost(lane))
+                cut_off = getattr(turn.handle, "cut_off", False)   # a store's handle may say
+                self._say(self.words.lost(lane, CUT_OFF if cut_off else ENDED))
                 if self.on_lost is not None:
                     self.on_lost()
                 return False

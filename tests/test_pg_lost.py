@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, environ, read_line, wait_for
+from conftest import LANELOCK, TIMEOUT, Server, environ, read_line, wait_for
+from netns import namespace, reachable_server  # noqa: F401 - fixtures
 
 pg_server = pytest.importorskip("pg_server")
 psycopg = pytest.importorskip("psycopg")
@@ -183,8 +184,6 @@ def engine(procs, tmp_path):
 
 
 def start_proxy(procs, store: str, engine_port: int):
-    from conftest import Server
-
     return Server(procs, [*LANELOCK, "proxy", "--listen", "127.0.0.1:0", "--store", store,
                           "-b", f"127.0.0.1:{engine_port}"], LISTENING)
 
@@ -303,3 +302,83 @@ def lane_waiters(dsn: str) -> int:
 
     return sql(dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND "
                     "mode = 'ExclusiveLock' AND classid = %s", QUEUE_NAMESPACE)[0][0]
+
+
+# -- a partition ---------------------------------------------------------------------------------
+# The holding client of the partition test: one streamed request; "first" once its first event is
+# in, then "whole" or "cut ERROR" when the answer ends.
+CLIENT = r"""
+import http.client, json, sys
+
+conn = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=120)
+conn.request("POST", "/v1/chat/completions",
+             json.dumps({"model": "m", "stream": True, "messages": []}),
+             {"Content-Type": "application/json"})
+response = conn.getresponse()
+print("first", response.status, response.getheader("X-Lanelock-State"), flush=True)
+response.readline()
+try:
+    while response.read(65536):
+        pass
+    print("whole", flush=True)
+except Exception as error:
+    print("cut", type(error).__name__, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_partition_cuts_the_proxys_request_stops_an_on_lost_stop_turn_and_the_default_goes_on(
+        namespace, reachable_server, procs, tmp_path):
+    """The holders' host is cut off from the server (its link down: no FIN, no RST): each one's
+    socket times out as the server's keepalives end its session (about 11 s) -- the lane is lost
+    for good, not an outage to wait out, and the lane is free on the server for other hosts."""
+    import sys
+
+    store = f"postgresql://postgres@{namespace.host_ip}:{reachable_server.port}/postgres"
+    here = ["ip", "netns", "exec", namespace.name]
+    finish = tmp_path / "finish"
+    engine = procs.start([*here, sys.executable, "-c", ENGINE, str(finish)],
+                         stdout=subprocess.PIPE)
+    engine_port = int(read_line(engine.stdout))
+    proxy = Server(procs, [*here, *LANELOCK, "proxy", "--listen", "127.0.0.1:0", "--store",
+                           store, "-b", f"127.0.0.1:{engine_port}"], LISTENING)
+    client = procs.start([*here, sys.executable, "-c", CLIENT, str(proxy.port)],
+                         stdout=subprocess.PIPE)
+    assert read_line(client.stdout).split() == ["first", "200", "held"]
+    noted = tmp_path / "noted"
+    stopping = procs.start([*here, *LANELOCK, "run", "--store", store, "-b", "localhost:7044",
+                            "--on-lost", "stop", "--", "sh", "-c", STOPPABLE, "sh", str(noted)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ())
+    going_on = procs.start([*here, *LANELOCK, "run", "--store", store, "-b", "localhost:7045",
+                            "--", "sh", "-c", "echo ready; read go; exit 4"],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env=environ())
+    assert read_line(stopping.stdout) == "ready\n" and read_line(going_on.stdout) == "ready\n"
+    assert len(lane_holders(reachable_server.dsn)) == 3
+
+    namespace.cut()
+    cut_at = time.monotonic()
+
+    assert read_line(client.stdout, TIMEOUT).split()[0] == "cut"   # no [DONE]: the answer cut
+    assert stopping.wait(timeout=TIMEOUT) == 75
+    assert noted.read_text() == "stopped\n"
+    warning = read_line(going_on.stderr, TIMEOUT)
+    took = time.monotonic() - cut_at
+    assert "lost: the link to the lane store timed out" in warning and \
+        "the command goes on, no longer gated" in warning, warning
+    said = stopping.stderr.read().decode()
+    assert said.count("lost: the link to the lane store timed out") == 1 and \
+        "stopping the command (--on-lost stop)" in said, said
+    proxy.said("lost mid-request")
+    assert len(proxy_lines(proxy, "lost mid-request")) == 1, proxy.log()
+    wait_for(lambda: lane_holders(reachable_server.dsn) == [], "the server to let the lanes go")
+    print(f"lost {took:.1f} s after the cut")
+
+    # The link back: the default turn's command ends with its own status, its loss journaled.
+    subprocess.run(["ip", "link", "set", namespace.outer, "up"], check=True, timeout=TIMEOUT)
+    going_on.stdin.write(b"go\n")
+    going_on.stdin.close()
+    assert going_on.wait(timeout=TIMEOUT) == 4
+    lost = [event for event in history(reachable_server.dsn, "localhost:7045")
+            if event.get("event") == "lost"]
+    assert len(lost) == 1 and lost[0]["ungated"] > 0, lost

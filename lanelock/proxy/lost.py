@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ..lanewatch import Words
+from ..lanewatch import ENDED, Words
 from .relay import CUT
 
 REASON_LOST = "lane_lost"
@@ -35,9 +35,9 @@ class ProxyWords(Words):
         super().__init__()
         self.what = f"{method} {path[:200]}"
 
-    def lost(self, lane: str) -> str | None:
-        return (f"proxy: lane {lane} lost mid-request ({self.what}): the lane store ended its "
-                "session; the request is cut (the engine's connection closed)")
+    def lost(self, lane: str, why: str = ENDED) -> str | None:
+        return (f"proxy: lane {lane} lost mid-request ({self.what}): {why}; the request is cut "
+                "(the engine's connection closed)")
 
     def pending(self, lane: str, seconds: float) -> str | None:
         return None

@@ -757,10 +757,13 @@ def _lockers(cursor, key: tuple[int, int]) -> list[tuple]:
 
 
 def _timed_out(fd: int | None) -> bool:
-    """Did the session's socket fail with ETIMEDOUT (keepalives or tcp_user_timeout gave up),
-    rather than being closed by the server?"""
+    """Did the session's socket fail because the link gave up (ETIMEDOUT: keepalives or
+    tcp_user_timeout; no route or network on the way), rather than being closed by the server?"""
     import errno
     import socket
+
+    given_up = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN,
+                errno.ENETDOWN)
 
     if fd is None:
         return False
@@ -769,7 +772,7 @@ def _timed_out(fd: int | None) -> bool:
     except OSError:
         return False
     try:
-        return sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ETIMEDOUT
+        return sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) in given_up
     except OSError:
         return False
     finally:
