@@ -419,3 +419,16 @@ def test_config_set_mends_a_file_with_a_bad_value(lanelock, config_files):
     assert user.read_text() == '# mine\npriority = "batch"\n'
     done = lanelock("config", "show")
     assert done.returncode == 0 and done.stderr == "", done
+
+
+def test_config_show_aligns_its_columns_whatever_the_longest_key(lanelock):
+    """proxy_session_header (20 characters) pushed its value out of an 18-character column."""
+    shown = lanelock("config", "show")
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    values = {line.split()[1] for line in lines}
+    starts = {len(line) - len(line[len(line.split()[0]):].lstrip()) for line in lines}
+    assert len(starts) == 1, lines
+    comments = {line.index(" # ") for line in lines if len(line.split()[1]) <= 40}
+    assert len(comments) == 1, lines
+    assert values

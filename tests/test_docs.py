@@ -119,3 +119,35 @@ def test_help_works_for_every_command():
         result = subprocess.run([sys.executable, "-m", "lanelock", *path, "-h"],
                                 capture_output=True, text=True)
         assert result.returncode == 0 and "Usage:" in result.stdout
+
+
+def man_section(title: str) -> str:
+    text = man_text()
+    start = text.index(f"\n.SH {title}\n")
+    end = text.find("\n.SH ", start + 1)
+    return text[start:end if end >= 0 else None]
+
+
+def test_every_config_key_is_documented_with_its_type_default_and_readers():
+    """The config file's keys were explained only by an error message: the man page's
+    CONFIGURATION lists each key the settings table knows, with its type, default and readers."""
+    from lanelock.settings import TABLE
+
+    section = man_section("CONFIGURATION")
+    entries = dict(re.findall(r"\n\.TP\n\.B (\w+)\n(.*?)(?=\n\.TP\n|\n\.SS |\Z)", section, re.S))
+    for setting in TABLE:
+        assert setting.name in entries, f"config key {setting.name} missing from CONFIGURATION"
+        words = " ".join(entries[setting.name].split())
+        assert re.search(r"\b(string|number|seconds|integer|list|table|one of)\b", words, re.I), \
+            f"{setting.name}: no type in {words!r}"
+        assert "Default" in words, f"{setting.name}: no default in {words!r}"
+        assert "Read by" in words, f"{setting.name}: no reader in {words!r}"
+    assert set(entries) <= {setting.name for setting in TABLE}, set(entries)
+    example = re.search(r"\n\.nf\n(\[\[chains\..*?)\n\.fi\n", section, re.S).group(1)
+    import tomllib
+
+    from lanelock.settings import validate
+
+    chains = tomllib.loads(example.replace("\n.PP\n", "\n\n"))["chains"]
+    assert validate("chains", chains) is None, example
+    assert [entry.get("backend") for entry in chains["cloud"]] == ["192.168.1.50:8080", None]

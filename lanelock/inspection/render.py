@@ -371,6 +371,12 @@ def config(data: dict, as_json: bool) -> None:
         warn(note)
     if as_json:
         return emit_json(data)
-    for key, row in data["settings"].items():
-        value = json.dumps(row["value"]) if not isinstance(row["value"], str) else row["value"]
-        sys.stdout.write(f"{key:<18} {sanitize(value, 200):<40} # {sanitize(row['source'], 200)}\n")
+    rows = [(key, sanitize(row["value"] if isinstance(row["value"], str) else
+                           json.dumps(row["value"]), 200), sanitize(row["source"], 200))
+            for key, row in data["settings"].items()]
+    # Columns as wide as the longest key and the longest value up to 40 (a longer one pushes only
+    # its own comment along).
+    keys = max((len(key) for key, _, _ in rows), default=0)
+    values = max((len(value) for _, value, _ in rows if len(value) <= 40), default=0)
+    for key, value, source in rows:
+        sys.stdout.write(f"{key:<{keys}} {value:<{values}} # {source}\n")
