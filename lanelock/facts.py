@@ -96,15 +96,41 @@ def hostname() -> str:
     return _CACHE["hostname"]
 
 
-def default_session() -> str:
-    """user@tty for a person at a terminal; user@cron when there is no controlling terminal."""
+# Programs that only pass a turn on: the label names whoever started them.
+PASSERS = frozenset({"sh", "bash", "dash", "zsh", "fish", "ksh", "mksh", "busybox", "env", "nice",
+                     "nohup", "setsid", "timeout", "stdbuf", "ionice", "chrt", "taskset", "time",
+                     "flock", "xargs", "sudo", "su", "runuser", "lanelock"})
+SCHEDULERS = frozenset({"cron", "crond", "anacron", "atd", "fcron"})
+ANCESTORS = 16   # how far up the tree a label is looked for
+
+
+def default_session(starter: int | None = None) -> str:
+    """user@tty for a person at a terminal. Without a terminal: user@NAME/PID of the program
+    that started the turn -- starter (`run` gives its parent), else this process -- passing over
+    shells and the like (an agent's tool call runs through `sh -c`), so two agents are two
+    sessions; user@cron when that is a scheduler (or nothing but passers up to init)."""
+    user = user_name()
     for fd in (0, 1, 2):
         try:
-            return f"{user_name()}@{os.ttyname(fd).removeprefix('/dev/')}"
+            return f"{user}@{os.ttyname(fd).removeprefix('/dev/')}"
         except OSError:
             continue
     try:
         os.close(os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY | os.O_CLOEXEC))
-        return f"{user_name()}@tty"
+        return f"{user}@tty"
     except OSError:
-        return f"{user_name()}@cron"
+        pass
+    from .proc import name, proc_stat
+
+    pid = os.getpid() if starter is None else starter
+    for _ in range(ANCESTORS):
+        called = name(pid)
+        if called is None or pid <= 1 or called in SCHEDULERS:
+            break
+        if called not in PASSERS:
+            return f"{user}@{called}/{pid}"
+        found = proc_stat(pid)
+        if found is None:
+            break
+        pid = found[0]
+    return f"{user}@cron"

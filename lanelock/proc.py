@@ -35,6 +35,16 @@ def proc_stat(pid: int) -> tuple[int, int] | None:
         return None
 
 
+def name(pid: int) -> str | None:
+    """The process's name as the kernel keeps it (/proc/PID/comm: the executable's or script's
+    base name, 15 bytes at most), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as handle:
+            return handle.read().rstrip(b"\n").decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None
+
+
 def start_ticks(pid: int) -> int | None:
     found = proc_stat(pid)
     return found[1] if found else None

@@ -204,8 +204,9 @@ TABLE = (
     Setting("model", flags=("--model", "-m"), env="LANELOCK_MODEL", check=_text, metavar="NAME",
             help="Model label."),
     Setting("session", flags=("--session", "-s"), env="LANELOCK_SESSION", check=_text,
-            metavar="LABEL", shown="user@tty, or user@cron without a terminal",
-            help="Session label (default user@tty or user@cron)."),
+            metavar="LABEL", shown="user@tty; without a terminal user@PROGRAM/PID of the turn's starter, or user@cron",
+            help="Session label (default user@tty; without a terminal user@PROGRAM/PID of the "
+                 "program that started the turn, or user@cron)."),
     Setting("key_by", flags=("--key-by",), kind="key-by", default="backend",
             check=_choice("backend", "model"),
             help="Key the lane on the backend or on backend+model."),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import shlex
 import signal
@@ -918,9 +919,39 @@ def test_an_ignored_sigint_stays_ignored_for_the_child(procs):
     assert out.strip() == "True"
 
 
-def test_the_session_label_defaults_to_cron_without_a_terminal(lanelock):
-    result = lanelock("run", "--", "printenv", "LANELOCK_SESSION")
-    assert result.stdout.strip().endswith("@cron")
+AGENT = """#!{python}
+import os, subprocess, sys
+lanelock = [sys.executable, "-m", "lanelock", "run", "--", "printenv", "LANELOCK_SESSION"]
+if sys.argv[1:] == ["shell"]:   # through a shell and env, as agents' tool calls run
+    lanelock = ["sh", "-c", 'env "$@"', "sh", *lanelock]
+said = subprocess.run(lanelock, stdout=subprocess.PIPE, text=True).stdout.strip()
+print(os.getpid(), said)
+"""
+
+
+@pytest.mark.parametrize("how", ["direct", "shell"])
+def test_without_a_terminal_the_session_names_the_program_that_started_the_turn(how, run_cmd,
+                                                                               tmp_path):
+    """Agents without a terminal were all 'root@cron': the label names the program that started
+    the turn (shells and env passed over) and its pid, as a terminal's label names the terminal."""
+    agent = tmp_path / "myagent"
+    agent.write_text(AGENT.format(python=sys.executable))
+    agent.chmod(0o755)
+    done = run_cmd([str(agent), how])   # no terminal: procs starts it in a session of its own
+    pid, said = done.stdout.split()
+    assert said == f"{pwd.getpwuid(os.getuid()).pw_name}@myagent/{pid}", done
+
+
+def test_a_turn_that_cron_started_is_labelled_cron(run_cmd, tmp_path):
+    cron = tmp_path / "cron"   # a program named cron, as the daemon's child sees its parent
+    cron.write_text(f"#!/bin/sh\nsh -c '{sys.executable} -m lanelock run -- printenv "
+                    "LANELOCK_SESSION; true'\ntrue\n")
+    cron.chmod(0o755)
+    done = run_cmd([str(cron)])
+    assert done.stdout.strip() == f"{pwd.getpwuid(os.getuid()).pw_name}@cron", done
+
+
+def test_the_session_label_can_be_given(lanelock):
     labelled = lanelock("run", "-s", "chat-1", "--", "printenv", "LANELOCK_SESSION")
     assert labelled.stdout.strip() == "chat-1"
     from_env = lanelock("run", "--", "printenv", "LANELOCK_SESSION", env={"LANELOCK_SESSION": "env-1"})

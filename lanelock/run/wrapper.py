@@ -9,9 +9,11 @@ runner.py), before anything else is done.
 from __future__ import annotations
 
 import errno
+import os
 
 from .. import exitcodes, lanes
 from ..errors import GateUntrusted, UsageProblem
+from ..facts import default_session
 from ..gate import DEFLECTED, HELD, UNGATED, Gate, Turn, busy_sentence
 from ..holder import words as holder_words
 from ..say import Say
@@ -29,7 +31,10 @@ class Options:
     """How one `lanelock run` behaves, resolved (a plain class: the run path avoids dataclasses)."""
 
     def __init__(self, request: Request, settings: Settings, fallbacks: list[Entry]):
-        self.session, self.model = request.session, request.model
+        # Without a label, the turn is named for whoever started `lanelock run` (facts.py): this
+        # process is only the wrapper.
+        self.session = request.session or settings.get("session") or default_session(os.getppid())
+        self.model = request.model
         wait = settings.get("wait")
         self.wait = None if wait == float("inf") else float(wait or 0.0)
         self.fallbacks = fallbacks
