@@ -32,6 +32,8 @@ __all__ = ["Gate", "Turn", "describe_holder", "HELD", "DEFLECTED", "UNGATED", "F
 HELD, DEFLECTED, UNGATED, FAIL_OPEN, RELEASED = "held", "deflected", "ungated", "fail-open", "released"
 CANCELLED = "cancelled"   # an asyncio turn whose task was cancelled while it waited
 REASON_BUSY = "local_backend_busy"
+# How long a lost turn's release asks a server that does not answer to journal its overlap.
+LOST_JOURNAL_WITHIN = 4.0
 BUSY_WORDS = "local model in use by another session"
 
 
@@ -154,6 +156,10 @@ class Turn:
         self.nested = False
         self.lost = False      # the store took the lane away mid-turn (PostgreSQL session ended)
         self.ungated = 0.0     # seconds this held turn's lane was lost before it took it back
+        self.fence: int | None = None   # the store's generation of this turn (store.write_holder)
+        self._lost_at: float | None = None   # time.time() the lane was lost, while not back
+        self._lost_for_good = False   # the store ended the session itself: never taken back
+        self._took_over: dict | None = None   # the turn before, which never released (_taken_from)
         self.waited = 0.0
         # True once the turn blocked in the store's wait: 'waited' is that fact, not a duration
         # (a hand-off can take less than a millisecond, and it was still a wait).
@@ -206,6 +212,8 @@ class Turn:
         if self.state == HELD and self.token is not None:
             env[handover.VARIABLE] = handover.with_token(inherited, self.token)
             env["LANELOCK_HELD"] = self.lock_path   # which lock, for the command's own use
+            if self.fence is not None:   # for a tool that refuses a stale holder's requests
+                env["LANELOCK_FENCE"] = str(self.fence)
         elif inherited:
             env[handover.VARIABLE] = inherited
         return env
@@ -406,7 +414,7 @@ class Turn:
         self._handle = None
         self.state, self.nested = HELD, True
         if outer is not None:
-            self.token = outer.token
+            self.token, self.fence = outer.token, outer.fence
 
     def _held(self, handle, ident) -> "Turn":
         self.state, self._key = HELD, ident
@@ -416,17 +424,23 @@ class Turn:
         now = time.time()
         self._acquired_at = utc_now(now)
         _debug_pause("after-acquire")
+        self._took_over = _taken_from(getattr(handle, "unreleased", None), self.token)
         # The record is written before the caller runs anything: whoever sees the command
         # running must also find who runs it.
         self._write_record(self._record())
+        self.fence = getattr(handle, "fence", None)
         # Who holds, precisely enough for `history` to tell a live turn from a killed one.
         events = [self._event("acquired", at=(now, self._acquired_at),
                               start_ticks=own_start_ticks(), boot_id=boot_id(),
                               hostname=hostname(), priority=self.priority,
+                              **({"fence": self.fence} if self.fence is not None else {}),
                               **holder_facts.command_fields(self._command))]
         if self._had_to_wait:
             events.insert(0, self._event("waited", at=(now, self._acquired_at),
                                          waited=round(self.waited, 6), priority=self.priority))
+        if self._took_over is not None:   # it may still run: history says the overlap
+            events.append(self._event("took-over", at=(now, self._acquired_at),
+                                      fence=self.fence, **{"from": self._took_over}))
         self._log(*events)
         return self
 
@@ -519,16 +533,56 @@ class Turn:
                 self.gate.warn(f"the holder record's release was not written: {error}")
             self._log(self._event("released", at=(now, fields["released_at"]),
                                   duration=duration, exit_status=exit_status, **ending))
+        else:   # it ran ungated from the loss to now: said on its side too (the taker's)
+            self._journal_lost(duration, exit_status, ended)
         _debug_pause("during-release")
         _HELD_HERE.pop(self._key, None)
         waited = self.waited if self._had_to_wait else None
         count = None if self.lost else {"outcome": "waited" if waited is not None else "local",
                                         "held": duration, "waited": waited,
-                                        "priority": self.priority}
+                                        "priority": self.priority,
+                                        **({"ungated": round(self.ungated, 3)}
+                                           if self.ungated else {})}
         self._settled = True
         self.gate.store.release(handle, count)
         self._handle = None
         self.state = RELEASED
+
+    def _journal_lost(self, duration: float, exit_status: int | None, ended: str | None) -> None:
+        """A turn whose lane was lost and not taken back ran ungated from the loss to its end:
+        its 'lost' event (those seconds, its fence) and the ungated count, through a connection
+        of its own (its session is gone). A server that does not answer now is asked again for
+        LOST_JOURNAL_WITHIN at most (plus one connect timeout): the exit is never held longer,
+        and a line says what was not written."""
+        now = time.time()
+        lost_at = self._lost_at if self._lost_at is not None else now
+        ungated = round(max(0.0, now - lost_at), 3)
+        event = self._event("lost", at=(now, utc_now(now)), lost_at=utc_now(lost_at),
+                            lost_ts=round(lost_at, 6), ungated=ungated, duration=duration,
+                            exit_status=exit_status, fence=self.fence,
+                            how="ended" if self._lost_for_good else "unreachable",
+                            **({"ended": ended} if ended else {}))
+        store = self.gate.store
+        deadline, tries = time.monotonic() + LOST_JOURNAL_WITHIN, 0
+        while True:
+            handle = store.event_handle(self.gate.lane, again=tries > 0)
+            if handle is not None:
+                try:
+                    store.append_event(handle, event)
+                except RecordNotWritten as error:
+                    store.release(handle)
+                    self.gate.warn(f"the lost lane's {ungated:.1f} s ungated were not "
+                                   f"journaled: {error}")
+                    return
+                store.release(handle, {"outcome": None, "ungated": ungated})
+                return
+            pause = backoff(tries)
+            if time.monotonic() + pause >= deadline:
+                self.gate.warn(f"the lost lane's {ungated:.1f} s ungated were not journaled: "
+                               "the lane store does not answer")
+                return
+            tries += 1
+            time.sleep(pause)
 
     @property
     def _had_to_wait(self) -> bool:
@@ -556,14 +610,18 @@ class Turn:
         not yet (ask again)."""
         if self.state != HELD or self.nested or self._handle is None:
             return False
+        if self._lost_at is None:
+            self._lost_at = lost_at
         try:
             got = self.gate.store.retake(self._handle)
         except GateUnavailable:
             got = None
+        if got is False:
+            self._lost_for_good = True
         if not got:
             return got
         now = time.time()
-        self.lost = False
+        self.lost, self._lost_at = False, None
         self.ungated += now - lost_at
         self._write_record(self._record())
         self._log(self._event("regained", at=(now, utc_now(now)), lost_at=utc_now(lost_at),
@@ -639,6 +697,8 @@ class Turn:
             stopped_at=self._stopped_at, labels=self.labels, command=self._command)
         if self.ungated:   # the lane was lost (a store restart) and taken back: for how long
             record["ungated_seconds"] = round(self.ungated, 3)
+        if self._took_over is not None:   # from a turn that never let go: it may run on
+            record["took_over"] = self._took_over
         return record
 
     def _event(self, event: str, at: tuple[float, str] | None = None, **extra) -> dict:
@@ -679,6 +739,16 @@ def _debug_pause(step: str) -> None:
         import signal
 
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _taken_from(record, token: str | None) -> dict | None:
+    """Who held the lane before this turn and never released it (its session ended: lost, or
+    killed), from its row: enough for history to find its 'lost' event (turn) and for a
+    resource to tell its requests from this turn's (fence)."""
+    if not isinstance(record, dict) or record.get("turn") in (None, token):
+        return None
+    return {name: record[name] for name in ("turn", "fence", "pid", "hostname", "session",
+                                            "acquired_at") if record.get(name) is not None}
 
 
 def describe_holder(gate: Gate, handle) -> dict:

@@ -8,7 +8,11 @@ journal's deflection, which says neither, reads as deflected. The timeline divid
 60 one-minute cells: local (held), deflected, busy, or idle.
 
 A local turn ends with its `released` event. One without (its holder was kill -9'd, or still runs)
-is judged by its holder: still running is "holding", gone is "died". A died turn never said when
+is judged by its holder: still running is "holding", gone is "died". One whose store session
+ended under it (a PostgreSQL partition, pg_terminate_backend) ends with its `lost` event instead:
+it ran ungated from the loss to its end, beside the turn that then took the lane -- whose
+`took-over` event names it (turn, fence). The overlap of the two is the lost turn's end less the
+taker's start; until the lost turn's `lost` event is journaled it is "still running". A died turn never said when
 it ended, so it counts in neither the longest hold nor busy: stretched to the next line of the
 journal, one killed 1 s turn once read as "longest hold 10.4 s; busy 100%". What is known of its
 end is an upper bound: the next turn that took the lane (one holder at a time: the kernel had
@@ -24,7 +28,7 @@ from .. import duration
 
 LOCAL, DEFLECTED, BUSY, IDLE, UNSEEN = "local", "deflected", "busy", "idle", "unseen"
 # How a local turn ended (its `acquired` event's "ended"); see the module docstring.
-RELEASED, DIED, HOLDING, UNKNOWN = "released", "died", "holding", "unknown"
+RELEASED, DIED, HOLDING, UNKNOWN, LOST = "released", "died", "holding", "unknown", "lost"
 
 
 class SinceError(ValueError):
@@ -59,6 +63,7 @@ def from_events(events: list[dict], bad: int, now: float | None = None) -> dict:
     events = _settle(events)
     _mark_way_back(events)
     _mark_endings(events, time.time() if now is None else now)
+    _mark_lost(events)
     return {"events": events, "unreadable_lines": bad, "summary": summarise(events)}
 
 
@@ -133,6 +138,32 @@ def _mark_endings(events: list[dict], now: float) -> None:
                 _mark_still_running(start)
 
 
+def _mark_lost(events: list[dict]) -> None:
+    """A lost turn's acquired event ends with its `lost` event (ended "lost", held to its end);
+    each `took-over` event gets the overlap with the turn it took the lane from: "overlap" in
+    seconds (that turn's end less this one's start), or None while that turn has not said its
+    end ("overlap_open": "still running", or "died" when it was judged dead)."""
+    turns = {e.get("turn"): e for e in events if e["event"] == "acquired" and e.get("turn")}
+    ends = {e.get("turn"): e for e in events if e["event"] == "lost" and e.get("turn")}
+    for turn, lost in ends.items():
+        start = turns.get(turn)
+        if start is not None:
+            duration = _number(lost.get("duration"))
+            start.update(ended=LOST, ended_before=None, ungated=_number(lost.get("ungated")),
+                         held=round(duration if duration is not None else lost["ts"] - start["ts"],
+                                    6))
+    for taker in (e for e in events if e["event"] == "took-over"):
+        before = taker.get("from") if isinstance(taker.get("from"), dict) else {}
+        lost = ends.get(before.get("turn"))
+        if lost is not None:
+            taker["overlap"], taker["overlap_open"] = round(max(0.0, lost["ts"] - taker["ts"]), 3), None
+            continue
+        start = turns.get(before.get("turn"))
+        taker["overlap"] = None
+        taker["overlap_open"] = DIED if start is not None and start.get("ended") == DIED \
+            else "still running"
+
+
 def _mark_still_running(start: dict) -> None:
     """The last turn died without releasing: does its command's process group still run? Then
     the lane is not free until it is empty (store/outlived.py): "still_running" {pgid, pids}."""
@@ -164,7 +195,15 @@ def summarise(events: list[dict]) -> dict:
     window = (last - events[0]["ts"]) if events else 0.0
     turns = local + deflected + busy + fail_open
     unseen = [e for e in events if e["event"] == "unseen"]
+    takers = [e for e in events if e["event"] == "took-over"]
     return {
+        # Seconds lanes ran ungated under a holder whose store session ended: taken back after
+        # a restart ('regained'), or lost to its end ('lost'); and the overlaps that made.
+        "ungated_seconds": round(sum(_number(e.get("ungated")) or 0.0 for e in events
+                                     if e["event"] in ("regained", "lost")), 3),
+        "overlaps": len(takers),
+        "overlap_seconds": round(sum(_number(e.get("overlap")) or 0.0 for e in takers), 3),
+        "overlaps_open": sum(1 for e in takers if e.get("overlap") is None),
         # Generations the engine ran that no turn held the lane for (a witness saw them).
         "unseen": len(unseen),
         "unseen_seconds": round(sum(_number(e.get("duration")) or 0.0 for e in unseen), 3),
@@ -259,6 +298,13 @@ def describe(event: dict) -> str:
     if kind == "regained":   # a store restart ended the holder's session; it took the lane back
         return (f"the lane store restarted under this turn: the lane was ungated "
                 f"{_number(event.get('ungated')) or 0:.1f}s, then taken back")
+    if kind == "lost":
+        cause = ("the lane store ended this turn's session" if event.get("how") == "ended" else
+                 "the lane store did not answer")
+        return (f"{cause}: the lane lost, it ran on {_number(event.get('ungated')) or 0:.1f}s "
+                f"ungated to its end{_fence(event)}")
+    if kind == "took-over":
+        return _took_over(event)
     if kind == "acquired":
         parts = ["back on local after deflections"] if event.get("way_back") else []
         return "; ".join(parts + [_ending(event)]).strip("; ")
@@ -279,8 +325,29 @@ def _deflection(event: dict) -> str:
     return "; ".join(parts) + f": {event.get('reason')}: held by {words(holder)}"
 
 
+def _fence(event: dict) -> str:
+    fence = event.get("fence")
+    return f" (fence {fence})" if isinstance(fence, int) and not isinstance(fence, bool) else ""
+
+
+def _took_over(event: dict) -> str:
+    """'took the lane from pid 42 on b (fence 6), which never released; overlap 3.2s'."""
+    before = event.get("from") if isinstance(event.get("from"), dict) else {}
+    host = f" on {str(before['hostname'])[:64]}" if before.get("hostname") else ""
+    said = (f"took the lane from pid {before.get('pid', '?')}{host}{_fence(before)}, which never "
+            "released; overlap ")
+    overlap = _number(event.get("overlap"))
+    if overlap is not None:
+        return said + f"{overlap:.1f}s"
+    if event.get("overlap_open") == DIED:
+        return said + "unknown: it died without a word"
+    return said + "still running (its end not journaled yet)"
+
+
 def _ending(acquired: dict) -> str:
     ended, before = acquired.get("ended"), _number(acquired.get("ended_before"))
+    if ended == LOST:
+        return f"lost its lane; ran on {_number(acquired.get('ungated')) or 0:.1f}s ungated"
     if ended == DIED:
         return "died without releasing" + (
             f"; the next turn took the lane {before - acquired['ts']:.1f}s after it began"

@@ -164,6 +164,11 @@ def _held(result: dict, facts, record, released: bool, stale: str | None) -> dic
         if ungated is not None:   # its session was lost to a store restart, the lane taken back
             holder["ungated_seconds"] = ungated
             message += f"; ungated {ungated:.1f}s while the lane store restarted"
+        fence = field(record, "fence", int)
+        if fence is not None:   # the store's generation of this turn (README "Several hosts")
+            holder["fence"] = fence
+            message += f"; fence {fence}"
+        message += _took_over(record, holder)
         if facts.bound and holder["host"]:
             message += f"; {facts.bound}"
         return _verdict(result, HELD, "held", message)
@@ -176,6 +181,20 @@ def _held(result: dict, facts, record, released: bool, stale: str | None) -> dic
                         f"held by {kind}: pid {first['pid']} ({first['command']}); {why}")
     return _verdict(result, HELD, "held-unlabelled",
                     f"held (seen by a probe; /proc/locks unreadable); {why}")
+
+
+def _took_over(record: dict, holder: dict) -> str:
+    """'; took the lane from turn pid 42 on b (fence 6), which never released: it may still run'
+    -- the turn before, whose session ended under it (lost, or killed)."""
+    before = record.get("took_over")
+    if not isinstance(before, dict):
+        return ""
+    holder["took_over"] = before
+    pid, host = field(before, "pid", int), field(before, "hostname", str)
+    fence = field(before, "fence", int)
+    who = f"pid {pid if pid is not None else '?'}" + (f" on {host}" if host else "")
+    return (f"; took the lane from turn {who}{f' (fence {fence})' if fence is not None else ''}, "
+            "which never released: it may still run (history says the overlap)")
 
 
 def _lingering(record: dict) -> str:

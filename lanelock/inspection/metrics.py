@@ -13,7 +13,7 @@ import tempfile
 
 from .. import __version__
 from ..say import sanitize
-from ..store.counts import BUCKETS, CLASSES, OUTCOMES
+from ..store.counts import BUCKETS, CLASSES, OUTCOMES, UNGATED
 from .status import statuses
 
 TEXTFILE = "lanelock.prom"
@@ -99,6 +99,11 @@ class LaneCollector:
                                         "seconds a turn held the lane while the engine computed "
                                         "nothing (tool calls, a client thinking)",
                                         labels=["lane"])
+        ungated = CounterMetricFamily("lanelock_ungated_seconds",
+                                      "seconds the lane ran ungated under a holder whose lane "
+                                      "store session ended: until it took the lane back (a "
+                                      "restart), or to its end (lost: terminated, a partition)",
+                                      labels=["lane"])
         generating = GaugeMetricFamily("lanelock_engine_generating",
                                        "slots the engine says it is computing now (one look per "
                                        "scrape; absent when it cannot be read)", labels=["lane"])
@@ -148,6 +153,8 @@ class LaneCollector:
                                  (held_idle, "held_idle_seconds")):
                 if witnessed.get(name) is not None:   # unknown is left out, never 0
                     family.add_metric([lane], float(witnessed[name]))
+            if counts.get(UNGATED) is not None:   # unknown is left out, never 0
+                ungated.add_metric([lane], float(counts[UNGATED]))
             engine = status.get("engine") or {}
             if engine.get("generating") is not None:
                 generating.add_metric([lane], float(engine["generating"]))
@@ -164,7 +171,8 @@ class LaneCollector:
                 cumulative.append(("+Inf", float(histogram["count"])))
                 family.add_metric(labels, cumulative, histogram["sum"])
         yield from (gate, store, held, waiters, waiters_stopped, queued, since, stopped, turns, deflections, hold,
-                    wait, class_wait, readable, unseen, unseen_seconds, held_idle, generating)
+                    wait, class_wait, readable, unseen, unseen_seconds, held_idle, ungated,
+                    generating)
 
 
 def counts_problems(lanes) -> list[str]:

@@ -347,7 +347,23 @@ def history(data: dict, lane: str, as_json: bool, rows: list) -> None:
         f"{summary['busy_fraction'] * 100:.0f}% of the span; longest hold "
         f"{summary['longest_hold']:.1f}s{_uncounted(summary)}"
         f"{'; ' + str(summary['holding']) + ' still holding' if summary['holding'] else ''}; "
-        f"way back to local {summary['way_back']}x{_unseen(summary)}\n")
+        f"way back to local {summary['way_back']}x{_unseen(summary)}{_ungated(summary)}\n")
+
+
+def _ungated(summary: dict) -> str:
+    """'; UNGATED 12.3s under holders whose store session ended; 1 overlap (8.1s, 1 still
+    running)' -- only when there was any."""
+    if not summary.get("ungated_seconds") and not summary.get("overlaps"):
+        return ""
+    text = (f"; UNGATED {summary.get('ungated_seconds') or 0:.1f}s under holders whose store "
+            "session ended")
+    count = summary.get("overlaps") or 0
+    if count:
+        open_ = summary.get("overlaps_open") or 0
+        text += (f"; {count} overlap{'' if count == 1 else 's'} "
+                 f"({summary.get('overlap_seconds') or 0:.1f}s"
+                 f"{f', {open_} still running' if open_ else ''})")
+    return text
 
 
 def _unseen(summary: dict) -> str:

@@ -38,6 +38,10 @@ from .routes import Routes
 
 STATE = "X-Lanelock-State"
 REASON = "X-Lanelock-Reason"
+# The turn's fence (the PostgreSQL store's generation of the lane): on the answer and on the
+# request forwarded to the engine, for a check there that refuses a stale holder's requests.
+# A client's own is never forwarded: only the proxy says it.
+FENCE = "X-Lanelock-Fence"
 BUSY = "busy"
 GONE = "client_gone"   # the reason of an abandoned wait: the client hung up
 # An answer a retry cannot change (the client holds the lane itself; it sent a malformed header):
@@ -227,11 +231,15 @@ class Proxy:
             if turn.state in (HELD, UNGATED, FAIL_OPEN):
                 if turn.state == UNGATED:
                     self.ungated += 1
+                fence = {FENCE: str(turn.fence)} if turn.state == HELD and \
+                    turn.fence is not None else {}
+                forwarded = request_headers(request, drop=(*self.drop(), FENCE.lower()),
+                                            set_=fence)
                 watch, cut = self._watch(turn, request, path)
                 try:
                     response = await relay(self.client, request, self.backend_url + path_qs,
-                                           body, request_headers(request, drop=self.drop()),
-                                           {STATE: turn.state, **applied}, cut=cut)
+                                           body, forwarded, {STATE: turn.state, **fence, **applied},
+                                           cut=cut)
                 except Unreachable as error:
                     await unwatch(watch)
                     return await self._down(request, path_qs, body, fields, turn, reused, error,

@@ -216,9 +216,11 @@ class LaneStore(ABC):
     def append_event(self, handle, *events: dict) -> None:
         """The events, as one append where the store can."""
 
-    def event_handle(self, lane):
+    def event_handle(self, lane, again: bool = False):
         """Somewhere to record a fail-open turn when the lock could not be opened (a handle
-        append_event and release accept), or None: not recorded (default)."""
+        append_event and release accept), or None: not recorded (default). again: asked again
+        by a caller that bounds its own tries (a lost turn's release), even where this process
+        found the store unreachable before."""
         return None
 
     @abstractmethod

@@ -32,6 +32,9 @@ HISTOGRAMS = ("hold", "wait") + tuple(f"wait_{klass}" for klass in CLASSES)
 # What a witness (witness.py) saw of the engine: generations no turn covered, and the time a turn
 # held the lane while the engine computed nothing. Counters, like the turns.
 WITNESS = ("unseen", "unseen_seconds", "held_idle_seconds")
+# Seconds a lane ran ungated under a holder whose store session ended: until it took the lane
+# back (a restart: its 'regained'), or to its end (lost for good: its 'lost'). A counter.
+UNGATED = "ungated_seconds"
 BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 MAX_BYTES = 64 * 1024
 _FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -40,7 +43,7 @@ _FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 def empty() -> dict:
     return {"schema": 1, "turns": {outcome: 0 for outcome in OUTCOMES}, "deflections": {},
             "witness": {name: 0 for name in WITNESS}, "engine": None, "last_unseen": None,
-            **{key: _histogram() for key in HISTOGRAMS}}
+            UNGATED: 0.0, **{key: _histogram() for key in HISTOGRAMS}}
 
 
 def _histogram() -> dict:
@@ -64,7 +67,8 @@ class NotCounted(Exception):
 
 def merge(data, outcome: str | None, *, reason: str | None = None, held: float | None = None,
           waited: float | None = None, priority: str | None = None, witness: dict | None = None,
-          engine: dict | None = None, last_unseen: dict | None = None) -> dict:
+          engine: dict | None = None, last_unseen: dict | None = None,
+          ungated: float | None = None) -> dict:
     """data (stored counts, any shape) checked, plus one turn when outcome is given. What does
     not parse counts from 0 (the PostgreSQL store's rows, which are JSON the server checked)."""
     counts = parse(json.dumps(data).encode() if not isinstance(data, bytes) else data)[0] \
@@ -73,12 +77,13 @@ def merge(data, outcome: str | None, *, reason: str | None = None, held: float |
         counts[family] = {name: value or 0 for name, value in (counts[family] or {}).items()}
     for key in HISTOGRAMS:
         counts[key] = counts[key] or _histogram()
+    counts[UNGATED] = counts[UNGATED] or 0.0
     return _plus(counts, outcome, reason=reason, held=held, waited=waited, priority=priority,
-                 witness=witness, engine=engine, last_unseen=last_unseen)
+                 witness=witness, engine=engine, last_unseen=last_unseen, ungated=ungated)
 
 
 def _plus(counts: dict, outcome: str | None, *, reason=None, held=None, waited=None,
-          priority=None, witness=None, engine=None, last_unseen=None) -> dict:
+          priority=None, witness=None, engine=None, last_unseen=None, ungated=None) -> dict:
     """Whole counts (nothing None) plus one turn when outcome is given, plus a witness's
     increments ({name in WITNESS: amount}) and its latest facts (engine, last_unseen), when given."""
     for name, amount in (witness or {}).items():
@@ -89,6 +94,8 @@ def _plus(counts: dict, outcome: str | None, *, reason=None, held=None, waited=N
         counts["engine"] = engine
     if last_unseen is not None:
         counts["last_unseen"] = last_unseen
+    if ungated and counts.get(UNGATED) is not None:
+        counts[UNGATED] = round(counts[UNGATED] + ungated, 3)
     if outcome is not None:
         counts["turns"][outcome] = counts["turns"].get(outcome, 0) + 1
         if reason:
@@ -171,7 +178,7 @@ def unknown() -> dict:
     """Counts none of which could be read: every counter unknown (None), none 0."""
     return {"schema": 1, "turns": {outcome: None for outcome in OUTCOMES}, "deflections": None,
             "witness": {name: None for name in WITNESS}, "engine": None, "last_unseen": None,
-            **{key: None for key in HISTOGRAMS}}
+            UNGATED: None, **{key: None for key in HISTOGRAMS}}
 
 
 def parse(raw: bytes) -> tuple[dict, str | None]:
@@ -207,6 +214,10 @@ def parse(raw: bytes) -> tuple[dict, str | None]:
         counts["witness"][name] = value if good else None
         if not good:
             bad.append(f"witness.{name}")
+    ungated = data.get(UNGATED, 0.0)   # counts of a lanelock before it: none so far
+    counts[UNGATED] = ungated if _seconds(ungated) else None
+    if not _seconds(ungated):
+        bad.append(UNGATED)
     for key in ("engine", "last_unseen"):   # facts a witness keeps, not counters
         counts[key] = data.get(key) if isinstance(data.get(key), dict) else None
     for key in HISTOGRAMS:

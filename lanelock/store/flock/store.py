@@ -435,7 +435,7 @@ class FlockStore(LaneStore):
         except OSError as error:
             raise RecordNotWritten(error.strerror or str(error)) from None
 
-    def event_handle(self, lane) -> Handle | None:
+    def event_handle(self, lane, again: bool = False) -> Handle | None:
         """Somewhere to record a fail-open turn when the lock file itself could not be opened."""
         try:
             dir_fd = open_root(self.root, create=False)

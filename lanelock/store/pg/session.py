@@ -7,7 +7,9 @@ tables, set up once per database without racing.
   are set per session through the connection's options.
 - Concurrent CREATE TABLE IF NOT EXISTS is not safe (a unique violation on
   pg_type_typname_nsp_index, PITFALLS 13): the first turns on a fresh database serialise the setup
-  behind a transaction-level advisory lock, and once the tables exist nobody takes it.
+  behind a transaction-level advisory lock, and once the tables exist nobody takes it. A column
+  added later (the holders' generation) is added the same way: a database made by an earlier
+  lanelock upgrades under that lock at its first turn, and once it has the column nobody takes it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS lanelock_holders (
     key2 integer PRIMARY KEY, lane text NOT NULL, record jsonb NOT NULL,
     backend_pid integer NOT NULL, updated_at timestamptz NOT NULL DEFAULT now());
+ALTER TABLE lanelock_holders ADD COLUMN IF NOT EXISTS generation bigint NOT NULL DEFAULT 0;
 CREATE TABLE IF NOT EXISTS lanelock_events (
     id bigserial PRIMARY KEY, lane text NOT NULL, ts double precision NOT NULL, event jsonb NOT NULL);
 CREATE INDEX IF NOT EXISTS lanelock_events_lane_ts ON lanelock_events (lane, ts);
@@ -120,7 +123,9 @@ def ensure_schema(conn) -> str | None:
             cursor.execute("SELECT to_regclass('lanelock_holders') IS NOT NULL AND "
                            "to_regclass('lanelock_events') IS NOT NULL AND "
                            "to_regclass('lanelock_counts') IS NOT NULL AND "
-                           "to_regclass('lanelock_queue') IS NOT NULL")
+                           "to_regclass('lanelock_queue') IS NOT NULL AND EXISTS (SELECT 1 "
+                           "FROM pg_attribute WHERE attrelid = to_regclass('lanelock_holders') "
+                           "AND attname = 'generation' AND NOT attisdropped)")
             if cursor.fetchone()[0]:
                 return None
             with conn.transaction():

@@ -39,6 +39,21 @@ from .session import (BOUND, NAMESPACE, connect, driver, ended, ensure_schema, f
                       redact)
 
 NO_ROW = "no holder row yet"
+# The row's next generation in an upsert (write_holder): one more when another turn writes it.
+_NEXT = ("CASE WHEN row.record->>'turn' IS NOT DISTINCT FROM EXCLUDED.record->>'turn' "
+         "THEN row.generation ELSE row.generation + 1 END")
+_WRITE_FENCED = (
+    "INSERT INTO lanelock_holders AS row (key2, lane, record, backend_pid, updated_at, generation) "
+    "VALUES (%(key)s, %(lane)s, %(record)s::jsonb || '{\"fence\": 1}', %(backend)s, now(), 1) "
+    "ON CONFLICT (key2) DO UPDATE SET lane = EXCLUDED.lane, "
+    f"record = EXCLUDED.record || jsonb_build_object('fence', {_NEXT}), "
+    f"backend_pid = EXCLUDED.backend_pid, updated_at = now(), generation = {_NEXT} "
+    "RETURNING generation")
+_WRITE_UNFENCED = (
+    "INSERT INTO lanelock_holders (key2, lane, record, backend_pid, updated_at) "
+    "VALUES (%(key)s, %(lane)s, %(record)s, %(backend)s, now()) ON CONFLICT (key2) DO UPDATE SET "
+    "lane = EXCLUDED.lane, record = EXCLUDED.record, backend_pid = EXCLUDED.backend_pid, "
+    "updated_at = now()")
 
 WITNESS_NAMESPACE = 0x4C4E5754   # "LNWT": the lane's one witness, never a lane's or a queue's key
 COLLISION = "advisory key collision"
@@ -65,6 +80,8 @@ class PgHandle(LockHandle):
     outlived: object = None  # a killed turn's command still running (outlived.Command)
     started: float | None = None   # the server's start (epoch s) when this session began
     claimed: float | None = None   # seconds left of another turn's claim (the take was let go)
+    fence: int | None = None       # the lane row's generation this turn wrote (write_holder)
+    unreleased: dict | None = None  # the row of a turn that never released, when this one took
     cut_off: bool = False          # the session's link timed out (lost(): a partition)
     local: object = None           # its place on the host lane (hostqueue.Local), or None
     exists = True                  # a lock row exists as soon as anyone asks
@@ -430,9 +447,12 @@ class PgStore(LaneStore):
         """The lane's row when its turn never released, in one query (a row only then, so the
         usual hand-off reads nothing back): (its record when the turn was this machine's -- it
         was killed, its command may run on --, the seconds left of its claim when it held the
-        lane as the server went down: outage.CLAIM_GRACE from the server's start)."""
+        lane as the server went down: outage.CLAIM_GRACE from the server's start).
+        handle.unreleased: that turn's record (with its fence) when this take stands -- no claim
+        holds it off: the lane was taken from a turn that never let it go (lost, or killed)."""
         from ...facts import hostname
 
+        handle.unreleased = None
         try:
             with handle.conn.cursor() as cursor:
                 cursor.execute("SELECT record, record->>'hostname' = %s, CASE WHEN updated_at < "
@@ -447,8 +467,10 @@ class PgStore(LaneStore):
         if row is None:
             return None, None
         record, here, claim = row
-        return (record if here and isinstance(record, dict) else None,
-                claim if claim is not None and claim > 0 else None)
+        claim = claim if claim is not None and claim > 0 else None
+        if claim is None and isinstance(record, dict):
+            handle.unreleased = record
+        return record if here and isinstance(record, dict) else None, claim
 
     def release(self, handle: PgHandle, count: dict | None = None) -> None:
         local = handle.local
@@ -540,35 +562,50 @@ class PgStore(LaneStore):
 
     # -- holder record and events ------------------------------------------------------------
     def write_holder(self, handle: PgHandle, record: dict) -> None:
+        """The turn's row. Its generation (the fence) grows by one when a turn other than the
+        row's last one writes it -- counted in the server, in the statement that writes the row,
+        under the lane's lock: no two turns can have the same one, and a later turn always has a
+        larger one. The same turn writing again (its command, ^Z, a regained lane, its release)
+        keeps its fence. handle.fence is the row's generation afterwards."""
         record = dict(record, store_key=list(handle.key), backend_pid=handle.backend_pid)
+        record.pop("fence", None)   # the server's count, never the caller's
+        params = {"key": handle.key[1], "lane": handle.lane, "record": json.dumps(record),
+                  "backend": handle.backend_pid}
+        psycopg = driver()
         try:
-            self._call(handle,
-                       "INSERT INTO lanelock_holders (key2, lane, record, backend_pid, updated_at) "
-                       "VALUES (%s, %s, %s, %s, now()) ON CONFLICT (key2) DO UPDATE SET "
-                       "lane = EXCLUDED.lane, record = EXCLUDED.record, "
-                       "backend_pid = EXCLUDED.backend_pid, updated_at = now()",
-                       (handle.key[1], handle.lane, json.dumps(record), handle.backend_pid),
-                       fetch=False)
-        except GateUnavailable as error:
-            raise RecordNotWritten(str(error)) from None
+            with handle.conn.cursor() as cursor:
+                try:
+                    cursor.execute(_WRITE_FENCED, params)
+                    handle.fence = cursor.fetchone()[0]
+                except psycopg.errors.UndefinedColumn:
+                    # Tables of an earlier lanelock this role may not alter (ensure_schema could
+                    # not add the column): the record is written, without a fence.
+                    handle.fence = None
+                    cursor.execute(_WRITE_UNFENCED, params)
+        except psycopg.Error as error:
+            raise RecordNotWritten(f"lane store: {first_line(error)}") from None
 
     def holder_row(self, conn, key, lane) -> tuple[dict | None, str | None]:
         try:
             with conn.cursor() as cursor:
-                cursor.execute("SELECT lane, record, backend_pid FROM lanelock_holders "
-                               "WHERE key2 = %s", (key[1],))
+                # to_jsonb: the generation of tables an earlier lanelock made has no column
+                cursor.execute("SELECT lane, record, backend_pid, "
+                               "(to_jsonb(row)->>'generation')::bigint "
+                               "FROM lanelock_holders AS row WHERE key2 = %s", (key[1],))
                 row = cursor.fetchone()
         except Exception as error:
             return None, f"holder row unreadable: {first_line(error)}"
         if row is None:
             return None, NO_ROW
-        row_lane, record, backend = row
+        row_lane, record, backend, generation = row
         if row_lane != lane:
             return None, (f"{COLLISION}: lane {lane!r} and lane {row_lane!r} hash to "
                           f"the same key {key}; one of them must change its name")
         if not isinstance(record, dict):
             return None, "holder row is not a JSON object"
         record = dict(record, backend_pid=backend)
+        if generation:   # 0: written by a lanelock before fences (the column's default)
+            record["fence"] = generation
         return record, None
 
     def append_event(self, handle: PgHandle, *events: dict) -> None:
@@ -680,12 +717,12 @@ class PgStore(LaneStore):
             facts.stopped = stopped(pid, record)
         return facts
 
-    def event_handle(self, lane) -> PgHandle | None:
+    def event_handle(self, lane, again: bool = False) -> PgHandle | None:
         """A connection of its own for an event no lock handle carries (an abandoned wait, a
-        deflection settled busy, a fail-open turn whose store answered); None once this process
-        found the server unreachable: a fail-open turn must not wait out a second connect
-        timeout to say so."""
-        if self._unreachable:
+        deflection settled busy, a fail-open turn whose store answered, a lost turn's release);
+        None once this process found the server unreachable (unless asked again): a fail-open
+        turn must not wait out a second connect timeout to say so."""
+        if self._unreachable and not again:
             return None
         try:
             conn = self.connect(f"lanelock {lane.name}")
