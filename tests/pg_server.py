@@ -16,6 +16,14 @@ import tempfile
 import time
 
 
+LOG_LINE_PREFIX = "%m [%p] app=%a "   # the session's application_name after app=
+
+
+def lanelock_errors(text: str) -> list[str]:
+    """The ERROR lines of lanelock's sessions (application_name 'lanelock ...') in a log text."""
+    return [line for line in text.splitlines() if " app=lanelock" in line and "ERROR:" in line]
+
+
 def binaries() -> str | None:
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/postgres"))
     return os.path.dirname(found[-1]) if found else (
@@ -70,6 +78,8 @@ class Server:
                 "-c", f"listen_addresses={self.listen}",
                 "-c", f"unix_socket_directories={self.dir}",
                 "-c", "fsync=off",
+                # each line says which client's session it is of: app=lanelock ... is lanelock's
+                "-c", f"log_line_prefix={LOG_LINE_PREFIX}",
                 *[arg for name, value in self.settings.items() for arg in ("-c", f"{name}={value}")]]),
                 stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
         deadline = time.monotonic() + 60
