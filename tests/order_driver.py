@@ -42,6 +42,11 @@ def main(kind: str, where: str, backend: str, session: str, priority: str, *mode
             time.sleep(step + 0.5)   # the test's own wait for the clock, never the product's
 
     order.after_look = report
+    if kind == "postgresql" and os.environ.get("LANELOCK_DIR"):
+        # Each waiter stands for a host of its own (a lock root of its own: a host lane of its
+        # own), so every one of them waits in the server's queue, as the scenes need; waiters
+        # of one host queue on its host lane first (store/pg/hostqueue.py, test_pg_hostqueue).
+        os.environ["LANELOCK_DIR"] = os.path.join(os.environ["LANELOCK_DIR"], f"host-{os.getpid()}")
     with gate(kind, where, backend).turn(session=session, wait=60, priority=priority) as turn:
         print(json.dumps({"held": turn.held, "state": turn.state, "at": time.monotonic(),
                           "stalled": stalled}), flush=True)

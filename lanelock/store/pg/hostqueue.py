@@ -35,6 +35,8 @@ import os
 import threading
 import time
 
+from ..flock.line import FlockLine
+
 ASIDE_LOOK = 0.2    # how often a head waiting in the server looks at its host's local queue
 NEXT_JOIN = 2.0     # how long a releasing holder waits for its host's next head to join
 NEXT_LOOK = 0.01    # how often it looks meanwhile (only while a head of this host connects)
@@ -54,7 +56,7 @@ class Local:
     """One turn's place on its host lane: a flock handle of its own (flock is per open file
     description, so the threads of one process -- a proxy's requests -- exclude each other)."""
 
-    __slots__ = ("flock", "handle", "head", "since", "ungated", "wake")
+    __slots__ = ("flock", "handle", "head", "since", "ungated", "wake", "ticket")
 
     def __init__(self, flock, handle):
         self.flock, self.handle = flock, handle
@@ -62,9 +64,13 @@ class Local:
         self.since: float | None = None   # time.monotonic() when the turn began waiting
         self.ungated = False     # kept the host lane for a turn run ungated (server unreachable)
         self.wake = None         # the Event of the wait on the host lane under way (cancel())
+        # The head's entry in the local queue, kept until it has joined the server's queue:
+        # `status` lists it meanwhile (it connects), and the waiters behind it wait on it.
+        self.ticket = None
 
     def close(self) -> None:
         self.head = False
+        joined(self)
         self.flock.release(self.handle)
 
 
@@ -113,7 +119,15 @@ def try_head(local: Local, rank: int) -> bool:
     return local.head
 
 
+def joined(local: Local) -> None:
+    """The head is in the server's queue (or is done waiting): its local entry goes."""
+    ticket, local.ticket = local.ticket, None
+    if ticket is not None:
+        ticket.leave()
+
+
 def let_go(local: Local) -> None:
+    joined(local)
     if local.head:
         local.head = False
         try:
@@ -127,7 +141,6 @@ def wait_head(local: Local, timeout: float | None, cancel, rank: int) -> bool:
     timeout or the caller's cancel (False). The flock wait is given an Event of its own (it sets
     it when the lock comes); the caller's cancel reaches it through cancel() (cancel_wait)."""
     from ...priority import CLASSES
-    from ..flock.line import FlockLine
     from .. import order
 
     flock, handle = local.flock, local.handle
@@ -145,14 +158,25 @@ def wait_head(local: Local, timeout: float | None, cancel, rank: int) -> bool:
         if cancel is not None and cancel.is_set():
             local.wake.set()
         try:
-            local.head = order.wait(FlockLine(flock, handle, ticket), _left(deadline),
+            local.head = order.wait(_HeadLine(flock, handle, ticket), _left(deadline),
                                     local.wake)
         finally:
             local.wake = None
+            if local.head:
+                local.ticket = ticket   # left once it has joined the server's queue
+            elif ticket is not None:
+                ticket.leave()
         left = _left(deadline)
         if local.head or (left is not None and left <= 0):
             return local.head
     return False
+
+
+class _HeadLine(FlockLine):
+    """The host lane's walk, whose entry the walk does not leave (wait_head does)."""
+
+    def leave(self) -> None:
+        pass
 
 
 def cancel(local: Local) -> None:
@@ -173,8 +197,10 @@ def someone_ahead(local: Local, rank: int) -> bool:
     now = time.monotonic_ns()
     arrival = int(local.since * 1e9)
     mine = order_key(rank, arrival, (now - arrival) / 1e9, found.aging, "~")
+    own = local.ticket.entry.name if local.ticket is not None else None
     try:
-        before = [entry for entry in found.listed() if entry.key(now, found.aging) < mine]
+        before = [entry for entry in found.listed()
+                  if entry.key(now, found.aging) < mine and entry.name != own]
         return found.first_alive(before) is not None
     except OSError:
         return False
@@ -186,6 +212,7 @@ def wait(store, handle, timeout: float | None, cancel, rank: int) -> bool:
     from ...errors import GateUnavailable, ServerCrowded
 
     local = handle.local
+    local.handle.asker = handle.asker   # who waits, for the host lane's entry (`status`)
     deadline = None if timeout is None else time.monotonic() + timeout
     if local.since is None:
         local.since = time.monotonic()

@@ -330,9 +330,14 @@ class PgStore(LaneStore):
         """This turn's ticket; None when the queue cannot be used (said once: the wait then
         takes the server's order, as before there was a queue)."""
         try:
-            return self._queue_call(handle, pg_queue.join, handle.lane, rank,
-                                    {**(handle.asker or {}), "pid": os.getpid(),
-                                     "backend": handle.backend_pid}, waited)
+            ticket = self._queue_call(handle, pg_queue.join, handle.lane, rank,
+                                      {**(handle.asker or {}), "pid": os.getpid(),
+                                       "backend": handle.backend_pid}, waited)
+            if handle.local is not None:   # in the server's queue: out of its host's
+                from . import hostqueue
+
+                hostqueue.joined(handle.local)
+            return ticket
         except GateUnavailable as error:
             if handle.cancelled or ended(handle.conn):
                 raise   # the session is gone, not the queue (wait_lock connects again)
