@@ -12,6 +12,9 @@ Kinds, and what each is asked (detected once, in this order, by what answers):
   vLLM        GET /metrics: vllm:num_requests_running
   SGLang      GET /metrics: sglang:num_running_reqs
   Ollama      GET /api/ps lists loaded models, nothing about work in flight: cannot be witnessed
+
+A finished task's tokens: llama.cpp's /slots (so llama-swap's too) names each slot's last task
+after it ends (final_count); vLLM's and SGLang's /metrics count requests, not their tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ LLAMA_CPP, LLAMA_SWAP, VLLM, SGLANG, OLLAMA = "llama.cpp", "llama-swap", "vLLM",
 # The gauge of requests running now, per kind that reports it on /metrics.
 RUNNING_METRIC = {LLAMA_CPP: "llamacpp:requests_processing", VLLM: "vllm:num_requests_running",
                   SGLANG: "sglang:num_running_reqs"}
+
+
+# What each way of reading the engine asks first, by the source it reads: the endpoint a witness
+# names when the engine it saw before does not answer now.
+ENDPOINTS = ("/running", "/slots", "/metrics")
 
 
 class Unreadable(Exception):
@@ -42,12 +50,55 @@ class CannotWitness(Exception):
 
 class Account:
     """One sample: how many requests the engine is computing now, of how many slots (None: it
-    does not say), and the tokens decoded by each task in flight (where it says)."""
+    does not say), the tokens decoded by each task in flight (where it says), and each slot's
+    account of the task it names, running or finished (llama.cpp's /slots: SlotTask)."""
 
-    __slots__ = ("generating", "slots", "tasks")
+    __slots__ = ("generating", "slots", "tasks", "named")
 
-    def __init__(self, generating: int, slots: int | None = None, tasks: dict | None = None):
+    def __init__(self, generating: int, slots: int | None = None, tasks: dict | None = None,
+                 named: dict | None = None):
         self.generating, self.slots, self.tasks = generating, slots, tasks or {}
+        self.named = named or {}
+
+
+class SlotTask:
+    """What a llama.cpp slot says of the task it names (the one it runs, or its last one):
+    decoded (next_token n_decoded), context (n_prompt_tokens: the tokens in the slot's
+    context), prompt (n_prompt_tokens_processed + n_prompt_tokens_cache: the task's prompt once
+    processed) and remain (n_remain, -1: no limit); None where the build does not say."""
+
+    __slots__ = ("busy", "decoded", "context", "prompt", "remain")
+
+    def __init__(self, busy: bool, decoded: int | None, context: int | None,
+                 prompt: int | None, remain: int | None):
+        self.busy, self.decoded, self.context, self.remain = busy, decoded, context, remain
+        self.prompt = prompt
+
+
+def final_count(last: SlotTask, after: SlotTask | None) -> int | None:
+    """The tokens a finished task decoded, from its slot's account once it ended (after: the
+    slot, idle, still naming it), or None where the account cannot tell (the slot went on to
+    another task, or the numbers disagree). last: the task's last sample while it generated.
+
+    Builds before task_prev keep n_decoded after the release. Today's builds reset it to 0 but
+    keep the task's tokens in the slot's context: its prompt, then every token generated but
+    the last one sampled. So the final count is the context less the prompt, plus one
+    (checked on a real llama-server: 128 of max_tokens 128; 42 and 19 ended by the model).
+    The prompt is read while it generated (n_decoded >= 1: the prompt is processed); the
+    release resets those counters too."""
+    if after is None or after.busy or last.decoded is None:
+        return None
+    if after.context is None:
+        count = after.decoded
+    elif last.prompt is None or last.decoded < 1:
+        return None
+    else:
+        count = after.context - last.prompt + 1
+    if count is None or count < last.decoded:
+        return None
+    if last.remain is not None and last.remain >= 0 and count > last.decoded + last.remain:
+        return None   # more than the task was allowed: the slot's context changed under it
+    return count
 
 
 def _opener():
@@ -66,18 +117,30 @@ class Engine:
     """An engine at url (scheme://HOST:PORT). detect() finds its kind; sample() reads one Account.
     Both raise Unreadable (try again later) or CannotWitness (nothing to witness here)."""
 
-    def __init__(self, url: str, timeout: float = TIMEOUT):
+    def __init__(self, url: str, timeout: float = TIMEOUT, known: str | None = None):
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.kind: str | None = None
         self.source = ""       # what is read each sample, for people: "/slots", "/metrics"
+        # The source a witness read here before (the lane's counts say it), or None: until the
+        # kind is found again, an engine that does not answer is named by that endpoint --
+        # never by the first one detection happens to try (/running is llama-swap's).
+        self.known = known
         self._opener = _opener()
 
+    def _named(self) -> str:
+        """The endpoint named for an engine that does not answer before its kind is found."""
+        endpoint = (self.source or self.known or "").partition(" ")[0]
+        return endpoint if endpoint in ENDPOINTS else ""
+
     # -- one GET ---------------------------------------------------------------------------------
-    def get(self, path: str) -> tuple[int, bytes, str]:
-        """(status, body, content type) of GET url+path; Unreadable when nothing usable came."""
+    def get(self, path: str, named: str | None = None) -> tuple[int, bytes, str]:
+        """(status, body, content type) of GET url+path; Unreadable when nothing usable came.
+        named: the path said when no answer comes at all (refused, reset, too slow)."""
         import socket
         import urllib.error
+
+        where = self.url + (path if named is None else named)
 
         try:
             with self._opener.open(self.url + path, timeout=self.timeout) as response:
@@ -94,24 +157,26 @@ class Engine:
         except Unreadable:
             raise
         except (socket.timeout, TimeoutError):
-            raise Unreadable(f"{self.url}{path} did not answer within {self.timeout:g} s") from None
+            raise Unreadable(f"{where} did not answer within {self.timeout:g} s") from None
         except urllib.error.URLError as error:
             reason = error.reason
             why = getattr(reason, "strerror", None) or str(reason)
-            raise Unreadable(f"{self.url}{path}: {why}") from None
+            raise Unreadable(f"{where}: {why}") from None
         except (OSError, ValueError) as error:   # reset, bad status line, InvalidURL
-            raise Unreadable(f"{self.url}{path}: {error.__class__.__name__}: {error}") from None
+            raise Unreadable(f"{where}: {error.__class__.__name__}: {error}") from None
 
-    def _json(self, path: str):
-        status, body, _ = self.get(path)
+    def _json(self, path: str, named: str | None = None):
+        status, body, _ = self.get(path, named)
         if status != 200:
             return status, None
         return status, _parse_json(body, self.url + path)
 
     # -- which engine ------------------------------------------------------------------------------
     def detect(self) -> str:
-        """The kind, found by what answers; sets self.kind and self.source."""
-        status, running = self._json("/running")
+        """The kind, found by what answers; sets self.kind and self.source. An engine that
+        does not answer at all is named by the endpoint of the kind seen before, if any."""
+        named = self._named()
+        status, running = self._json("/running", named)
         if status == 200 and isinstance(running, dict) and isinstance(running.get("running"), list):
             self._found(LLAMA_SWAP, "/running and /upstream/MODEL/slots")
             try:
@@ -120,14 +185,14 @@ class Engine:
                 self.kind = None
                 raise
             return LLAMA_SWAP
-        status, body, _ = self.get("/slots")
+        status, body, _ = self.get("/slots", named)
         if status == 200:
             slots = _parse_json(body, self.url + "/slots")
             if _slot_list(slots) is None:
                 raise Unreadable(f"{self.url}/slots answered JSON that is not a list of slots")
             return self._found(LLAMA_CPP, "/slots")
         slots_disabled = status == 501
-        status, body, _ = self.get("/metrics")
+        status, body, _ = self.get("/metrics", named)
         if status == 200:
             text = body.decode("utf-8", "replace")
             for kind, metric in RUNNING_METRIC.items():
@@ -136,7 +201,7 @@ class Engine:
         if slots_disabled:
             raise CannotWitness("slots disabled (501) and no /metrics: start llama-server "
                                 "without --no-slots, or with --metrics", LLAMA_CPP)
-        status, models = self._json("/api/ps")
+        status, models = self._json("/api/ps", named)
         if status == 200 and isinstance(models, dict) and "models" in models:
             raise CannotWitness("Ollama reports no work in flight (/api/ps lists loaded models "
                                 "only)", OLLAMA)
@@ -166,11 +231,16 @@ class Engine:
         slots = _slot_list(_parse_json(body, self.url + prefix + "/slots"))
         if slots is None:
             raise Unreadable(f"{self.url}{prefix}/slots answered JSON that is not a list of slots")
-        tasks = {}
+        tasks, named = {}, {}
         for slot in slots:
-            if _processing(slot):
-                tasks[f"{prefix}#{slot.get('id_task', slot.get('id'))}"] = _decoded(slot)
-        return Account(len(tasks), len(slots), tasks)
+            key = f"{prefix}#{slot.get('id_task', slot.get('id'))}"
+            busy = _processing(slot)
+            if busy:
+                tasks[key] = _decoded(slot)
+            if _counted(slot.get("id_task")):   # a task it runs, or its last one (task_prev)
+                named[key] = SlotTask(busy, _decoded(slot), _counted(slot.get("n_prompt_tokens")),
+                                      _prompt(slot), _remain(slot))
+        return Account(len(tasks), len(slots), tasks, named)
 
     def _metrics(self) -> Account:
         status, body, _ = self.get("/metrics")
@@ -189,7 +259,7 @@ class Engine:
         if status != 200 or not isinstance(running, dict) \
                 or not isinstance(running.get("running"), list):
             raise Unreadable(f"{self.url}/running answered {status} without a list of models")
-        total, slots, tasks = 0, 0, {}
+        total, slots, tasks, named = 0, 0, {}, {}
         for model in running["running"]:
             name = model.get("model") or model.get("name") if isinstance(model, dict) else None
             if not isinstance(name, str) or not name:
@@ -202,7 +272,8 @@ class Engine:
             total += account.generating
             slots += account.slots or 0
             tasks.update({f"{name}{key}": value for key, value in account.tasks.items()})
-        return Account(total, slots, tasks)
+            named.update({f"{name}{key}": value for key, value in account.named.items()})
+        return Account(total, slots, tasks, named)
 
 
 def _parse_json(body: bytes, where: str):
@@ -231,15 +302,30 @@ def _processing(slot: dict) -> bool:
     return isinstance(task, int) and not isinstance(task, bool) and task >= 0
 
 
-def _decoded(slot: dict) -> int | None:
+def _next_token(slot: dict) -> dict:
     tokens = slot.get("next_token")
     if isinstance(tokens, list) and tokens and isinstance(tokens[0], dict):
         tokens = tokens[0]
-    if isinstance(tokens, dict):
-        value = tokens.get("n_decoded")
-    else:
-        value = slot.get("n_decoded")
+    return tokens if isinstance(tokens, dict) else slot
+
+
+def _counted(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _decoded(slot: dict) -> int | None:
+    return _counted(_next_token(slot).get("n_decoded"))
+
+
+def _prompt(slot: dict) -> int | None:
+    processed = _counted(slot.get("n_prompt_tokens_processed"))
+    cached = _counted(slot.get("n_prompt_tokens_cache"))
+    return None if processed is None or cached is None else processed + cached
+
+
+def _remain(slot: dict) -> int | None:
+    value = _next_token(slot).get("n_remain")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _metric(text: str, name: str) -> float | None:
@@ -263,10 +349,10 @@ def _metric(text: str, name: str) -> float | None:
     return total if found else None
 
 
-def look(url: str, timeout: float = TIMEOUT) -> dict:
+def look(url: str, timeout: float = TIMEOUT, known: str | None = None) -> dict:
     """One look, for `status`: {url, kind, generating, slots, problem} (problem: None, or why
-    there is nothing to read)."""
-    engine = Engine(url, timeout)
+    there is nothing to read). known: the source its witness read (Engine.known)."""
+    engine = Engine(url, timeout, known)
     result = {"url": engine.url, "kind": None, "generating": None, "slots": None,
               "problem": None}
     try:

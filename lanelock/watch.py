@@ -38,6 +38,7 @@ def _first_look(witness: Witness) -> tuple:
     be witnessed at all sets witness.cannot."""
     from .engine import CannotWitness, Unreadable
 
+    witness.recall()
     try:
         return witness.engine.detect(), None
     except Unreadable as error:

@@ -16,11 +16,14 @@ Verdicts, per sample:
              the engine names its tasks (llama.cpp) and the turn's own were seen, only those
              outlive it: another that starts after the release is unseen at once
 
-An unseen incident is counted when it is first seen (within two intervals of its start: one to
-come, one for the GET), and reported when it ends: a journal event ("unseen": when, how long,
-slots, turns, tokens, which witness), one stderr line, and its seconds in the lane's counts,
-which every process's metrics read. Before it accuses anyone the witness asks the lock's own
-truth once (store.survey: a holder that writes no record, a plain flock(1), is a turn too).
+An unseen incident is counted and said (one stderr line) when it is first seen (within two
+intervals of its start: one to come, one for the GET), so a long bypass is known while it runs;
+when it ends, a second line says how long and how many tokens, and it is journaled ("unseen":
+when, how long, slots, turns, tokens, tokens_final, which witness) and its seconds added to the
+lane's counts, which every process's metrics read. Its tokens are the engine's own final count
+where the engine's account keeps one (engine.final_count), else at least the last sample's.
+Before it accuses anyone the witness asks the lock's own truth once (store.survey: a holder
+that writes no record, a plain flock(1), is a turn too).
 
 Fail open, cost nothing: an engine that cannot be read is said once, and its recovery once; the
 witness never touches a turn, and never asks the engine anything that makes it work.
@@ -46,17 +49,52 @@ LOOK_TIMEOUT = 0.75
 
 
 class Incident:
-    __slots__ = ("started", "started_wall", "slots", "turns", "tasks", "seen")
+    """One unseen generation, from its first sample to its end. tasks: each task's decoded
+    tokens as last sampled; finals: the count the engine gave once the task ended (None: it
+    could not tell), by task."""
 
-    def __init__(self, now: float, wall: float, slots: int, turns: int, tasks: dict):
+    __slots__ = ("started", "started_wall", "slots", "turns", "tasks", "seen", "last", "finals",
+                 "cut")
+
+    def __init__(self, now: float, wall: float, account, turns: int):
         self.started, self.started_wall = now, wall
-        self.slots, self.turns = slots, turns
-        self.tasks = dict(tasks)
+        self.slots, self.turns = account.generating, turns
+        self.tasks: dict = {}
+        self.last: dict = {}      # each task's SlotTask, as last sampled while it generated
+        self.finals: dict = {}
         self.seen = now
+        self.cut = False          # the witness stopped before the generation ended
+        self.sample(now, account)
 
-    def tokens(self) -> int | None:
-        counts = [value for value in self.tasks.values() if value is not None]
-        return sum(counts) if counts else None
+    def settle(self, account) -> None:
+        """The tasks that ended since the last sample get the engine's final count, read now
+        while their slots still name them (a slot the next task took has forgotten it)."""
+        for task in self.tasks:
+            if task not in account.tasks and task not in self.finals and task in self.last:
+                self.finals[task] = engines.final_count(self.last[task], account.named.get(task))
+
+    def sample(self, now: float, account) -> None:
+        """A sample during the incident."""
+        self.settle(account)
+        self.slots = max(self.slots, account.generating)
+        self.seen = now
+        for task, tokens in account.tasks.items():
+            self.tasks[task] = tokens
+            named = account.named.get(task)
+            if named is not None and (named.decoded or task not in self.last):
+                self.last[task] = named   # the count of tokens is read from n_decoded >= 1
+
+    def tokens(self) -> tuple[int | None, bool]:
+        """(tokens decoded, final): final when every task's is the engine's count at its end;
+        else at least the last samples' (None: the engine says no count)."""
+        total, final, any_count = 0, not self.cut, False
+        for task, sampled in self.tasks.items():
+            count = self.finals.get(task)
+            if count is None:
+                final, count = False, sampled
+            if count is not None:
+                total, any_count = total + count, True
+        return (total, final) if any_count else (None, False)
 
 
 class Verdicts:
@@ -112,15 +150,12 @@ class Verdicts:
         found = []
         if excess:
             if self.incident is None:
-                self.incident = Incident(now, wall, generating, 1 if held else 0, account.tasks)
+                self.incident = Incident(now, wall, account, 1 if held else 0)
                 found.append(("started", self.incident))
             else:
-                incident = self.incident
-                incident.slots = max(incident.slots, generating)
-                incident.seen = now
-                for task, tokens in account.tasks.items():
-                    incident.tasks[task] = tokens
+                self.incident.sample(now, account)
         elif self.incident is not None:
+            self.incident.settle(account)   # what is generating now is no part of it
             found.append(("ended", self.end(now)))
         return found
 
@@ -137,16 +172,41 @@ class Verdicts:
         return incident
 
 
-def sentence(lane: str, incident: Incident) -> str:
-    duration = incident.seen - incident.started
-    if incident.turns:
-        held = (f"{incident.slots} slots generating, {incident.turns} turn"
-                f"{' holds' if incident.turns == 1 else 's hold'} the lane")
-        return (f"unseen generation on {lane}: the engine generated {duration:.1f} s beside the "
-                f"turn that held the lane ({held}) -- a client reaches the engine without "
-                "lanelock")
-    return (f"unseen generation on {lane}: the engine generated {duration:.1f} s while no turn "
-            "held the lane -- a client reaches the engine without lanelock")
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def _lane_side(incident: Incident, extra: str = "") -> str:
+    """No turn held the lane, or how many slots generated beside how many turns; extra: more
+    to say inside the parenthesis."""
+    if not incident.turns:
+        inside = ", ".join(filter(None, [_plural(incident.slots, "slot"), extra]))
+        return f"while no turn held the lane ({inside})"
+    holds = "holds" if incident.turns == 1 else "hold"
+    inside = "; ".join(filter(None, [f"{incident.slots} slots generating, "
+                                     f"{_plural(incident.turns, 'turn')} {holds} the lane",
+                                     extra]))
+    return f"beside the turn that held the lane ({inside})"
+
+
+def first_seen(lane: str, incident: Incident) -> str:
+    """Said when an unseen generation is first seen, while it goes on."""
+    at = time.strftime("%H:%M:%S", time.localtime(incident.started_wall))
+    tokens, _ = incident.tokens()
+    so_far = "" if tokens is None else f"{_plural(tokens, 'token')} so far"
+    return (f"unseen generation on {lane}: the engine is generating, first seen at {at} "
+            f"{_lane_side(incident, so_far)} -- a client reaches the engine without lanelock")
+
+
+def ended(lane: str, incident: Incident) -> str:
+    """Said when it ends (or when the witness stops first): how long, and its tokens -- the
+    engine's final count where it gives one, else at least the last sample's."""
+    tokens, final = incident.tokens()
+    count = ("" if tokens is None or not (final or tokens) else
+             f", {'' if final else 'at least '}{_plural(tokens, 'token')}")
+    how = "was still going when this witness stopped" if incident.cut else "ended"
+    return (f"the generation unseen on {lane} {how}: the engine generated "
+            f"{incident.seen - incident.started:.1f} s {_lane_side(incident)}{count}")
 
 
 class Witness:
@@ -169,6 +229,7 @@ class Witness:
         self._handle = None
         self._thread: threading.Thread | None = None
         self._remembered = False
+        self._recalled = False
         self._claim = None
         self.standing_by: str | None = None   # the other witness this one waits behind
         self._flushed = time.monotonic()
@@ -190,9 +251,26 @@ class Witness:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def recall(self) -> None:
+        """Which way of reading this engine the lane's last witness used (its counts say), so
+        that an engine down from the start is named by its own kind's endpoint. Once."""
+        if self._recalled:
+            return
+        self._recalled = True
+        store = self.place.store
+        try:
+            facts = store.survey(self.place.lane)
+            engine = store.counts(facts[0]).get("engine") if facts else None
+        except (GateUnavailable, OSError):
+            return   # said by the first sample that needs the store
+        if isinstance(engine, dict) and engine.get("url") == self.url \
+                and isinstance(engine.get("source"), str):
+            self.engine.known = engine["source"]
+
     def detect(self) -> str | None:
         """The engine's kind, or None while it cannot be read (said once); CannotWitness when
         there is nothing to witness."""
+        self.recall()
         try:
             kind = self.engine.detect()
         except engines.Unreadable as error:
@@ -251,6 +329,7 @@ class Witness:
         for what, incident in self.verdicts.observe(now, wall, account, bool(held), released_ago):
             if what == "started":
                 self._count(witness={"unseen": 1})
+                self.tell(first_seen(self.place.lane.name, incident))
             else:
                 self._report(incident)
         if self.verdicts.idle and (not held or now - self._flushed >= IDLE_FLUSH):
@@ -285,6 +364,7 @@ class Witness:
         incident = self.verdicts.end(time.monotonic()) if self.verdicts.incident else None
         if incident is not None:
             incident.seen = max(incident.seen, incident.started)
+            incident.cut = True   # its tokens: at least what was sampled
             self._report(incident)
         if self.verdicts.idle:
             self._flush_idle(time.monotonic())
@@ -351,10 +431,12 @@ class Witness:
 
         lane = self.place.lane.name
         duration = round(max(incident.seen - incident.started, 0.0), 3)
+        tokens, final = incident.tokens()
+        # tokens_final: tokens is the engine's own count at the end (else at least that many)
         fields = {"started": utc_now(incident.started_wall), "duration": duration,
                   "slots": incident.slots, "turns": incident.turns,
-                  "tokens": incident.tokens(), "witness": self.name,
-                  "engine": self.url, "kind": self.engine.kind}
+                  "tokens": tokens, "tokens_final": final if tokens is not None else None,
+                  "witness": self.name, "engine": self.url, "kind": self.engine.kind}
         event = {"event": "unseen", "time": fields["started"],
                  "ts": round(incident.started_wall, 6), "monotonic": round(incident.started, 6),
                  "lane": lane, "pid": os.getpid(), "session": f"witness ({self.name})",
@@ -366,8 +448,9 @@ class Witness:
             self._drop_handle()
         self._count(witness={"unseen_seconds": duration},
                     last_unseen={key: fields[key] for key in
-                                 ("started", "duration", "slots", "turns", "tokens", "witness")})
-        self.tell(sentence(lane, incident))   # last: once said, it is journaled and counted
+                                 ("started", "duration", "slots", "turns", "tokens",
+                                  "tokens_final", "witness")})
+        self.tell(ended(lane, incident))   # last: once said, it is journaled and counted
 
     def _flush_idle(self, now: float) -> None:
         idle, self.verdicts.idle = round(self.verdicts.idle, 3), 0.0

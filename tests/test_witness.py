@@ -6,6 +6,7 @@ the documented shapes of llama-swap, vLLM, SGLang and Ollama -- servers this mac
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, environ, json_of, read_line
+from conftest import LANELOCK, TIMEOUT, environ, json_of, read_line, wait_for
 
 PYTHON = sys.executable
 INTERVAL = 0.2
@@ -107,8 +108,11 @@ def test_a_direct_generation_is_unseen_within_two_intervals_and_timed_within_one
     watch = Watch(procs, engine.backend)
     engine.ask()
     line = watch.wait_for("unseen generation")
-    assert f"unseen generation on localhost:{engine.port}: the engine generated" in line
-    assert "while no turn held the lane -- a client reaches the engine without lanelock" in line
+    assert f"unseen generation on localhost:{engine.port}: the engine is generating" in line
+    assert "while no turn held the lane (1 slot, " in line, line
+    assert line.rstrip().endswith("-- a client reaches the engine without lanelock"), line
+    ended = watch.wait_for("the generation unseen on")
+    assert "ended: the engine generated" in ended and ended.rstrip().endswith(", 3 tokens")
     status, lines = watch.stop()
     assert status == 0 and len(unseen_lines(lines)) == 1, lines
     (event,) = unseen_events(json_of, engine.backend)
@@ -241,6 +245,127 @@ def test_two_slots_generating_beside_one_held_turn_is_unseen(procs, holder, tmp_
     assert len(unseen_lines(lines)) == 1, lines
     (event,) = unseen_events(json_of, engine.backend)
     assert (event["slots"], event["turns"]) == (2, 1)
+
+
+# -- what it says, and when ------------------------------------------------------------------------
+def stream(url: str, max_tokens: int | None = None):
+    """A streamed chat completion straight to the engine, generating once its first event is
+    read: it runs on until read to its end or hung up (close())."""
+    fields = {"messages": [{"role": "user", "content": "straight to the engine"}], "stream": True}
+    if max_tokens:
+        fields["max_tokens"] = max_tokens
+    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(fields).encode(),
+                                     headers={"Content-Type": "application/json"})
+    response = urllib.request.urlopen(request, timeout=TIMEOUT)
+    assert response.readline().startswith(b"data: ")
+    return response
+
+
+def generation_of(engine, task: int | None = None) -> dict:
+    generations = engine.stats()["generations"]
+    return generations[-1] if task is None else next(g for g in generations if g["id"] == task)
+
+
+@pytest.mark.parametrize("kind", ["llama.cpp", "llama.cpp-legacy", "llama-swap"])
+def test_a_long_direct_generation_is_said_while_it_runs_and_at_its_end_with_its_final_count(
+        procs, tmp_path, kind):
+    """The first line comes while the engine still generates (the stand-in says so), the last
+    when it ended, with the count of tokens the engine decoded: the one the stand-in gave (80),
+    not the last sample's -- the engine finished between the witness's last look and the end.
+    Today's llama-server resets a finished slot's n_decoded and keeps its context; older ones
+    keep n_decoded; llama-swap passes its model's /slots on."""
+    engine = StandIn(procs, tmp_path, "--kind", kind, "--token-interval", 0.04)
+    watch = Watch(procs, engine.backend)
+    response = stream(engine.url, max_tokens=80)   # 3.2 s of tokens
+    first = watch.wait_for("unseen generation")
+    assert generation_of(engine)["ended"] is None, first   # said while it runs
+    assert re.search(rf"lanelock: unseen generation on localhost:{engine.port}: the engine is "
+                     r"generating, first seen at \d\d:\d\d:\d\d while no turn held the lane "
+                     r"\(1 slot, \d+ tokens? so far\) -- a client reaches the engine without "
+                     r"lanelock$", first.rstrip()), first
+    response.read()
+    response.close()
+    last = watch.wait_for("the generation unseen on")
+    generation = generation_of(engine)
+    assert generation["decoded"] == 80 and generation["ended"] is not None, generation
+    assert re.search(rf"lanelock: the generation unseen on localhost:{engine.port} ended: the "
+                     r"engine generated \d+\.\d s while no turn held the lane \(1 slot\), 80 "
+                     r"tokens$", last.rstrip()), last
+    status, lines = watch.stop()
+    assert status == 0 and len(unseen_lines(lines)) == 1, lines
+    (event,) = unseen_events(json_of, engine.backend)
+    assert (event["tokens"], event["tokens_final"]) == (80, True), event
+    assert engine_of(json_of, engine.backend)["last_unseen"]["tokens"] == 80
+
+
+def test_a_generation_cut_by_its_client_is_counted_as_the_engine_counted_it(procs, tmp_path):
+    """No max_tokens (n_remain -1): the client hangs up after the first line; the count is
+    what the stand-in had decoded when it noticed."""
+    engine = StandIn(procs, tmp_path, "--tokens", 1000, "--token-interval", 0.02)
+    watch = Watch(procs, engine.backend)
+    response = stream(engine.url)
+    watch.wait_for("unseen generation")
+    # Three intervals of tokens: the witness has seen it decode (its first look may have come
+    # before the first token, when the engine cannot yet tell the prompt's size).
+    wait_for(lambda: generation_of(engine)["decoded"] >= 3 * INTERVAL / 0.02,
+             "the stand-in to decode three intervals of tokens")
+    response.close()
+    line = watch.wait_for("the generation unseen on")
+    decoded = generation_of(engine)["decoded"]
+    assert 1 <= decoded < 1000 and line.rstrip().endswith(f", {decoded} tokens"), (line, decoded)
+    watch.stop()
+    (event,) = unseen_events(json_of, engine.backend)
+    assert (event["tokens"], event["tokens_final"]) == (decoded, True), event
+
+
+def test_a_count_the_engine_no_longer_keeps_is_said_as_at_least(procs, tmp_path):
+    """Two direct streams on one slot: the second waits in the engine's queue and takes the
+    slot the moment the first ends, so no look ever finds the first one's slot still naming
+    it. Its count is then at least its last sample's -- never a wrong exact number."""
+    engine = StandIn(procs, tmp_path, "--token-interval", 0.04)
+    watch = Watch(procs, engine.backend)
+    first = stream(engine.url, max_tokens=40)
+    second = stream(engine.url, max_tokens=80)   # queued behind the first, longer
+    watch.wait_for("unseen generation")
+    first.read(), second.read()
+    first.close(), second.close()
+    line = watch.wait_for("the generation unseen on")
+    assert re.search(r"ended: the engine generated \d+\.\d s while no turn held the lane "
+                     r"\(1 slot\), at least \d+ tokens$", line.rstrip()), line
+    status, lines = watch.stop()
+    assert status == 0 and len(unseen_lines(lines)) == 1, lines
+    (event,) = unseen_events(json_of, engine.backend)
+    # The second's final count (80) and at least one of the first's.
+    assert event["tokens_final"] is False and 80 < event["tokens"] < 120, event
+
+
+@pytest.mark.parametrize("kind, endpoint", [("llama.cpp", "/slots"), ("llama-swap", "/running"),
+                                            ("vllm", "/metrics")])
+def test_an_engine_down_is_named_by_the_endpoint_of_the_kind_witnessed(procs, tmp_path, kind,
+                                                                       endpoint):
+    """Once a witness saw the engine (the lane's counts keep its kind), an engine that does not
+    answer is named by that kind's endpoint -- in status, and by a witness that starts while it
+    is down -- not by /running, the first thing detection asks."""
+    engine = StandIn(procs, tmp_path, "--kind", kind, "--metrics")
+    assert watch_until_detected(procs, engine)
+    engine.stop()
+    problem = engine_of(json_of, engine.backend)["problem"]
+    assert problem.startswith(f"not answering: {engine.url}{endpoint}: "), problem
+    later = Watch(procs, engine.backend, started=False)
+    line = later.wait_for("watching the engine")
+    assert f"(not answering yet: {engine.url}{endpoint}: " in line, line
+    later.stop()
+
+
+def watch_until_detected(procs, engine) -> bool:
+    """A witness that saw the engine at work: it has counted, so the lane's counts name the
+    engine and its kind."""
+    watch = Watch(procs, engine.backend)
+    response = stream(engine.url, max_tokens=3)
+    watch.wait_for("unseen generation")
+    response.read()
+    status, lines = watch.stop()
+    return status == 0 and "(not answering" not in lines[0]
 
 
 # -- where it runs ------------------------------------------------------------------------------------
@@ -394,9 +519,10 @@ def test_status_history_and_metrics_show_an_unseen_generation(procs, lanelock, t
 
 
 def test_status_says_when_no_engine_answers(lanelock):
-    """In the JSON; the plain line leaves out an engine nobody runs or ever witnessed."""
+    """In the JSON; the plain line leaves out an engine nobody runs or ever witnessed. Its
+    kind unknown, no endpoint is named (the first one detection asks is llama-swap's)."""
     engine = engine_of(json_of, "127.0.0.1:1")
-    assert engine["problem"].startswith("not answering: http://127.0.0.1:1/running: ")
+    assert engine["problem"].startswith("not answering: http://127.0.0.1:1: "), engine
     assert (engine["url"], engine["generating"], engine["unseen"], engine["witness"]) == \
         ("http://127.0.0.1:1", None, 0, None)
     plain = lanelock("status", "-b", "127.0.0.1:1").stdout
@@ -412,7 +538,7 @@ def test_one_witness_per_lane_the_other_stands_by_and_takes_over(procs, tmp_path
     line = second.wait_for("standing by")
     assert f"is witnessed already (watch pid {first.proc.pid} on " in line, line
     engine.ask()
-    first.wait_for("unseen generation")
+    first.wait_for("the generation unseen on")   # ended: journaled
     first.proc.kill()
     first.proc.wait(TIMEOUT)
     assert f"watch pid {first.proc.pid}" in second.wait_for("taking over")

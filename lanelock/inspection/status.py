@@ -122,8 +122,9 @@ def engine_status(facts, counts: dict, lane=None, looks: list | None = None) -> 
     elif url is None:
         found = {"url": None, "kind": None, "generating": None, "slots": None,
                  "problem": "on another machine: its witness reports here"}
-    else:
-        found = engine.look(url)
+    else:   # named by the endpoint its witness read, should it not answer
+        found = engine.look(url, known=watched.get("source") if watched.get("url") == url
+                            else None)
     witness = counts.get("witness") or {}
     found.update(unseen=witness.get("unseen"), unseen_seconds=witness.get("unseen_seconds"),
                  held_idle_seconds=witness.get("held_idle_seconds"),

@@ -10,7 +10,8 @@ seconds; with "stream": true it streams --tokens server-sent events (OpenAI chun
 [DONE]) one every --token-interval seconds, and stops when the client hangs up, as llama-server
 does. The server records how many generations were in flight at once: GET /stats gives
 {"max_in_flight", "total", "in_flight", "hangups", "paths"}, and besides them "generations" (the
-last 200: {"id", "path", "started", "ended"}, wall-clock seconds, "ended" null while in flight),
+last 200: {"id", "path", "started", "ended", "decoded"}, wall-clock seconds, "ended" null while
+in flight, "decoded" the tokens it decoded),
 "account_gets" (how many GETs reached the engine's account endpoints below) and "loads" (models a
 llama-swap stand-in was asked to load). POST /stats/reset clears them. Loopback only, by design.
 
@@ -27,11 +28,14 @@ events sent so far). --kind says in which engine's words the account is given:
                     "speculative", "is_processing" always; once the slot has had a task also
                     "id_task", "n_prompt_tokens", "n_prompt_tokens_processed",
                     "n_prompt_tokens_cache", "params" and "next_token" (a list of one object:
-                    "has_next_token", "has_new_line", "n_remain", "n_decoded"). An idle slot keeps
-                    its last task's id_task (llama-server reports its task_prev), with
-                    n_decoded 0 and n_remain -1: only is_processing tells a busy slot. ?fail_on_no_slot=1 answers 503 when none is
-                    idle. --no-slots: 501 {"error": {"code": 501, "message": ..., "type":
-                    "not_supported_error"}}. GET /metrics only with --metrics (else 501 the same
+                    "has_next_token", "has_new_line", "n_remain", "n_decoded"). n_prompt_tokens
+                    is the slot's context: the prompt, then the tokens generated but the last
+                    one. An idle slot keeps its last task's id_task (llama-server reports its
+                    task_prev) and context, with n_decoded 0 and n_remain -1: only
+                    is_processing tells a busy slot (as a real llama-server answered: 165
+                    context tokens after a 38-token prompt and 128 generated).
+                    ?fail_on_no_slot=1 answers 503 when none is idle. --no-slots: 501
+                    {"error": {"code": 501, "message": ..., "type": "not_supported_error"}}. GET /metrics only with --metrics (else 501 the same
                     way): Prometheus text, llamacpp:prompt_tokens_total, ...,
                     llamacpp:requests_processing and llamacpp:requests_deferred (gauges).
   llama.cpp-legacy  the same, in the shape older llama-server builds gave (before task_prev):
@@ -118,7 +122,8 @@ class Generation:
         return min(3, int((time.monotonic() - self.t0) / delay * 3))
 
     def record(self) -> dict:
-        return {"id": self.id, "path": self.path, "started": self.started, "ended": self.ended}
+        return {"id": self.id, "path": self.path, "started": self.started, "ended": self.ended,
+                "decoded": self.final if self.final is not None else self.events}
 
 
 PROMPT_TOKENS = 12     # what every request's prompt counts in the account
@@ -306,9 +311,11 @@ def llama_slots(account: dict, legacy: bool) -> list:
             continue
         slot = {"id": index, "n_ctx": N_CTX, "speculative": False, "is_processing": busy}
         if task is not None:
-            prompt, processed = PROMPT_TOKENS, PROMPT_TOKENS
-            if not busy:   # released: its stats reset, the prompt holds what was generated
-                prompt, processed = PROMPT_TOKENS + decoded, 0
+            # The slot's context: the prompt, then every token generated but the last one
+            # sampled (it is fed back with the next decode), as llama-server keeps it.
+            prompt, processed = PROMPT_TOKENS + max(decoded - 1, 0), PROMPT_TOKENS
+            if not busy:   # released: n_decoded and the stats reset, the context stays
+                processed = 0
                 next_token.update(n_remain=-1, n_decoded=0)
             slot.update(id_task=task.id, n_prompt_tokens=prompt,
                         n_prompt_tokens_processed=processed, n_prompt_tokens_cache=0,
