@@ -69,6 +69,7 @@ from conftest import LANELOCK, TIMEOUT, flock_entries, json_of, read_line
 from lanelock import Gate
 from lanelock.store.flock import journal
 from lanelock.store.pg.session import CLIENT_CHECK_MS
+from pg_server import lanelock_errors
 from test_proxy import CHAT, Proxy, chat_body, request
 
 CLASSES = ("batch", "normal", "interactive")        # rank = index, as in lanelock/store/flock/queue.py
@@ -627,6 +628,9 @@ class PgRecords:
                 failed + said,
             f"the server logged {NOT_OWNED!r} (its log: {self.kept})": [
                 line for line in self.server_log() if NOT_OWNED in line],
+            # no wait of lanelock's is a statement that times out or is cancelled (queue.py)
+            f"ERROR lines of lanelock's sessions in the server's log (its log: {self.kept})":
+                lanelock_errors("\n".join(self.server_log())),
         }
 
     def report(self) -> list[str]:
