@@ -47,21 +47,30 @@ def test_a_direct_client_is_reported_and_twenty_gated_turns_are_not(servers, pro
     local = servers["local"]
     backend = local.removeprefix("http://")
     watch = Watch(procs, backend)
-    done = subprocess.run([*CLIENT, "--max-tokens", "48", "--json", local], capture_output=True,
-                          text=True, timeout=300)   # straight to the engine: no lanelock
+    # Straight to the engine, no lanelock; long enough to be seen decoding (a look that only
+    # ever finds it reading its prompt cannot tell its count).
+    done = subprocess.run([*CLIENT, "--max-tokens", "96", "--prompt",
+                           "Write a long story about a lighthouse keeper.", "--json", local],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     line = watch.wait_for("unseen generation")
     assert "while no turn held the lane" in line, line
+    answer = json.loads(done.stdout)
+    # Said again when it ended, with the engine's own count: the answer's completion tokens.
+    ended = watch.wait_for("the generation unseen on")
+    tokens = answer["usage"]["completion_tokens"]
+    assert ended.rstrip().endswith(f"), {tokens} token{'' if tokens == 1 else 's'}"), \
+        (ended, answer["usage"])
     for _ in range(20):
         turn = lanelock("run", "-b", backend, "--", *CLIENT, "--max-tokens", "16", local,
                         timeout=300)
         assert turn.returncode == 0, turn.stderr
     lines = watch.stop()
     assert len(unseen(lines)) == 1, lines   # the direct client's, none of the 20 turns
-    answer = json.loads(done.stdout)
     (event,) = [e for e in json_of(["history", "-b", backend, "--json"])["events"]
                 if e["event"] == "unseen"]
     assert event["kind"] == "llama.cpp" and event["slots"] == 1 and event["turns"] == 0
+    assert (event["tokens"], event["tokens_final"]) == (tokens, True), event
     # Its length within an interval of the client's own (which adds the HTTP round trip).
     assert abs(event["duration"] - (answer["ended"] - answer["started"])) <= 0.25 + 0.1
     status = json_of(["status", "-b", backend, "--json"])["lanes"][0]["engine"]
