@@ -302,3 +302,63 @@ def test_the_ungated_metric_counts_a_restart_and_then_a_loss(procs, lock_roots):
     lost = [e for e in history(dsn)["events"] if e["event"] == "lost"][0]
     assert ungated_metric(dsn) == pytest.approx(after_restart + lost["ungated"], abs=0.002)
     assert "UNGATED" in run(dsn, "history").stdout
+
+
+# -- a lost turn that ends while the server does not answer ---------------------------------
+def stopped_server(procs, lock_roots):
+    """A server of this test's own, a turn holding a lane on it, and the server then stopped
+    under the turn (a fast shutdown): (server, dsn, the holder, told its session ended)."""
+    import os
+    import signal
+
+    if pg_server.binaries() is None:
+        pytest.skip("no PostgreSQL server")
+    server = pg_server.Server()
+    lock_roots.after(server.stop)
+    server.start()
+    dsn = lock_roots.watch_store(server.dsn)
+    holder = held(procs, dsn)
+    os.kill(server.postmaster_pid(), signal.SIGINT)
+    server.proc.wait(timeout=TIMEOUT)
+    said = read_line(holder.stderr)
+    assert " lost" in said and "until the lane is taken back" in said, said
+    return server, dsn, holder
+
+
+@pytest.mark.slow
+def test_a_lost_turn_ending_while_the_server_is_down_journals_once_it_answers(procs, lock_roots):
+    """The turn ends while the server is down: its release asks again, and the server started
+    meanwhile gets the 'lost' event and the ungated seconds."""
+    server, dsn, holder = stopped_server(procs, lock_roots)
+    holder.stdin.write(b"go\n")
+    holder.stdin.close()
+    server._launch()   # the same data and port, while the release asks
+    assert holder.wait(timeout=TIMEOUT) == 0
+    stderr = holder.stderr.read().decode()
+    assert "not journaled" not in stderr, stderr
+    lost = [e for e in history(dsn)["events"] if e["event"] == "lost"]
+    assert len(lost) == 1 and lost[0]["how"] == "unreachable" and lost[0]["ungated"] > 0, lost
+    pytest.importorskip("prometheus_client")
+    assert ungated_metric(dsn) == pytest.approx(lost[0]["ungated"], abs=0.002)
+
+
+@pytest.mark.slow
+def test_a_lost_turn_ending_while_the_server_stays_down_exits_within_the_bound(procs,
+                                                                             lock_roots):
+    """The server never comes back: the exit waits at most LOST_JOURNAL_WITHIN (plus a connect
+    timeout), then says in one line what was not journaled."""
+    import time
+
+    from lanelock.gate import LOST_JOURNAL_WITHIN
+    from lanelock.store.pg.session import CONNECT_TIMEOUT
+
+    server, _, holder = stopped_server(procs, lock_roots)
+    began = time.monotonic()
+    holder.stdin.write(b"go\n")
+    holder.stdin.close()
+    assert holder.wait(timeout=TIMEOUT) == 0
+    took = time.monotonic() - began
+    assert took < LOST_JOURNAL_WITHIN + CONNECT_TIMEOUT + 1.0, took
+    stderr = holder.stderr.read().decode()
+    assert "were not journaled: the lane store does not answer" in stderr, stderr
+    server._launch()   # for the teardown's look: nobody holds a lane there
