@@ -574,7 +574,9 @@ class Turn:
                     self.gate.warn(f"the lost lane's {ungated:.1f} s ungated were not "
                                    f"journaled: {error}")
                     return
-                store.release(handle, {"outcome": None, "ungated": ungated})
+                # a restart it came back from before counts too: no count of its release has it
+                store.release(handle, {"outcome": None,
+                                       "ungated": round(ungated + self.ungated, 3)})
                 return
             pause = backoff(tries)
             if time.monotonic() + pause >= deadline:

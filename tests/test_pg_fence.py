@@ -362,3 +362,30 @@ def test_a_lost_turn_ending_while_the_server_stays_down_exits_within_the_bound(p
     stderr = holder.stderr.read().decode()
     assert "were not journaled: the lane store does not answer" in stderr, stderr
     server._launch()   # for the teardown's look: nobody holds a lane there
+
+
+@pytest.mark.slow
+def test_a_turn_taken_back_after_a_restart_and_then_lost_counts_both(procs, lock_roots):
+    """One turn: the server restarts under it (taken back), then ends its session (lost for
+    good). The counter has both intervals; the 'lost' event the second one only."""
+    pytest.importorskip("prometheus_client")
+    if pg_server.binaries() is None:
+        pytest.skip("no PostgreSQL server")
+    server = pg_server.Server()
+    lock_roots.after(server.stop)
+    server.start()
+    dsn = lock_roots.watch_store(server.dsn)
+    holder = held(procs, dsn)
+    server.restart()
+    while "taken back after" not in read_line(holder.stderr):
+        pass
+    sql(dsn, "SELECT pg_terminate_backend(%s)", backend_of(dsn, holder.pid))
+    while " lost: the lane store ended this turn's session" not in read_line(holder.stderr):
+        pass
+    assert end(holder)[0] == 0
+    events = history(dsn)["events"]
+    regained = [e for e in events if e["event"] == "regained"]
+    lost = [e for e in events if e["event"] == "lost"]
+    assert len(regained) == 1 and len(lost) == 1, events
+    assert ungated_metric(dsn) == pytest.approx(regained[0]["ungated"] + lost[0]["ungated"],
+                                                abs=0.005)
