@@ -268,7 +268,7 @@ def generation_of(engine, task: int | None = None) -> dict:
 
 @pytest.mark.parametrize("kind", ["llama.cpp", "llama.cpp-legacy", "llama-swap"])
 def test_a_long_direct_generation_is_said_while_it_runs_and_at_its_end_with_its_final_count(
-        procs, tmp_path, kind):
+        procs, lanelock, tmp_path, kind):
     """The first line comes while the engine still generates (the stand-in says so), the last
     when it ended, with the count of tokens the engine decoded: the one the stand-in gave (80),
     not the last sample's -- the engine finished between the witness's last look and the end.
@@ -296,6 +296,8 @@ def test_a_long_direct_generation_is_said_while_it_runs_and_at_its_end_with_its_
     (event,) = unseen_events(json_of, engine.backend)
     assert (event["tokens"], event["tokens_final"]) == (80, True), event
     assert engine_of(json_of, engine.backend)["last_unseen"]["tokens"] == 80
+    assert "(1 slot generating, 80 tokens; seen by watch" in \
+        lanelock("history", "-b", engine.backend).stdout
 
 
 def test_a_generation_cut_by_its_client_is_counted_as_the_engine_counted_it(procs, tmp_path):
@@ -318,7 +320,7 @@ def test_a_generation_cut_by_its_client_is_counted_as_the_engine_counted_it(proc
     assert (event["tokens"], event["tokens_final"]) == (decoded, True), event
 
 
-def test_a_count_the_engine_no_longer_keeps_is_said_as_at_least(procs, tmp_path):
+def test_a_count_the_engine_no_longer_keeps_is_said_as_at_least(procs, lanelock, tmp_path):
     """Two direct streams on one slot: the second waits in the engine's queue and takes the
     slot the moment the first ends, so no look ever finds the first one's slot still naming
     it. Its count is then at least its last sample's -- never a wrong exact number."""
@@ -337,6 +339,8 @@ def test_a_count_the_engine_no_longer_keeps_is_said_as_at_least(procs, tmp_path)
     (event,) = unseen_events(json_of, engine.backend)
     # The second's final count (80) and at least one of the first's.
     assert event["tokens_final"] is False and 80 < event["tokens"] < 120, event
+    history = lanelock("history", "-b", engine.backend).stdout
+    assert f", at least {event['tokens']} tokens; seen by watch" in history, history
 
 
 @pytest.mark.parametrize("kind, endpoint", [("llama.cpp", "/slots"), ("llama-swap", "/running"),

@@ -290,10 +290,12 @@ def describe(event: dict) -> str:
         beside = (f"beside {turns} turn{'' if turns == 1 else 's'} holding"
                   if isinstance(turns, int) and turns else "while no turn held the lane")
         tokens = event.get("tokens")
+        # tokens_final false: at least that many (the engine no longer kept the final count)
+        least = "at least " if event.get("tokens_final") is False else ""
         slots = event.get("slots")
         return (f"the engine generated {_number(event.get('duration')) or 0:.1f}s {beside} "
                 f"({slots} slot{'' if slots == 1 else 's'} generating"
-                f"{f', {tokens} tokens' if isinstance(tokens, int) else ''}; seen by "
+                f"{f', {least}{tokens} tokens' if isinstance(tokens, int) else ''}; seen by "
                 f"{event.get('witness')} at {event.get('engine')})")
     if kind == "regained":   # a store restart ended the holder's session; it took the lane back
         return (f"the lane store restarted under this turn: the lane was ungated "
