@@ -86,10 +86,12 @@ def join(conn, lane: str, rank: int, facts: dict, waited: float = 0.0) -> int:
 
 
 def leave(conn, ticket: int, listening: bool = False) -> None:
+    # One round trip (on the hand-off's path): the row goes first -- the CTE runs before the
+    # unlock in the select -- and the waiter behind, woken, reads it gone once this commits.
     with conn.cursor() as cursor:
-        cursor.execute("DELETE FROM lanelock_queue WHERE ticket = %s", (ticket,))
-        cursor.execute("SELECT pg_advisory_unlock(%s, %s), pg_notify(%s, %s)",
-                       (*key(ticket), CHANNEL, str(ticket)))
+        cursor.execute("WITH gone AS (DELETE FROM lanelock_queue WHERE ticket = %s RETURNING 1) "
+                       "SELECT pg_advisory_unlock(%s, %s), pg_notify(%s, %s), "
+                       "(SELECT count(*) FROM gone)", (ticket, *key(ticket), CHANNEL, str(ticket)))
         if listening:   # a holder's session is not woken by the queue for the rest of its turn
             cursor.execute(f"UNLISTEN {CHANNEL}")
 

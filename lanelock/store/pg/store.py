@@ -258,12 +258,16 @@ class PgStore(LaneStore):
 
     def _try_lane(self, handle: PgHandle) -> bool:
         handle.claimed = None
-        return self._try_lane_lock(handle) and self._same_session(handle) and \
-            self._unclaimed(handle)
+        backend = self._try_lane_lock(handle)
+        return bool(backend) and self._same_session(handle, backend) and self._unclaimed(handle)
 
-    def _try_lane_lock(self, handle: PgHandle) -> bool:
-        handle.held = self._call(handle, "SELECT pg_try_advisory_lock(%s, %s)", handle.key)
-        return handle.held
+    def _try_lane_lock(self, handle: PgHandle) -> int:
+        """The lane's lock tried: the backend pid the statement ran on when taken (for the pooler
+        check, in the same round trip), 0 when not."""
+        held, backend = self._call(handle, "SELECT pg_try_advisory_lock(%s, %s), "
+                                   "pg_backend_pid()", handle.key, row=True)
+        handle.held = held
+        return backend if held else 0
 
     def _unclaimed(self, handle: PgHandle) -> bool:
         """The lock is ours: is the lane too, or does a turn that held it when the server went
@@ -391,19 +395,21 @@ class PgStore(LaneStore):
         queue.RECHECK (a holder that died elsewhere notifies no one) -- queue.until_taken, the
         queue's own wait. No statement waits in the server: none times out, none is cancelled."""
         psycopg = driver()
-        death = None
+        death, backend = None, 0
 
         def attempt() -> bool:
-            nonlocal death
-            if self._try_lane_lock(handle):
+            nonlocal death, backend
+            backend = self._try_lane_lock(handle)
+            if backend:
                 return True
             if death is None:
                 death = self._holder_death(handle)
             return False
 
         try:
-            if self._try_lane_lock(handle):
-                return self._same_session(handle)
+            backend = self._try_lane_lock(handle)
+            if backend:
+                return self._same_session(handle, backend)
             pg_queue.listen(handle.conn, pg_queue.lane_channel(handle.key))
             given_up = (lambda: handle.cancelled or (cancelled is not None and cancelled()))
             if not pg_queue.until_taken(handle.conn, attempt, deadline, lambda: death,
@@ -416,7 +422,7 @@ class PgStore(LaneStore):
         finally:
             if death is not None:
                 os.close(death)
-        return self._same_session(handle)
+        return self._same_session(handle, backend)
 
     def _holder_death(self, handle: PgHandle) -> int | None:
         """A pidfd of the lane's holder when it is a process of this host: its row, written by
@@ -437,10 +443,12 @@ class PgStore(LaneStore):
             return None   # no holder table (records only label turns): asked every RECHECK
         return None if row is None else pg_queue.death_of(row[0], row[1])
 
-    def _same_session(self, handle: PgHandle) -> bool:
+    def _same_session(self, handle: PgHandle, backend: int | None = None) -> bool:
         """The session (and so the lock) is ours: a transaction-mode pooler would hand later
-        statements to another backend, where the session lock does not live."""
-        backend = self._call(handle, "SELECT pg_backend_pid()", ())
+        statements to another backend, where the session lock does not live. backend: the pid
+        the statement that took the lock ran on (asked now when not given)."""
+        if backend is None:
+            backend = self._call(handle, "SELECT pg_backend_pid()", ())
         if backend != handle.backend_pid:
             raise GateUnavailable("the lane store connection goes through a transaction-mode "
                                   "pooler (backend pid changed); connect to PostgreSQL directly")
@@ -614,12 +622,10 @@ class PgStore(LaneStore):
         return record, None
 
     def append_event(self, handle: PgHandle, *events: dict) -> None:
-        try:
-            for event in events:
-                self._call(handle,
-                           "INSERT INTO lanelock_events (lane, ts, event) VALUES (%s, %s, %s)",
-                           (handle.lane, event.get("ts", time.time()), json.dumps(event)),
-                           fetch=False)
+        rows = [(handle.lane, event.get("ts", time.time()), json.dumps(event)) for event in events]
+        try:   # pipelined: one round trip however many events, written in their order
+            self._call(handle, "INSERT INTO lanelock_events (lane, ts, event) VALUES (%s, %s, %s)",
+                       rows, many=True)
         except GateUnavailable as error:
             raise RecordNotWritten(str(error)) from None
 
@@ -773,7 +779,10 @@ class PgStore(LaneStore):
             return True
 
 
-    def _call(self, handle: PgHandle, sql: str, params, fetch: bool = True):
+    def _call(self, handle: PgHandle, sql: str, params, fetch: bool = True, row: bool = False,
+              many: bool = False):
+        """One statement on the handle's session: its first column (fetch), its whole row (row),
+        or nothing; many: params is a list of rows, pipelined (one round trip)."""
         psycopg = driver()
         if handle.conn is None:   # a turn that never connected (it waited on its host): now
             if self._unreachable:
@@ -781,7 +790,12 @@ class PgStore(LaneStore):
             self.connected(handle)
         try:
             with handle.conn.cursor() as cursor:
+                if many:
+                    cursor.executemany(sql, params)
+                    return None
                 cursor.execute(sql, params)
+                if row:
+                    return cursor.fetchone()
                 return cursor.fetchone()[0] if fetch else None
         except psycopg.Error as error:
             raise GateUnavailable(f"lane store: {first_line(error)}") from None
