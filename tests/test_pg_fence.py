@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
 import secrets
 import subprocess
@@ -202,6 +203,30 @@ def test_turns_at_once_on_a_fresh_or_an_old_database_get_distinct_growing_fences
     assert [fence for _, fence in stamped] == list(range(1, count + 1)), stamped
     assert sql(dsn, "SELECT count(*) FROM pg_attribute WHERE attrelid = "
                     "'lanelock_holders'::regclass AND attname = 'generation'") == [(1,)]
+
+
+def test_a_role_that_may_not_alter_old_tables_writes_its_record_without_a_fence(
+        postgres, lock_roots):
+    """Tables of an earlier lanelock, owned by another role: a turn of a role that may only
+    read and write them runs, writes its record without a fence, warns of nothing, and leaves no
+    ERROR line in the server's log (no ALTER tried, no upsert of a missing column)."""
+    dsn = database_on(postgres.dsn, lock_roots, old_schema=True)
+    role = f"fence_user_{secrets.token_hex(3)}"
+    sql(dsn, f"CREATE ROLE {role} LOGIN")
+    lock_roots.after(lambda: sql(postgres.dsn, f"DROP ROLE IF EXISTS {role}"))
+    sql(dsn, f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}; "
+             f"GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {role}")
+    lock_roots.after(lambda: sql(dsn, f"DROP OWNED BY {role}"))
+    as_role = dsn.replace("postgresql://postgres@", f"postgresql://{role}@")
+    log_before = os.path.getsize(postgres.log_path)
+    for _ in range(2):
+        done = run(as_role, "run", "--", "sh", "-c", 'echo "[$LANELOCK_FENCE]"')
+        assert done.returncode == 0 and done.stdout == "[]\n" and done.stderr == "", done
+    records = sql(dsn, "SELECT record FROM lanelock_holders WHERE lane <> 'old'")
+    assert len(records) == 1 and "fence" not in records[0][0] and records[0][0]["released_at"]
+    with open(postgres.log_path, errors="replace") as log:
+        log.seek(log_before)
+        assert pg_server.lanelock_errors(log.read()) == []
 
 
 # -- the overlap of a lost turn -------------------------------------------------------------

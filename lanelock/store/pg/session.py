@@ -115,25 +115,52 @@ def refused_for_load(error) -> bool:
     return any(words in text for words in CROWDED_WORDS)
 
 
+# The holders' generation column, asked with the tables (ensure_schema).
+_FENCED = ("EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('lanelock_holders') "
+           "AND attname = 'generation' AND NOT attisdropped)")
+NOT_FENCED = ("lanelock_holders has no generation column and this role may not add it: turns "
+              "here have no fence until a turn of the table's owner adds it")
+
+
 def ensure_schema(conn) -> str | None:
-    """The tables exist afterwards, or the reason they could not be made (never raises)."""
+    """The tables exist afterwards, or the reason they could not be made (never raises). Tables
+    of an earlier lanelock that this role does not own are left as they are (an ALTER would fail,
+    an ERROR line in the server's log at every turn): their database is remembered as not
+    fenced (fenced())."""
     psycopg = driver()
     try:
         with conn.cursor() as cursor:
             cursor.execute("SELECT to_regclass('lanelock_holders') IS NOT NULL AND "
                            "to_regclass('lanelock_events') IS NOT NULL AND "
                            "to_regclass('lanelock_counts') IS NOT NULL AND "
-                           "to_regclass('lanelock_queue') IS NOT NULL AND EXISTS (SELECT 1 "
-                           "FROM pg_attribute WHERE attrelid = to_regclass('lanelock_holders') "
-                           "AND attname = 'generation' AND NOT attisdropped)")
-            if cursor.fetchone()[0]:
+                           f"to_regclass('lanelock_queue') IS NOT NULL, {_FENCED}, "
+                           "pg_has_role((SELECT relowner FROM pg_class WHERE oid = "
+                           "to_regclass('lanelock_holders')), 'USAGE')")
+            tables, fenced, owner = cursor.fetchone()
+            if tables and fenced:
                 return None
+            if tables and not owner:
+                _NOT_FENCED.add(_database(conn))
+                return NOT_FENCED
             with conn.transaction():
                 cursor.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
                 cursor.execute(SCHEMA_SQL)
         return None
     except psycopg.Error as error:
         return f"lane store tables: {first_line(error)}"
+
+
+_NOT_FENCED: set = set()   # databases whose tables ensure_schema found without the column
+
+
+def _database(conn) -> tuple:
+    info = conn.info
+    return (info.host, info.port, info.dbname, info.user)
+
+
+def fenced(conn) -> bool:
+    """May this connection's turns count a fence (write the generation column)?"""
+    return _database(conn) not in _NOT_FENCED
 
 
 def ended(conn) -> bool:

@@ -35,8 +35,8 @@ from . import queue as pg_queue
 from ..base import LaneFacts, LaneStore, LockHandle
 from ...priority import DEFAULT_AGING
 from .line import PgLine
-from .session import (BOUND, NAMESPACE, connect, driver, ended, ensure_schema, first_line,
-                      redact)
+from .session import (BOUND, NAMESPACE, connect, driver, ended, ensure_schema, fenced,
+                      first_line, redact)
 
 NO_ROW = "no holder row yet"
 # The row's next generation in an upsert (write_holder): one more when another turn writes it.
@@ -587,13 +587,16 @@ class PgStore(LaneStore):
         psycopg = driver()
         try:
             with handle.conn.cursor() as cursor:
+                handle.fence = None
+                if not fenced(handle.conn):
+                    # Tables of an earlier lanelock this role may not alter (ensure_schema left
+                    # them as they are): the record is written, without a fence.
+                    cursor.execute(_WRITE_UNFENCED, params)
+                    return
                 try:
                     cursor.execute(_WRITE_FENCED, params)
                     handle.fence = cursor.fetchone()[0]
-                except psycopg.errors.UndefinedColumn:
-                    # Tables of an earlier lanelock this role may not alter (ensure_schema could
-                    # not add the column): the record is written, without a fence.
-                    handle.fence = None
+                except psycopg.errors.UndefinedColumn:   # the column dropped since: the same
                     cursor.execute(_WRITE_UNFENCED, params)
         except psycopg.Error as error:
             raise RecordNotWritten(f"lane store: {first_line(error)}") from None
