@@ -29,6 +29,7 @@ import sys
 import pytest
 
 from conftest import LANELOCK, TIMEOUT, Server, environ, read_line
+from netns import namespace, reachable_server  # noqa: F401 - fixtures
 
 pg_server = pytest.importorskip("pg_server")
 psycopg = pytest.importorskip("psycopg")
@@ -272,6 +273,44 @@ def test_a_terminated_holder_and_its_taker_both_journal_the_overlap(database, pr
     assert f"overlap {taker['overlap']:.1f}s" in plain, plain
     assert "the lane store ended this turn's session" in plain, plain
     assert re.search(r"1 overlap \(\d+\.\ds\)", plain), plain
+
+
+@pytest.mark.slow
+def test_a_partitioned_holder_and_the_turn_that_takes_its_lane_journal_the_overlap(
+        namespace, reachable_server, procs):
+    """The holder's host is cut off (its link down: no FIN, no RST); the server's keepalives end
+    its session, and a turn of another host takes the lane while the holder's command goes on.
+    The link back, the command ends: both journals say it, and history gives the overlap."""
+    dsn = reachable_server.dsn
+    here = ["ip", "netns", "exec", namespace.name]
+    cut_off = f"postgresql://postgres@{namespace.host_ip}:{reachable_server.port}/postgres"
+    holder = procs.start([*here, *LANELOCK, "run", "--store", cut_off, "-b", BACKEND, "--",
+                          "sh", "-c", HOLD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=environ())
+    assert read_line(holder.stdout) == "ready\n"
+    fence = lane_status(dsn)["holder"]["fence"]
+
+    namespace.cut()
+    said = read_line(holder.stderr, TIMEOUT)
+    assert " lost" in said and "goes on" in said, said
+    taker = held(procs, dsn, "--wait", "30")   # another host's turn, beside the cut-off command
+    lane = lane_status(dsn)
+    assert lane["holder"]["fence"] == fence + 1 and lane["holder"]["took_over"]["fence"] == fence
+
+    subprocess.run(["ip", "link", "set", namespace.outer, "up"], check=True, timeout=TIMEOUT)
+    status, stderr = end(holder)
+    assert status == 0 and "not journaled" not in stderr, stderr
+    assert end(taker)[0] == 0
+    events = history(dsn)["events"]
+    lost = [e for e in events if e["event"] == "lost"]
+    taker = [e for e in events if e["event"] == "took-over"]
+    assert len(lost) == 1 and len(taker) == 1, events
+    assert lost[0]["fence"] == fence and taker[0]["from"]["fence"] == fence
+    assert taker[0]["from"]["turn"] == lost[0]["turn"]
+    assert 0 < taker[0]["overlap"] < lost[0]["ungated"], (taker, lost)
+    assert f"overlap {taker[0]['overlap']:.1f}s" in run(dsn, "history").stdout
+    print(f"lost after the cut; ran {lost[0]['ungated']:.1f} s ungated, "
+          f"{taker[0]['overlap']:.1f} s of it beside the next turn")
 
 
 # -- the ungated metric ----------------------------------------------------------------------
