@@ -560,7 +560,7 @@ class Turn:
         event = self._event("lost", at=(now, utc_now(now)), lost_at=utc_now(lost_at),
                             lost_ts=round(lost_at, 6), ungated=ungated, duration=duration,
                             exit_status=exit_status, fence=self.fence,
-                            how="ended" if self._lost_for_good else "unreachable",
+                            how="ended" if self._lost_for_good else "not-taken-back",
                             **({"ended": ended} if ended else {}))
         store = self.gate.store
         deadline, tries = time.monotonic() + LOST_JOURNAL_WITHIN, 0

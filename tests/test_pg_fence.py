@@ -401,7 +401,7 @@ def test_a_lost_turn_ending_while_the_server_is_down_journals_once_it_answers(pr
     stderr = holder.stderr.read().decode()
     assert "not journaled" not in stderr, stderr
     lost = [e for e in history(dsn)["events"] if e["event"] == "lost"]
-    assert len(lost) == 1 and lost[0]["how"] == "unreachable" and lost[0]["ungated"] > 0, lost
+    assert len(lost) == 1 and lost[0]["how"] == "not-taken-back" and lost[0]["ungated"] > 0, lost
     pytest.importorskip("prometheus_client")
     assert ungated_metric(dsn) == pytest.approx(lost[0]["ungated"], abs=0.002)
 

@@ -302,7 +302,8 @@ def describe(event: dict) -> str:
                 f"{_number(event.get('ungated')) or 0:.1f}s, then taken back")
     if kind == "lost":
         cause = ("the lane store ended this turn's session" if event.get("how") == "ended" else
-                 "the lane store did not answer")
+                 "its lane store session ended and the lane was not taken back (the store did "
+                 "not answer, or another turn held it)")
         return (f"{cause}: the lane lost, it ran on {_number(event.get('ungated')) or 0:.1f}s "
                 f"ungated to its end{_fence(event)}")
     if kind == "took-over":
