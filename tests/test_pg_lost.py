@@ -217,9 +217,11 @@ def test_the_proxy_cuts_a_streamed_request_whose_lane_is_lost(store, procs, engi
     terminate_holder(store)
 
     # The answer stops where it was: no [DONE], no last chunk (the client sees it cut).
+    deadline = time.monotonic() + TIMEOUT
     with pytest.raises((http.client.IncompleteRead, http.client.HTTPException, OSError)):
-        while response.read(65536):
-            pass
+        while response.read1(65536):
+            if time.monotonic() > deadline:
+                pytest.fail("the answer went on: the request was not cut")
     assert read_line(proc.stdout) == "gone\n"   # the engine's connection was closed
     proxy.said("lost mid-request")
     wait_for(lambda: [event for event in history(store, f"127.0.0.1:{port}")
@@ -382,3 +384,18 @@ def test_a_partition_cuts_the_proxys_request_stops_an_on_lost_stop_turn_and_the_
     lost = [event for event in history(reachable_server.dsn, "localhost:7045")
             if event.get("event") == "lost"]
     assert len(lost) == 1 and lost[0]["ungated"] > 0, lost
+
+
+def test_the_shells_complete_on_lost_and_its_values():
+    """The completion scripts (completions/*) ask the CLI at TAB time: the option and its two
+    values come from it, for each shell."""
+    from lanelock import completion
+    from lanelock.cli import cli
+
+    for shell in ("bash", "zsh", "fish"):
+        rows = [row.split("\t") for row in
+                completion.answer(shell, "lanelock run --on-l", None, group=cli).splitlines()]
+        assert [row[1] for row in rows] == ["--on-lost"], (shell, rows)
+        rows = [row.split("\t") for row in
+                completion.answer(shell, "lanelock run --on-lost ", None, group=cli).splitlines()]
+        assert [row[1] for row in rows] == ["continue", "stop"], (shell, rows)
