@@ -299,6 +299,26 @@ def test_a_restart_mid_request_the_proxy_takes_its_lane_back(private_server, pro
     assert len(regained) == 1, regained
 
 
+def test_a_restart_never_stops_an_on_lost_stop_turn(private_server, procs):
+    dsn = private_server.dsn
+    turn = procs.start([*LANELOCK, "run", "--store", dsn, "-b", "localhost:7046", "--on-lost",
+                        "stop", "--", "sh", "-c", "echo ready; read go; exit 5"],
+                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       env=environ())
+    assert read_line(turn.stdout) == "ready\n"
+
+    private_server.restart()
+
+    lines = [read_line(turn.stderr)]
+    while "taken back after" not in lines[-1]:
+        lines.append(read_line(turn.stderr))
+    assert not [line for line in lines if "stopping the command" in line], lines
+    assert len(lane_holders(dsn)) == 1   # held again
+    turn.stdin.write(b"go\n")
+    turn.stdin.close()
+    assert turn.wait(timeout=TIMEOUT) == 5   # the command's own end, not 75
+
+
 def lane_waiters(dsn: str) -> int:
     from lanelock.store.pg.queue import QUEUE_NAMESPACE
 
