@@ -237,7 +237,7 @@ class Engine:
             busy = _processing(slot)
             if busy:
                 tasks[key] = _decoded(slot)
-            if _counted(slot.get("id_task")):   # a task it runs, or its last one (task_prev)
+            if _counted(slot.get("id_task")) is not None:   # a task it runs, or its last one
                 named[key] = SlotTask(busy, _decoded(slot), _counted(slot.get("n_prompt_tokens")),
                                       _prompt(slot), _remain(slot))
         return Account(len(tasks), len(slots), tasks, named)

@@ -379,7 +379,10 @@ def test_the_proxy_witnesses_its_engine_by_default(procs, tmp_path):
     engine = StandIn(procs, tmp_path, delay=0.8)
     proxy = Proxy(procs, engine.backend, "--witness-interval", INTERVAL)
     engine.ask()
-    proxy.said("unseen generation")
+    # Its words are watch's: when first seen, then when it ended with the engine's count.
+    log = proxy.said(f"the generation unseen on localhost:{engine.port} ended: ")
+    first, last = log.index("unseen generation on"), log.index("the generation unseen on")
+    assert first < last and "while no turn held the lane (1 slot), 3 tokens\n" in log[last:], log
     with urllib.request.urlopen(proxy.url + "/metrics", timeout=TIMEOUT) as response:
         metrics = response.read().decode()
     assert f'lanelock_engine_unseen_total{{lane="localhost:{engine.port}"}} 1.0' in metrics
