@@ -348,8 +348,8 @@ def test_a_count_the_engine_no_longer_keeps_is_said_as_at_least(procs, lanelock,
 def test_an_engine_down_is_named_by_the_endpoint_of_the_kind_witnessed(procs, tmp_path, kind,
                                                                        endpoint):
     """Once a witness saw the engine (the lane's counts keep its kind), an engine that does not
-    answer is named by that kind's endpoint -- in status, and by a witness that starts while it
-    is down -- not by /running, the first thing detection asks."""
+    answer is named by that kind's endpoint -- in status, and by a watch or a proxy whose
+    witness starts while it is down -- not by /running, the first thing detection asks."""
     engine = StandIn(procs, tmp_path, "--kind", kind, "--metrics")
     assert watch_until_detected(procs, engine)
     engine.stop()
@@ -359,6 +359,12 @@ def test_an_engine_down_is_named_by_the_endpoint_of_the_kind_witnessed(procs, tm
     line = later.wait_for("watching the engine")
     assert f"(not answering yet: {engine.url}{endpoint}: " in line, line
     later.stop()
+    from test_proxy import Proxy
+
+    proxy = Proxy(procs, engine.backend, "--witness-interval", INTERVAL)   # its witness too
+    log = proxy.said("witness: cannot read the engine")
+    assert f"({engine.url}{endpoint}: " in log, log
+    assert proxy.stop() == 0
 
 
 def watch_until_detected(procs, engine) -> bool:
