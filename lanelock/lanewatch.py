@@ -89,11 +89,10 @@ class LaneWatch:
         self.thread.start()
 
     def _watch(self) -> None:
-        import select
-
         while True:
-            ready, _, _ = select.select([self.fd, self.stop_read], [], [])
-            if self.stop_read in ready:
+            # poll(), not select(): a proxy with many connections has descriptors past
+            # select()'s 1024.
+            if self._stopped(None, self.fd):
                 return
             if self.turn.gate.store.lost(self.turn.handle):
                 self.turn.lost = True
@@ -105,7 +104,6 @@ class LaneWatch:
         """The session is gone: take the lane back as soon as the server answers, if it restarted
         (its claim keeps other turns off), saying so until then. True: held again; False: lost for
         good (on_lost called) or stopped meanwhile."""
-        import select
         import time
 
         lane, turn = self.turn.lane, self.turn
@@ -131,14 +129,23 @@ class LaneWatch:
                 said = now
             pause = backoff(tries)
             tries += 1
-            if select.select([self.stop_read], [], [], pause)[0]:
+            if self._stopped(pause):
                 return False
 
     def stopped_within(self, seconds: float) -> bool:
         """From the watch's thread (on_lost): wait up to seconds for stop(); True once stopped."""
+        return self._stopped(seconds)
+
+    def _stopped(self, seconds: float | None, fd: int | None = None) -> bool:
+        """Wait up to seconds (None: for ever) for stop() or for fd to wake; True: stopped."""
         import select
 
-        return bool(select.select([self.stop_read], [], [], seconds)[0])
+        poller = select.poll()
+        poller.register(self.stop_read, select.POLLIN)
+        if fd is not None:
+            poller.register(fd, select.POLLIN)
+        ready = poller.poll(None if seconds is None else int(seconds * 1000))
+        return any(where == self.stop_read for where, _ in ready)
 
     def _say(self, text: str | None) -> None:
         if text:
