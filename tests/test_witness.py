@@ -266,17 +266,18 @@ def generation_of(engine, task: int | None = None) -> dict:
     return generations[-1] if task is None else next(g for g in generations if g["id"] == task)
 
 
-@pytest.mark.parametrize("kind", ["llama.cpp", "llama.cpp-legacy", "llama-swap"])
+@pytest.mark.parametrize("kind, tokens", [("llama.cpp", 80), ("llama.cpp-legacy", 40),
+                                          ("llama-swap", 40)])
 def test_a_long_direct_generation_is_said_while_it_runs_and_at_its_end_with_its_final_count(
-        procs, lanelock, tmp_path, kind):
+        procs, lanelock, tmp_path, kind, tokens):
     """The first line comes while the engine still generates (the stand-in says so), the last
-    when it ended, with the count of tokens the engine decoded: the one the stand-in gave (80),
+    when it ended, with the count of tokens the engine decoded: the one the stand-in gave,
     not the last sample's -- the engine finished between the witness's last look and the end.
     Today's llama-server resets a finished slot's n_decoded and keeps its context; older ones
     keep n_decoded; llama-swap passes its model's /slots on."""
     engine = StandIn(procs, tmp_path, "--kind", kind, "--token-interval", 0.04)
     watch = Watch(procs, engine.backend)
-    response = stream(engine.url, max_tokens=80)   # 3.2 s of tokens
+    response = stream(engine.url, max_tokens=tokens)   # 3.2 s of tokens, or 1.6 s
     first = watch.wait_for("unseen generation")
     assert generation_of(engine)["ended"] is None, first   # said while it runs
     assert re.search(rf"lanelock: unseen generation on localhost:{engine.port}: the engine is "
@@ -287,16 +288,16 @@ def test_a_long_direct_generation_is_said_while_it_runs_and_at_its_end_with_its_
     response.close()
     last = watch.wait_for("the generation unseen on")
     generation = generation_of(engine)
-    assert generation["decoded"] == 80 and generation["ended"] is not None, generation
+    assert generation["decoded"] == tokens and generation["ended"] is not None, generation
     assert re.search(rf"lanelock: the generation unseen on localhost:{engine.port} ended: the "
-                     r"engine generated \d+\.\d s while no turn held the lane \(1 slot\), 80 "
-                     r"tokens$", last.rstrip()), last
+                     r"engine generated \d+\.\d s while no turn held the lane \(1 slot\), "
+                     rf"{tokens} tokens$", last.rstrip()), last
     status, lines = watch.stop()
     assert status == 0 and len(unseen_lines(lines)) == 1, lines
     (event,) = unseen_events(json_of, engine.backend)
-    assert (event["tokens"], event["tokens_final"]) == (80, True), event
-    assert engine_of(json_of, engine.backend)["last_unseen"]["tokens"] == 80
-    assert "(1 slot generating, 80 tokens; seen by watch" in \
+    assert (event["tokens"], event["tokens_final"]) == (tokens, True), event
+    assert engine_of(json_of, engine.backend)["last_unseen"]["tokens"] == tokens
+    assert f"(1 slot generating, {tokens} tokens; seen by watch" in \
         lanelock("history", "-b", engine.backend).stdout
 
 
