@@ -36,7 +36,7 @@ CUT_OFF = "the link to the lane store timed out, and the lane store ends its ses
 
 class Words:
     """What a watched turn says, and how often, while its lane is lost (`run`'s lines: the
-    proxy has its own, proxy/app.py). None: nothing said."""
+    proxy has its own, proxy/lost.py). None: nothing said."""
 
     # While a lost lane is not back, the line is said again this often (None: once).
     SAY_AGAIN: float | None = 10.0
@@ -74,10 +74,6 @@ class LaneWatch:
         self.stop_read = self.stop_write = -1
         self.gone = False         # lost for good
         self._since = None        # monotonic: when the session was found gone, until taken back
-
-    @property
-    def watching(self) -> bool:
-        return self.fd is not None
 
     def start(self) -> None:
         if self.fd is None or self.thread is not None:
