@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""The hand-off on the flock store and on a loopback PostgreSQL, side by side in ONE run.
+
+    python bench/handoff.py [--quick] [--dsn postgresql://...] [--waiters 1,10,50]
+
+A holder (`lanelock run`) and N `lanelock run --wait` turns queued behind it; the holder's
+command ends, and each turn's command stamps its start and end ($EPOCHREALTIME). Measured:
+- first hand-off: from the holder's command end to the next turn's command start;
+- back to back: inside the queue, from one turn's command end to the next one's start.
+Without --dsn a PostgreSQL server is started on loopback (tests/pg_server.py: Debian's
+postgresql package; as root it runs as the postgres user). Prints a markdown table with
+PASS/MISS against the target: PostgreSQL's first hand-off within 5 ms of the holder's end.
+Nothing here is a test: tests assert behaviour, this reports speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from common import TOP, free_port  # noqa: E402
+
+_SCRIPT = os.path.join(os.path.dirname(sys.executable), "lanelock")
+LANELOCK = [_SCRIPT] if os.access(_SCRIPT, os.X_OK) else [sys.executable, "-m", "lanelock"]
+HOLDER = 'read -r _ < "$1"; echo $EPOCHREALTIME > "$2"'
+WAITER = 'echo $EPOCHREALTIME > "$1"; echo $EPOCHREALTIME > "$2"'
+SETTLE = 0.3        # seconds between the last waiter's queueing and the holder's end
+TARGET_MS = 5.0     # PostgreSQL's first hand-off, median, from the holder's end
+RUNS = {1: 20, 10: 8, 50: 3}
+STALL = 60.0        # seconds for a whole queue to run through; longer is a stall (counted)
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(fraction * (len(ordered) - 1))))]
+
+
+def queued(env: dict, store: list[str], lane: str) -> int:
+    """The lane's waiting turns as `status` lists them (the bench may poll; a test may not)."""
+    shown = subprocess.run([*LANELOCK, "status", *store, "-b", lane, "--json"], env=env,
+                           capture_output=True, text=True)
+    try:
+        return len(json.loads(shown.stdout)["lanes"][0]["queue"] or ())
+    except (ValueError, KeyError, IndexError):
+        return 0
+
+
+def until(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def once(env: dict, store: list[str], work: str, tag: str, waiters: int):
+    """(first hand-off ms, [back-to-back ms]) of one holder and `waiters` queued turns."""
+    lane = f"127.0.0.1:{free_port()}"   # a lane of its own: no queue left from a run before
+    fifo, end = os.path.join(work, f"go-{tag}"), os.path.join(work, f"end-{tag}")
+    os.mkfifo(fifo)
+    stamps = [(os.path.join(work, f"s-{tag}-{n}"), os.path.join(work, f"e-{tag}-{n}"))
+              for n in range(waiters)]
+    holder = subprocess.Popen([*LANELOCK, "run", "-q", *store, "-b", lane, "--", "bash", "-c",
+                               HOLDER, "h", fifo, end], env=env)
+    until(lambda: _held(env, store, lane), "the holder to hold")
+    turns = []
+    for start, stop in stamps:   # one at a time: each queued (arrival order) before the next
+        turns.append(subprocess.Popen([*LANELOCK, "run", "-q", *store, "-b", lane, "--wait",
+                                       "120", "--", "bash", "-c", WAITER, "w", start, stop],
+                                      env=env))
+        until(lambda: queued(env, store, lane) == len(turns), "a turn to queue")
+    time.sleep(SETTLE)
+    with open(fifo, "w") as go:
+        go.write("go\n")
+    deadline = time.monotonic() + STALL
+    try:
+        for process in (holder, *turns):
+            process.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:   # a turn that never ends: said, and the run left out
+        for process in (holder, *turns):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        return "stalled", []
+    try:
+        ran = sorted((float(open(start).read()), float(open(stop).read()))
+                     for start, stop in stamps)
+        first = (ran[0][0] - float(open(end).read())) * 1000
+    except (OSError, ValueError):
+        return None, []
+    return first, [(nxt[0] - prev[1]) * 1000 for prev, nxt in zip(ran, ran[1:])]
+
+
+def _held(env: dict, store: list[str], lane: str) -> bool:
+    shown = subprocess.run([*LANELOCK, "status", *store, "-b", lane, "--json"], env=env,
+                           capture_output=True, text=True)
+    try:
+        return json.loads(shown.stdout)["lanes"][0]["state"] == "held"
+    except (ValueError, KeyError, IndexError):
+        return False
+
+
+def start_server():
+    sys.path.insert(0, os.path.join(TOP, "tests"))
+    import pg_server
+
+    return pg_server.Server().start()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer runs, for a smoke check")
+    parser.add_argument("--dsn", help="a PostgreSQL server to use (default: start one)")
+    parser.add_argument("--waiters", default="1,10,50", help="queue lengths, e.g. 1,10")
+    args = parser.parse_args()
+    counts = [int(word) for word in args.waiters.split(",")]
+    server = None if args.dsn else start_server()
+    dsn = args.dsn or server.dsn
+    base = "/run/lock" if os.access("/run/lock", os.W_OK) else None
+    root = tempfile.mkdtemp(prefix="lanelock-bench-handoff-", dir=base)
+    work = tempfile.mkdtemp(prefix="lanelock-bench-stamps-")
+    env = dict(os.environ, LANELOCK_DIR=root)
+    env.pop("LANELOCK_STORE", None)
+    stores = {"flock": [], "postgresql": ["--store", dsn]}
+    results, stalls = {}, {}
+    try:
+        for waiters in counts:
+            runs = max(2, RUNS.get(waiters, 5) // (3 if args.quick else 1))
+            for run in range(runs):   # interleaved: noise hits both stores alike
+                for kind, store in stores.items():
+                    first, gaps = once(env, store, work, f"{kind}{waiters}-{run}", waiters)
+                    cell = results.setdefault((kind, waiters), ([], []))
+                    if first == "stalled":
+                        stalls[kind] = stalls.get(kind, 0) + 1
+                    elif first is not None:
+                        cell[0].append(first)
+                        cell[1].extend(gaps)
+                    shown = first if not isinstance(first, float) else f"{first:.2f} ms"
+                    print(f"  {kind} {waiters} waiting, run {run + 1}/{runs}: first {shown}",
+                          file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+        if server is not None:
+            server.stop()
+
+    def cell(values: list[float]) -> str:
+        if not values:
+            return "-"
+        return f"{statistics.median(values):.1f} / {percentile(values, 0.9):.1f}"
+
+    machine = f"{os.cpu_count()} cores, {os.uname().sysname} {os.uname().release}"
+    print(f"\n{time.strftime('%Y-%m-%d')}, {machine}, Python {sys.version.split()[0]}; "
+          f"median / p90 ms\n")
+    print("| waiting | first hand-off: flock | first hand-off: PostgreSQL | back to back: flock "
+          f"| back to back: PostgreSQL | target: PostgreSQL first <= {TARGET_MS:g} ms | |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for waiters in counts:
+        flock, pg = results.get(("flock", waiters)), results.get(("postgresql", waiters))
+        ok = bool(pg and pg[0]) and statistics.median(pg[0]) <= TARGET_MS
+        print(f"| {waiters} | {cell(flock[0])} | {cell(pg[0])} | {cell(flock[1])} | "
+              f"{cell(pg[1])} | {TARGET_MS:g} ms | {'PASS' if ok else 'MISS'} |")
+    if stalls:
+        print(f"\nruns whose queue never ran through (left out above): {stalls}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
