@@ -372,7 +372,7 @@ def watch_until_detected(procs, engine) -> bool:
     """A witness that saw the engine at work: it has counted, so the lane's counts name the
     engine and its kind."""
     watch = Watch(procs, engine.backend)
-    response = stream(engine.url, max_tokens=3)
+    response = stream(engine.url, max_tokens=20)   # 1.5 s: several looks
     watch.wait_for("unseen generation")
     response.read()
     status, lines = watch.stop()
