@@ -122,6 +122,9 @@ def test_thirty_waiters_past_max_connections_hold_one_connection_for_their_host(
         serving = sampler.take()
     finally:
         sampler.close()
+    print(f"\n30 waiters past max_connections=20: lanelock sessions while they wait "
+          f"{min(waiting)}-{max(waiting)} ({len(waiting)} samples), while served "
+          f"{min(serving or [0])}-{max(serving or [0])} ({len(serving)} samples)")
     assert len(waiting) >= 10 and max(waiting) <= 2, waiting
     failed_open = [err for _, err in results if "running without it" in err]
     assert failed_open == [], failed_open[:3]
@@ -163,6 +166,8 @@ def test_twenty_five_waiting_requests_through_the_proxy_hold_one_connection(proc
         waiting = sampler.take()
     finally:
         sampler.close()
+    print(f"\n25 waiting proxied requests: lanelock sessions while they wait "
+          f"{min(waiting)}-{max(waiting)} ({len(waiting)} samples)")
     assert len(waiting) >= 10 and max(waiting) <= 2, waiting
     assert engine.stats()["total"] == 0, "the engine was asked while the holder held the lane"
     assert not results, results[:3]
@@ -195,6 +200,44 @@ def test_three_waiters_of_a_host_whose_server_cannot_be_reached_run_one_at_a_tim
         assert status == 0, err
         assert err.count("running without it") == 1, err
         assert "ungated across hosts" in err and "Traceback" not in err, err
+
+
+def test_a_stopped_head_is_passed_over_by_the_next_waiter_of_its_host(postgres, procs, holder,
+                                                                      lock_roots):
+    """The first waiter of a host (its head, in the server's queue) is stopped (kill -STOP): the
+    next waiter of the host passes it over, as the flock queue passes over a stopped waiter,
+    joins the server's queue itself and runs once the holder lets go; the stopped one keeps its
+    place and runs once continued. (A head that held its host's waiters back while stopped made
+    the second wait for ever.)"""
+    import signal
+
+    lock_roots.watch_store(postgres.dsn)
+    lane = f"127.0.0.1:{7100 + os.getpid() % 500}"
+    held = holder("--store", postgres.dsn, "-b", lane)
+
+    def waiter(word: str):
+        return procs.start([*LANELOCK, "run", "--store", postgres.dsn, "--wait", "60", "-b", lane,
+                            "--", "echo", word], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env=environ())
+
+    def in_server() -> set:
+        with psycopg.connect(postgres.dsn, autocommit=True) as conn:
+            return {row[0] for row in conn.execute(
+                "SELECT (facts->>'pid')::int FROM lanelock_queue")}
+
+    first = waiter("first")
+    wait_for(lambda: first.pid in in_server(), "the first waiter in the server's queue")
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        second = waiter("second")
+        wait_for(lambda: second.pid in in_server(), "the second waiter in the server's queue")
+        assert held.release() == 0
+        out, err = second.communicate(timeout=TIMEOUT)
+        assert (second.returncode, out, err) == (0, b"second\n", b"")
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    out, err = first.communicate(timeout=TIMEOUT)
+    assert (first.returncode, out, err) == (0, b"first\n", b"")
 
 
 # == two hosts =====================================================================================

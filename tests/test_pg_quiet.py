@@ -34,9 +34,12 @@ def test_waiters_behind_one_another_leave_no_error_in_the_server_log(postgres, p
     lock_roots.watch_store(postgres.dsn)
     start = os.path.getsize(postgres.log_path)
     held = holder("--store", postgres.dsn, "-b", BACKEND)
+    # Each waiter on a host of its own (a lock root of its own: one host lane each), so that
+    # they wait behind one another in the server's queue.
     waiters = [procs.start([*LANELOCK, "run", "--store", postgres.dsn, "--wait", "60", "-b",
-                            BACKEND, "--", "true"], stderr=subprocess.PIPE, env=environ())
-               for _ in range(3)]
+                            BACKEND, "--", "true"], stderr=subprocess.PIPE,
+                           env=environ({"LANELOCK_DIR": str(lock_roots.tmp_path / f"host-{index}")}))
+               for index in range(3)]
     wait_for(lambda: queued(postgres) == 3, "the three waiters queued")
     # What is under test is what the waiters do while time passes: each one behind another
     # looks again every second; two and a half seconds give each two or three looks.

@@ -57,9 +57,12 @@ def test_a_restart_mid_turn_never_lets_a_waiter_run_beside_the_holder(kill, proc
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          env=environ())
     assert read_line(holder.stdout) == "ready\n"
+    # Each waiter on a host of its own (a lock root of its own: one host lane each), so that
+    # every one waits in the server's queue and loses its session in the restart.
     waiters = [procs.start([*run, "--wait", "60", "--", "sh", "-c", STAMP, "sh", str(stamps)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ())
-               for _ in range(WAITERS)]
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env=environ({"LANELOCK_DIR": str(tmp_path / f"host-{index}")}))
+               for index in range(WAITERS)]
     wait_for(lambda: waiting(server) == WAITERS, "the waiters queued")
 
     server.restart(kill=kill)

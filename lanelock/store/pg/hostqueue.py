@@ -2,30 +2,33 @@
 one per host that has waiters, whatever the number of waiters (pgbouncer's rule: client
 connections are cheap, server connections are not).
 
-Each PostgreSQL lane has, on every host, a HOST LANE: a flock lane under the lock root every
-process of this host computes (LANELOCK_DIR or the default root), named from the store's DSN, the
-lane and the host's name (stem HOST_PREFIX + digests: a hidden name, so flock's `status --all`
-lists no such lane). A waiting turn first waits there, in the flock store's own queue and kernel
-waits (classes, aging, FIFO, no barging, as for any flock lane). Holding the host lane makes it its
-host's HEAD: only the head connects and waits in the server's queue (store/order.py with PgLine).
+Each PostgreSQL lane has, on every host, a HOST QUEUE: the queue of a flock lane under the lock
+root every process of this host computes (LANELOCK_DIR or the default root), named from the
+store's DSN, the lane and the host's name (stem HOST_PREFIX + digests: a hidden name, so flock's
+`status --all` lists no such lane). A waiting turn joins it first, with the flock store's own
+entries, order (classes, aging, arrival) and kernel waits. The first live waiter of a host (a
+stopped one passed over) is its HEAD: only the head connects and waits in the server's queue
+(store/order.py with PgLine); the others wait in the kernel on the entry just ahead of them.
 
 Invariants:
-- A turn connects only as head (or for a try while no one of this host is ahead: try_lock holds
-  the host lane for that moment), so a host's waiters cost the server one connection.
-- The head joins the server's queue with the arrival it had locally: clock_timestamp() minus the
-  seconds it has waited here (time.monotonic(), the local queue's clock), so FIFO and aging count
-  its whole wait across hosts.
-- The head lets the host lane go as soon as it has the server lane (the next waiter here becomes
-  head and joins the server's queue), or when its wait ends without it.
-- A head waiting in the server that sees a waiter of this host ahead of it in the local order (an
-  interactive turn behind a batch head) steps aside: it leaves the server's queue, closes its
-  connection, lets the host lane go and waits here again with its original arrival. It looks at
-  the local queue (a directory listing) every ASIDE_LOOK; never a server statement on a schedule.
-- A holder that lets the lane go while the next head of its host is still connecting waits for
-  that head's row in the server's queue (at most NEXT_JOIN): otherwise another host's later
-  waiter would take the free lane in the gap (no barging across hosts).
-- A head that cannot reach the server keeps the host lane while its turn runs ungated (the gate
-  fails it open): this host's turns still go one at a time.
+- A turn connects only as head, or for a try while no turn of this host of its class or higher
+  waits (try_lock), so a host's waiters cost the server one connection.
+- A turn's entry stays in its host's queue from its first wait until it has the lane or is done
+  waiting, whatever it does meanwhile: its arrival is kept, `status` lists it, and the waiters
+  behind it wait on it. The head joins the server's queue with that arrival: clock_timestamp()
+  minus the seconds it has waited on its host (time.monotonic(), the host queue's clock), so FIFO
+  and aging count its whole wait across hosts.
+- A head waiting in the server that sees a waiter of its host ahead of it in the local order (an
+  interactive turn behind a batch head) steps aside: it leaves the server's queue and closes its
+  connection, and waits on its host again. It looks at the host's queue every ASIDE_LOOK (a
+  directory listing); never a server statement on a schedule. A head that gets the lane with
+  such a waiter ahead of it gives the lane way once that waiter has joined the server's queue.
+- A holder that lets the lane go while its host's next head is still connecting waits for that
+  head's row in the server's queue (at most NEXT_JOIN): otherwise another host's later waiter
+  would take the free lane in the gap (no barging across hosts).
+- A head that cannot reach the server takes the host lane's lock and keeps it and its entry while
+  its turn runs ungated (the gate fails it open and lets both go at the turn's end): this host's
+  turns still go one at a time.
 """
 
 from __future__ import annotations
@@ -56,21 +59,17 @@ class Local:
     """One turn's place on its host lane: a flock handle of its own (flock is per open file
     description, so the threads of one process -- a proxy's requests -- exclude each other)."""
 
-    __slots__ = ("flock", "handle", "head", "since", "ungated", "wake", "ticket")
+    __slots__ = ("flock", "handle", "since", "ungated", "wake", "ticket")
 
     def __init__(self, flock, handle):
         self.flock, self.handle = flock, handle
-        self.head = False        # this turn holds the host lane
         self.since: float | None = None   # time.monotonic() when the turn began waiting
         self.ungated = False     # kept the host lane for a turn run ungated (server unreachable)
         self.wake = None         # the Event of the wait on the host lane under way (cancel())
-        # The head's entry in the local queue, kept until it has joined the server's queue:
-        # `status` lists it meanwhile (it connects), and the waiters behind it wait on it.
-        self.ticket = None
+        self.ticket = None       # its entry in the host's queue (place())
 
     def close(self) -> None:
-        self.head = False
-        joined(self)
+        leave(self)
         self.flock.release(self.handle)
 
 
@@ -107,80 +106,99 @@ def open_local(flock, dsn: str, lane: str) -> Local | None:
 
 
 # -- the head ---------------------------------------------------------------------------------
-def try_head(local: Local, rank: int) -> bool:
-    """The host lane now, if no turn of this host is ahead (a head, a waiter of this class or
-    higher): False means busy, and no connection is made."""
-    from ...errors import GateUnavailable
-
+def ahead_here(local: Local, rank: int) -> bool:
+    """Is a live turn of this host queued at this class or higher (a head or a waiter)? Then a
+    try is busy, without connecting."""
+    found = local.flock._queue(local.handle)
+    if found is None:
+        return False
     try:
-        local.head = local.flock.try_lock(local.handle, rank)
-    except GateUnavailable:
-        return True   # the host lane cannot be used: the server decides alone
-    return local.head
+        return found.queued_at_or_above(rank)
+    except OSError:
+        return False   # the local queue cannot be read: the server decides alone
 
 
-def joined(local: Local) -> None:
-    """The head is in the server's queue (or is done waiting): its local entry goes."""
+def place(local: Local, rank: int):
+    """This turn's entry in its host's queue: joined once, with the moment it began waiting,
+    and kept -- through its time as head, a step aside, a turn run ungated -- until it has the
+    lane or is done waiting (leave()). None when the local queue cannot be used."""
+    import fcntl
+
+    from ...priority import CLASSES
+
+    if local.ticket is not None:
+        return local.ticket
+    found = local.flock._queue(local.handle)
+    if found is None:
+        return None
+    try:
+        found.open(create=True)
+        # Arrivals taken and entries shown under one lock (the queue directory's, this
+        # descriptor's own): an entry that shows later arrived later, so a turn that finds
+        # no one ahead of it is first -- two never both connect as heads.
+        fcntl.flock(found.dir_fd, fcntl.LOCK_EX)
+        try:
+            if local.since is None:
+                local.since = time.monotonic()
+            local.ticket = found.join(rank, {**(local.handle.asker or {}),
+                                             "class": CLASSES[rank], "pid": os.getpid()},
+                                      arrival=int(local.since * 1e9))
+        finally:
+            fcntl.flock(found.dir_fd, fcntl.LOCK_UN)
+    except OSError:
+        local.ticket = None
+    if local.since is None:
+        local.since = time.monotonic()
+    return local.ticket
+
+
+def leave(local: Local) -> None:
     ticket, local.ticket = local.ticket, None
     if ticket is not None:
         ticket.leave()
 
 
-def let_go(local: Local) -> None:
-    joined(local)
-    if local.head:
-        local.head = False
-        try:
-            local.flock._hand_on(local.handle)
-        except OSError:
-            pass
-
-
-def wait_head(local: Local, timeout: float | None, cancel, rank: int) -> bool:
-    """Wait on the host lane in the local order, with the turn's own arrival, until head (True),
-    timeout or the caller's cancel (False). The flock wait is given an Event of its own (it sets
-    it when the lock comes); the caller's cancel reaches it through cancel() (cancel_wait)."""
-    from ...priority import CLASSES
+def wait_first(local: Local, timeout: float | None, cancel, rank: int, before_block) -> bool:
+    """Until this turn is the first live waiter of its host (a stopped one passed over, as the
+    flock store's queue does): True; timeout or the caller's cancel: False. Each wait is the
+    kernel's, on the entry just ahead (FlockLine.behind), looked at again at this turn's next
+    aging step and every order.STOPPED_LOOK. before_block() runs once, before the first wait."""
     from .. import order
 
-    flock, handle = local.flock, local.handle
+    ticket = place(local, rank)
+    if ticket is None:
+        return True   # no local queue: the server's order alone
+    line = FlockLine(local.flock, local.handle, ticket)
     deadline = None if timeout is None else time.monotonic() + timeout
     while not (cancel is not None and cancel.is_set()):
-        found = flock._queue(handle)
-        ticket = None
-        if found is not None:
-            try:
-                ticket = found.join(rank, {**(handle.asker or {}), "class": CLASSES[rank],
-                                           "pid": os.getpid()}, arrival=int(local.since * 1e9))
-            except OSError:
-                ticket = None   # the kernel's order on the host lane, unannounced
+        try:
+            ahead, step = line.look()
+        except order.QueueBroken:
+            return True
+        if ahead is None:
+            return True
+        left = _left(deadline)
+        if left is not None and left <= 0:
+            return False
+        if before_block is not None:
+            before_block()
+            before_block = None
+        # An Event of its own: the kernel wait sets it when the lock comes; the caller's
+        # cancel reaches it through cancel() (cancel_wait).
         local.wake = threading.Event()
         if cancel is not None and cancel.is_set():
             local.wake.set()
         try:
-            local.head = order.wait(_HeadLine(flock, handle, ticket), _left(deadline),
-                                    local.wake)
+            line.behind(ahead, order._least(left, step, order.STOPPED_LOOK), cancel=local.wake)
+        except order.QueueBroken:
+            return True
         finally:
             local.wake = None
-            if local.head:
-                local.ticket = ticket   # left once it has joined the server's queue
-            elif ticket is not None:
-                ticket.leave()
-        left = _left(deadline)
-        if local.head or (left is not None and left <= 0):
-            return local.head
     return False
 
 
-class _HeadLine(FlockLine):
-    """The host lane's walk, whose entry the walk does not leave (wait_head does)."""
-
-    def leave(self) -> None:
-        pass
-
-
 def cancel(local: Local) -> None:
-    """Give up the wait on the host lane (store.cancel_wait, from another thread)."""
+    """Give up the wait in the host's queue (store.cancel_wait, from another thread)."""
     wake = local.wake
     if wake is not None:
         wake.set()
@@ -189,68 +207,116 @@ def cancel(local: Local) -> None:
 def someone_ahead(local: Local, rank: int) -> bool:
     """Does a live waiter of this host stand before this head in the local order (one listing,
     and a lock test only of the entries ahead)?"""
-    from ...priority import order_key
-
     found = local.flock._queue(local.handle)
-    if found is None:
+    ticket = local.ticket
+    if found is None or ticket is None:
         return False
     now = time.monotonic_ns()
-    arrival = int(local.since * 1e9)
-    mine = order_key(rank, arrival, (now - arrival) / 1e9, found.aging, "~")
-    own = local.ticket.entry.name if local.ticket is not None else None
+    mine = ticket.entry.key(now, found.aging)
     try:
         before = [entry for entry in found.listed()
-                  if entry.key(now, found.aging) < mine and entry.name != own]
+                  if entry.key(now, found.aging) < mine and entry.name != ticket.entry.name]
         return found.first_alive(before) is not None
     except OSError:
         return False
 
 
 def wait(store, handle, timeout: float | None, cancel, rank: int) -> bool:
-    """store.wait_lock through the host lane: wait here until head, then in the server as the
-    host's one connection; stepping aside for a waiter of this host that comes to stand ahead."""
+    """store.wait_lock through the host's queue: wait there until first, then in the server as
+    the host's one connection; stepping aside for a waiter of this host that comes to stand
+    ahead, and giving the lane way when one stands ahead as it comes."""
     from ...errors import GateUnavailable, ServerCrowded
 
     local = handle.local
-    local.handle.asker = handle.asker   # who waits, for the host lane's entry (`status`)
+    local.handle.asker = handle.asker   # who waits, for the host queue's entry (`status`)
     deadline = None if timeout is None else time.monotonic() + timeout
-    if local.since is None:
-        local.since = time.monotonic()
     while True:
-        if not local.head and not try_head(local, rank):
-            store.disconnect(handle)   # a waiter that is not its host's head holds no connection
-            if not wait_head(local, _left(deadline), cancel, rank):
-                return False
+        # a waiter that is not its host's first holds no connection
+        if not wait_first(local, _left(deadline), cancel, rank,
+                          lambda: store.disconnect(handle)):
+            leave(local)
+            return False
         try:
             store.connected(handle)
         except ServerCrowded:
-            let_go(local)
+            leave(local)
             raise
         except GateUnavailable as error:
+            if not host_lock(local, _left(deadline)):
+                leave(local)
+                return False   # another turn of this host runs ungated past this one's wait
             raise ungated(local, error) from None
         aside = threading.Event()
         stop = _Either(cancel, aside)
         watch = _AsideWatch(store, handle, rank, cancel, aside, stop)
         watch.start()
+        if local.ticket is not None:   # `status` lists the head once: its server row
+            handle.asker = {**(handle.asker or {}), "entry": local.ticket.entry.name}
         try:
             got = store.wait_in_server(handle, _left(deadline), stop, rank,
                                        time.monotonic() - local.since)
         finally:
             watch.finish()
-        if got:
-            let_go(local)
+        if got and not someone_ahead(local, rank):
+            leave(local)
             return True
-        if not aside.is_set() or (cancel is not None and cancel.is_set()):
-            let_go(local)
+        if got:   # a turn of this host came to stand ahead before this one could step aside
+            give_way(store, handle)
+        elif not aside.is_set() or (cancel is not None and cancel.is_set()):
+            leave(local)
             return False
-        # Stepped aside: out of the server's queue (the session's end takes its ticket lock and
-        # any lock it got as it stopped), back in the local queue with its arrival.
-        store.disconnect(handle)
+        else:   # stepped aside: out of the server's queue (its session's end takes its ticket)
+            store.disconnect(handle)
         handle.cancelled = False
-        let_go(local)
         left = _left(deadline)
         if left is not None and left <= 0:
+            leave(local)
             return False
+
+
+def host_lock(local: Local, timeout: float | None) -> bool:
+    """The host lane's own lock, within timeout (0: now). Held for a try (one try of this host
+    at a time: 25 requests arriving at once at a proxy are one connection, not 25), and by a
+    turn of this host that runs ungated (the server cannot be reached) until its end, so this
+    host's turns still go one at a time whatever the order of their entries' files."""
+    from ..flock import waiting
+
+    try:
+        return waiting.wait(local.handle, timeout)
+    except OSError:
+        return True   # the host lane cannot be locked: the server decides alone
+
+
+def host_unlock(local: Local) -> None:
+    import fcntl
+
+    try:
+        fcntl.flock(local.handle.fd, fcntl.LOCK_UN)
+    except (OSError, TypeError):
+        pass
+
+
+def ungated(local: Local, error):
+    """The head cannot reach the server: it keeps its place in its host's queue while its turn
+    runs ungated (store.keeps_place; left at the turn's end), so this host's turns still go one
+    at a time, and the one warning says so."""
+    from ...errors import GateUnavailable
+
+    local.ungated = True
+    return GateUnavailable(f"{error}; ungated across hosts, this host's turns still one at a "
+                           "time")
+
+
+def give_way(store, handle) -> None:
+    """The lane came to a head that a turn of its host now stands before (it arrived as the
+    lane was handed on): the lane is handed on in the server's order once that turn has joined
+    the server's queue, and this one waits on its host again, with its arrival."""
+    await_next_head(handle.local, lambda: store._host_queued(handle))
+    try:
+        store._unlock_lane(handle)   # the unlock wakes the server's queue
+    except Exception:  # noqa: BLE001 - the session gone takes the lock with it
+        pass
+    store.disconnect(handle)
 
 
 class _Either:
@@ -300,50 +366,34 @@ class _AsideWatch(threading.Thread):
         self.join()
 
 
-def ungated(local: Local, error):
-    """The head cannot reach the server: it keeps the host lane while its turn runs ungated
-    (store.keeps_place; released at the turn's end), and the one warning says so."""
-    from ...errors import GateUnavailable
-
-    local.ungated = True
-    return GateUnavailable(f"{error}; ungated across hosts, this host's turns still one at a "
-                           "time")
-
-
 # -- the release: no gap for another host's later waiter ----------------------------------------
-def next_head_pending(local: Local) -> bool:
-    """Is a turn of this host waiting, or its head connecting (the host lane held by another)?"""
-    import fcntl
-
-    found = local.flock._queue(local.handle)
-    try:
-        if found is not None and found.first_alive(found.listed()) is not None:
-            return True
-    except OSError:
-        return False
-    fd = local.handle.fd
-    if fd is None:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return True   # a head holds it
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    return False
-
-
 def await_next_head(local: Local, joined) -> None:
-    """Before a holder lets the lane go: while a turn of this host waits and none of this host is
-    in the server's queue yet (joined(): one look), wait for it, at most NEXT_JOIN."""
+    """Before a holder lets the lane go: while a turn of this host waits (its first connecting)
+    and none of this host is in the server's queue yet (joined(): one look), wait for it, at
+    most NEXT_JOIN."""
     end = time.monotonic() + NEXT_JOIN
-    while next_head_pending(local) and not joined() and time.monotonic() < end:
+    while _waiting_here(local) and not joined() and time.monotonic() < end:
         time.sleep(NEXT_LOOK)
 
 
+def _waiting_here(local: Local) -> bool:
+    """Does a live turn of this host (another than this one) wait in its host's queue?"""
+    found = local.flock._queue(local.handle)
+    own = local.ticket.entry.name if local.ticket is not None else None
+    try:
+        return found is not None and found.first_alive(
+            entry for entry in found.listed() if entry.name != own) is not None
+    except OSError:
+        return False
+
+
 # -- status: the local queues under this root -------------------------------------------------
-def local_rows(root_path: str, dsn: str, lane: str, aging: float) -> list[dict]:
-    """The waiters of every host lane of this store lane under the root (this host's: a root
-    is one machine's), as store/flock/queue.py describes them."""
+def local_rows(root_path: str, dsn: str, lane: str, aging: float, heads=()) -> list[dict]:
+    """The waiters of every host queue of this store lane under the root (this host's: a root
+    is one machine's), as store/flock/queue.py describes them -- but the heads (their entries'
+    names in heads): the server's queue lists those."""
+    from ...priority import CLASSES, effective
+    from ... import proc
     from ..flock.queue import Queue
 
     prefix = lane_prefix(dsn, lane)
@@ -352,25 +402,36 @@ def local_rows(root_path: str, dsn: str, lane: str, aging: float) -> list[dict]:
         root_fd = os.open(root_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return []
-    rows = []
+    rows, now = [], time.monotonic_ns()
     try:
         for name in names:
-            if name.startswith(prefix) and name.endswith(".queue"):
-                queue = Queue(root_fd, name[:-len(".queue")], aging)
-                try:
-                    rows += queue.describe()
-                except OSError:
-                    pass
-                finally:
-                    queue.close()
+            if not (name.startswith(prefix) and name.endswith(".queue")):
+                continue
+            queue = Queue(root_fd, name[:-len(".queue")], aging)
+            try:
+                for entry in queue.live_for_status():
+                    if entry.name in heads:
+                        continue
+                    facts = queue._facts(entry.name)
+                    rows.append({"class": CLASSES[entry.rank],
+                                 "effective_class": CLASSES[effective(entry.rank, entry.arrival,
+                                                                      now, aging)],
+                                 "pid": entry.pid, "session": facts.get("session"),
+                                 "host": facts.get("hostname"),
+                                 "waited": round((now - entry.arrival) / 1e9, 3),
+                                 "stopped": proc.is_stopped(entry.pid)})
+            except OSError:
+                pass
+            finally:
+                queue.close()
     finally:
         os.close(root_fd)
     return rows
 
 
 def merged(server: list[dict], local: list[dict]) -> list[dict]:
-    """One order of the server's queue and the local queues: effective class, then the longest
-    wait (one measure for both: a head's server arrival counts its local wait)."""
+    """One order of the server's queue and the host queues: effective class, then the longest
+    wait (one measure for both: a head's server arrival counts its wait on its host)."""
     from ...priority import CLASSES
 
     if not local:

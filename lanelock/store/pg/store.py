@@ -218,21 +218,25 @@ class PgStore(LaneStore):
         from . import hostqueue
 
         local = handle.local
-        if local is None or local.head:
+        if local is None or local.ticket is not None:
             return self._try_server(handle, rank)
-        if not hostqueue.try_head(local, rank):
-            return False   # a turn of this host is ahead of this one: busy, with no connection
+        # Busy with no connection: a turn of this host of this class or higher waits, or
+        # another turn of this host is trying (or runs ungated: the host lane's lock).
+        if hostqueue.ahead_here(local, rank) or not hostqueue.host_lock(local, 0):
+            return False
         try:
             self.connected(handle)
         except ServerCrowded:
-            hostqueue.let_go(local)
+            hostqueue.host_unlock(local)
             raise
         except GateUnavailable as error:
-            raise hostqueue.ungated(local, error) from None
+            local.handle.asker = handle.asker
+            hostqueue.place(local, rank)   # this host's next turns wait behind it
+            raise hostqueue.ungated(local, error) from None   # the lock kept: keeps_place
         try:
             return self._try_server(handle, rank)
         finally:
-            hostqueue.let_go(local)
+            hostqueue.host_unlock(local)
 
     def _try_server(self, handle: PgHandle, rank: int) -> bool:
         self.connected(handle)
@@ -334,14 +338,9 @@ class PgStore(LaneStore):
         """This turn's ticket; None when the queue cannot be used (said once: the wait then
         takes the server's order, as before there was a queue)."""
         try:
-            ticket = self._queue_call(handle, pg_queue.join, handle.lane, rank,
-                                      {**(handle.asker or {}), "pid": os.getpid(),
-                                       "backend": handle.backend_pid}, waited)
-            if handle.local is not None:   # in the server's queue: out of its host's
-                from . import hostqueue
-
-                hostqueue.joined(handle.local)
-            return ticket
+            return self._queue_call(handle, pg_queue.join, handle.lane, rank,
+                                    {**(handle.asker or {}), "pid": os.getpid(),
+                                     "backend": handle.backend_pid}, waited)
         except GateUnavailable as error:
             if handle.cancelled or ended(handle.conn):
                 raise   # the session is gone, not the queue (wait_lock connects again)
@@ -701,8 +700,12 @@ class PgStore(LaneStore):
         from . import hostqueue
 
         # the waiters of this host still on its host lane (only its head is in the server's)
+        try:
+            heads = {entry.facts.get("entry") for entry in pg_queue.live(conn, lane)}
+        except driver().Error:
+            heads = set()
         facts.queue = hostqueue.merged(facts.queue, hostqueue.local_rows(
-            self._root().path, self.dsn, lane, self.aging))
+            self._root().path, self.dsn, lane, self.aging, heads))
         record, problem = self.holder_row(conn, key, lane)
         facts.record, facts.record_problem = record, problem
         facts.record_absent = problem == NO_ROW
