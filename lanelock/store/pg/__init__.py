@@ -4,5 +4,6 @@
 - line.py      its medium for the order (store/order.py): queue rows and ticket locks;
 - queue.py     the queue's SQL: one query answers who is ahead and this turn's next step;
 - session.py   the connection: autocommit, keepalives, the schema, a pooler detected;
-- outage.py    a restart is an outage: the holder's claim, its retake, waiters reconnecting.
+- outage.py    a restart is an outage: the holder's claim, its retake, waiters reconnecting;
+- hostqueue.py waiters share their host's connection: a host's queue (flock) before the server's.
 """

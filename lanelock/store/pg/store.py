@@ -2,8 +2,9 @@
 
 A session-level advisory lock has the kernel's promise: held until released or until the session
 ends, so a dead holder releases it with no heartbeat and no reaper. One dedicated connection per
-turn, held for the turn's lifetime; never through a transaction-mode pooler (session locks would
-leak across clients), which is detected: the backend pid must stay the same.
+holder, held for the turn's lifetime, and one per host with waiters (its head: hostqueue.py; a
+turn opens its connection only when it needs one); never through a transaction-mode pooler
+(session locks would leak across clients), which is detected: the backend pid must stay the same.
 
 Lane -> advisory key (two-int form): key1 = NAMESPACE (0x4C4E4C4B, "LNLK"), key2 = the first four
 bytes of sha256(lane name) as a signed int. The holder row records the full lane name, so a hash
