@@ -319,9 +319,11 @@ class PgStore(LaneStore):
         on."""
         self.connected(handle)
         deadline = None if timeout is None else time.monotonic() + timeout
+        began = time.monotonic() - waited   # a join after a reconnect counts the whole wait
         while True:
             try:
-                return order.wait(PgLine(self, handle, self._join(handle, rank, waited)),
+                return order.wait(PgLine(self, handle,
+                                         self._join(handle, rank, time.monotonic() - began)),
                                   timeout, cancel)
             except GateUnavailable:
                 if handle.cancelled:
