@@ -452,8 +452,8 @@ def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fa
         import aiohttp  # noqa: F401
     except ImportError:
         raise click.UsageError("the proxy needs aiohttp: pip install 'lanelock[proxy]'") from None
-    from .proxy.app import Options
-    from .proxy.routes import parse_fallback
+    from .proxy.app import ProxyOptions
+    from .proxy.fallbacks import parse_fallback
     from .proxy.serve import build, serve
 
     say = Say(quiet)
@@ -467,17 +467,17 @@ def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fa
     except ValueError as error:
         raise click.UsageError(str(error)) from None
     wait_value = settings.get("wait")
-    options = Options(fallbacks=entries, fallback_model=list(fallback_model) or None,
-                      wait=None if wait_value == float("inf") else float(wait_value or 0),
-                      linger=float(settings.get("proxy_linger")),
-                      session_header=settings.get("proxy_session_header"),
-                      cheap_paths=settings.get("proxy_cheap_paths"), quiet=quiet,
-                      verbose=verbose, fallback_timeout=fallback_timeout,
-                      max_priority=max_priority, fallback_pass_auth=fallback_pass_auth,
-                      max_connections=max_connections, header_timeout=header_timeout,
-                      idle_timeout=idle_timeout,
-                      witness=None if no_witness or not gate.gated else (
-                          _engine_url(gate, engine), witness_interval))
+    options = ProxyOptions(fallbacks=entries, fallback_model=list(fallback_model) or None,
+                           wait=None if wait_value == float("inf") else float(wait_value or 0),
+                           linger=float(settings.get("proxy_linger")),
+                           session_header=settings.get("proxy_session_header"),
+                           cheap_paths=settings.get("proxy_cheap_paths"), quiet=quiet,
+                           verbose=verbose, fallback_timeout=fallback_timeout,
+                           max_priority=max_priority, fallback_pass_auth=fallback_pass_auth,
+                           max_connections=max_connections, header_timeout=header_timeout,
+                           idle_timeout=idle_timeout,
+                           witness=None if no_witness or not gate.gated else (
+                               _engine_url(gate, engine), witness_interval))
     try:
         app, host, port = build(gate, options, say, settings.get("proxy_listen"), token_env,
                                 fallback_key_env)

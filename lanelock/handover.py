@@ -17,7 +17,7 @@ turn, a spawn worker, another thread's `lanelock run` (issue 23: four generation
 names the turn itself, so a variable left over from an ended turn (a daemon it started, the next turn
 of the same process) or copied into an unrelated shell never matches; ancestry keeps a copied token
 in a process outside the holder's tree out. The asking process is this one, or for `lanelock proxy`
-the client process behind the connection (proxy/peer.py).
+the client process behind the connection (proxy/client_process.py).
 
 A request the holding process sends through the proxy without the header would wait for the very
 turn that waits for its answer: the proxy asks holds_itself() and answers at once instead.

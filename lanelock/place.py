@@ -101,6 +101,13 @@ class Place:
         self.paths = self.store.where(self.lane)
         self._store_detail = self.paths.pop("detail")
 
+    def warn_with(self, warn) -> None:
+        """Say this gate's warnings with warn from now on, and those of the sibling gates made
+        after (fallback engines' lanes): for a caller that lives for many turns and says them
+        its own way (the proxy says a failing gate's once per incident, not once a request).
+        The store keeps the warn it was given (a count not added is said as it comes)."""
+        self.warn = warn
+
     @property
     def lock_path(self) -> str:
         return self.paths["lock_path"]

@@ -5,13 +5,20 @@ base URL. Each generation request takes the same lane as `lanelock run` and Gate
 same store, same records) while the engine answers; a busy lane sends it to the fallback or answers
 503. Needs `pip install 'lanelock[proxy]'` (aiohttp); nothing here is imported by `lanelock run`.
 
-- routes.py   which requests hold the lane, and where a fallback may take them;
-- dialects.py the API families: where session and model live, busy and error answers;
-- asks.py     a request's class and wait (its headers, capped; a malformed one is a 400);
-- peer.py     the client process behind a connection (a request from inside a turn);
-- relay.py    forwarding a request and streaming the answer back, byte for byte;
-- chain.py    the fallback chain, for a busy lane or an engine that does not answer;
-- retry.py    Retry-After: when the lane likely comes to a busy request's place;
-- app.py      the per-request decision: lane, linger, chain, busy answer, 502;
-- serve.py    listening, security checks, signals and shutdown.
+- routes.py          which requests hold the lane;
+- dialects.py        the API families: where session and model live, busy and error answers;
+- proxied.py         one request's state, passed from step to step (what it asked, the lane's
+                     answer, what was relayed);
+- class_and_wait.py  a request's class and wait (its headers, capped; a malformed one is a 400);
+- client_process.py  the process behind a client's connection (a request from inside a turn);
+- relay.py           forwarding a request and streaming the answer back, byte for byte;
+- fallbacks.py       the --fallback entries and their chain, for a busy lane or an engine that
+                     does not answer;
+- retry.py           Retry-After: when the lane likely comes to a busy request's place;
+- lost.py            a held request whose lane the store takes away;
+- app.py             the routes' handlers: lane, linger, fallbacks, busy answer, 502;
+- traffic.py         the in-flight count and the -v line (middleware);
+- listener.py        the listening socket: connections capped, slow and idle ones closed;
+- logs.py            trouble said once per incident (aiohttp's and asyncio's lines too);
+- serve.py           listening, security checks, the app, signals and shutdown.
 """

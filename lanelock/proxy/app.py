@@ -1,14 +1,15 @@
-"""The per-request decision of `lanelock proxy`.
+"""The per-request decision of `lanelock proxy`: the handlers of its routes.
 
 A generation request (routes.py) takes the lane for exactly as long as the engine answers it: from
 the moment it is forwarded until the last byte is relayed, the client hangs up, or the engine
-fails. Its class and wait come from its headers, capped by the proxy's (asks.py; a malformed one is
-a 400). A busy lane: wait, then the fallback chain (chain.py), then the dialect's busy answer with
-Retry-After (retry.py). An engine that does not answer: the same chain, then 502. The holder's own
-request without turn.headers is told so at once (handover.py). Every answer to a gated request
-says X-Lanelock-State, the class and wait applied, and X-Lanelock-Reason when deflected, busy or
-down. Linger keeps the lane for the same session between its requests, so an agent's tool-call
-loop keeps the engine's cache of its conversation.
+fails. Its class and wait come from its headers, capped by the proxy's (class_and_wait.py; a
+malformed one is a 400). A busy lane: wait, then the fallback chain (fallbacks.py), then the
+dialect's busy answer with Retry-After (retry.py). An engine that does not answer: the same
+chain, then 502. The holder's own request without turn.headers is told so at once
+(handover.py). Every answer to a gated request says X-Lanelock-State, the class and wait
+applied, and X-Lanelock-Reason when deflected, busy or down. Linger keeps the lane for the same
+session between its requests, so an agent's tool-call loop keeps the engine's cache of its
+conversation. A request's state travels as one proxied.Proxied, handed from step to step.
 
 Never logged: Authorization headers, bodies, the fallback key.
 """
@@ -19,25 +20,25 @@ import asyncio
 import json
 import time
 
-from aiohttp import web
+from aiohttp import ClientSession, web
 
 from .. import asyncturn
 from ..duration import backoff
 from ..gate import CANCELLED, DEFLECTED, FAIL_OPEN, HELD, REASON_BUSY, UNGATED, Gate
 from ..handover import HEADER
 from ..holder import words as holder_words
-from . import asks, dialects
-from .chain import REASON_DOWN, Chain, Why
+from . import class_and_wait, dialects
+from .fallbacks import REASON_DOWN, Chain, Why
 from .listener import HEADER_TIMEOUT, IDLE_TIMEOUT, MAX_CONNECTIONS
 from .logs import Incidents
 from .lost import REASON_LOST, Cut, LaneLost, ProxyWords, unwatch
-from .peer import Client
-from .relay import CUT, GONE_BEFORE, Unreachable, error_response, relay, request_headers
+from .client_process import ClientProcess
+from .proxied import CUT, REASON, STATE, Timing
+from .relay import Unreachable, error_response, relay, request_headers
 from .retry import RetryAfter
 from .routes import Routes
+from .traffic import PROXIED, InFlight
 
-STATE = "X-Lanelock-State"
-REASON = "X-Lanelock-Reason"
 # The turn's fence (the PostgreSQL store's generation of the lane): on the answer and on the
 # request forwarded to the engine, for a check there that refuses a stale holder's requests.
 # A client's own is never forwarded: only the proxy says it.
@@ -47,9 +48,11 @@ GONE = "client_gone"   # the reason of an abandoned wait: the client hung up
 # An answer a retry cannot change (the client holds the lane itself; it sent a malformed header):
 # the OpenAI and Anthropic SDKs obey this instead of retrying on their own.
 NO_RETRY = {"x-should-retry": "false"}
+# The aiohttp session every request goes upstream on (the engine, the fallbacks): the app's.
+UPSTREAM = web.AppKey("lanelock_upstream", ClientSession)
 
 
-class Options:
+class ProxyOptions:
     def __init__(self, *, fallbacks=(), fallback_model=None, fallback_key=None, wait=0.0,
                  linger=0.0, session_header="X-Lanelock-Session", token=None, cheap_paths=None,
                  quiet=False, verbose=False, max_body=32 << 20, fallback_timeout=60.0,
@@ -75,6 +78,10 @@ class Options:
         self.max_priority = max_priority   # the highest class a request's header may claim
         self.witness = witness   # (engine URL, interval) to witness the engine, or None
 
+    def own_credentials(self) -> tuple:
+        """Request headers never sent on to a local engine: the proxy's own token's."""
+        return ("authorization",) if self.token else ()
+
 
 class Lingering:
     """A held turn kept for one session between its requests."""
@@ -88,19 +95,19 @@ class Lingering:
 
 
 class Proxy:
-    def __init__(self, gate: Gate, options: Options, say, backend_url: str):
+    """One proxy's state and its three routes: status, metrics and every other request."""
+
+    def __init__(self, gate: Gate, options: ProxyOptions, say, backend_url: str):
         self.gate, self.options, self.say = gate, options, say
         self.backend_url = backend_url.rstrip("/")
-        self.client = None            # aiohttp.ClientSession, made on startup
         self.lingering: Lingering | None = None
         self.failing = False          # inside a fail-open incident: one warning per incident
         self.retry_after = RetryAfter(gate)   # knows this proxy's recent holds
-        self.chain = Chain(self)
-        self.in_flight = 0
+        self.chain = Chain(gate, options, say)
+        self.in_flight = InFlight()   # counted by the middleware (traffic.py)
         self.waiting = 0              # requests taking the lane now (most of them waiting for it)
-        self._idle: asyncio.Event | None = None
         self.ungated = 0              # ungated generation requests (no lane file records them)
-        self.gate.warn = self._gate_warning
+        gate.warn_with(self._gate_warning)
         self.witness = None           # the engine's witness (witness.py), when it runs
         self.listener = None          # the listening socket's accept loop (listener.py)
         self.incidents = Incidents(say)   # trouble said once per incident (logs.py)
@@ -113,58 +120,36 @@ class Proxy:
             self.failing = True
         self.say.warn(message)
 
-    # -- the handler ---------------------------------------------------------------------------
-    def idle(self) -> asyncio.Event:
-        """Set while no request is in flight (a shutdown waits for it)."""
-        if self._idle is None:
-            self._idle = asyncio.Event()
-            if not self.in_flight:
-                self._idle.set()
-        return self._idle
+    # -- the routes ----------------------------------------------------------------------------
+    # Each route is judged on the raw target (request.raw_path), never on the path aiohttp's
+    # router resolved: a target that only resolves to /metrics or /lanelock/status (a dot
+    # segment, a percent-encoding) is a request for the engine, as every other.
+    async def status_route(self, request: web.Request) -> web.StreamResponse:
+        proxied = request[PROXIED]
+        if proxied.path != "/lanelock/status":
+            return await self._request(proxied)
+        return await self._status()
 
-    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        self.in_flight += 1
-        if self._idle is not None:
-            self._idle.clear()
-        started = time.monotonic()
-        response = None
-        try:
-            response = await self._handle(request)
-            return response
-        finally:
-            self.in_flight -= 1
-            if not self.in_flight and self._idle is not None:
-                self._idle.set()
-            if self.options.verbose:
-                state = response.headers.get(STATE, "-") if response is not None else \
-                    request.get("lanelock_state", "-")
-                # A stream relayed to its last byte is an answer even if the client hung up
-                # before the handler returned (curl closes right after [DONE]).
-                status = response.status if response is not None else (
-                    request.get("lanelock_status") if request.get("lanelock_done")
-                    else "client gone")
-                # A gated request's wait and hold apart: a long time in the queue is the
-                # others' holds, not this one's.
-                timing = request.get("lanelock_timing")
-                took = f"{time.monotonic() - started:.3f}s" if timing is None else str(timing)
-                self.say.note(f"proxy: {request.method} {request.raw_path[:200]} {status} "
-                              f"{state} {took}")
+    async def metrics_route(self, request: web.Request) -> web.StreamResponse:
+        proxied = request[PROXIED]
+        if proxied.path != "/metrics":
+            return await self._request(proxied)
+        return await self.metrics(request.app[UPSTREAM])
 
-    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """Every request that is not for the proxy itself: gated or forwarded."""
+        return await self._request(request[PROXIED])
+
+    async def _request(self, proxied) -> web.StreamResponse:
         # Decided on the raw target, forwarded as the raw target: the path judged is the path the
         # engine is asked (routes.py).
-        path_qs = request.raw_path
-        path = path_qs.partition("?")[0]
-        if path == "/lanelock/status" and request.method == "GET":
-            return await self._status()
-        if path == "/metrics" and request.method == "GET":
-            return await self.metrics(request)
-        body = await request.read()
-        if not self.options.routes.is_gated(request.method, path):
-            return await self._forward(request, self.backend_url + path_qs, body)
-        return await self._gated(request, path_qs, path, body)
+        proxied.read_fields(await proxied.http.read())
+        upstream = proxied.http.app[UPSTREAM]
+        if not self.options.routes.is_gated(proxied.method, proxied.path):
+            return await self._forward(upstream, proxied)
+        return await self._gated(upstream, proxied)
 
-    async def metrics(self, request) -> web.Response:
+    async def metrics(self, upstream) -> web.Response:
         """lanelock's exposition for this lane, then the engine's own /metrics when it has one
         (llama-server --metrics): one scrape for both."""
         from ..inspection.metrics import LaneCollector, exposition, lanes_fetch
@@ -177,47 +162,48 @@ class Proxy:
             return error_response(501, "metrics_unavailable", str(error))
         engine = b""
         try:
-            async with self.client.get(self.backend_url + "/metrics") as upstream:
-                if upstream.status == 200 and upstream.content_type == "text/plain":
-                    engine = await upstream.read()
+            async with upstream.get(self.backend_url + "/metrics") as answer:
+                if answer.status == 200 and answer.content_type == "text/plain":
+                    engine = await answer.read()
         except Exception:  # noqa: BLE001 - the engine's metrics are a bonus, never an error
             engine = b""
         body = data + (b"\n" + engine if engine else b"")
         return web.Response(body=body, headers={"Content-Type":
                                                 "text/plain; version=0.0.4; charset=utf-8"})
 
-    async def _gated(self, request, path_qs: str, path: str, body: bytes) -> web.StreamResponse:
-        fields = _json_fields(body)
-        dialect = dialects.of(path)
-        request["lanelock_dialect"] = dialect
+    # -- a gated request ------------------------------------------------------------------------
+    async def _gated(self, upstream, proxied) -> web.StreamResponse:
+        request = proxied.http
+        dialect = proxied.dialect = dialects.of(proxied.path)
         try:
-            asked = asks.read(request.headers, default_priority=self.gate.priority,
-                              max_priority=self.options.max_priority, max_wait=self.options.wait)
-        except asks.Malformed as error:
+            asked = proxied.asked = class_and_wait.read(
+                request.headers, default_priority=self.gate.priority,
+                max_priority=self.options.max_priority, max_wait=self.options.wait)
+        except class_and_wait.Malformed as error:
             return self._refused(dialect, error)
         applied = asked.headers()
-        session = request.headers.get(self.options.session_header) or \
-            dialect.session_of(fields) or (request.remote or "?")
-        model = dialect.model_of(fields)
+        session = proxied.session = request.headers.get(self.options.session_header) or \
+            dialect.session_of(proxied.fields) or proxied.remote
+        model = proxied.model = dialect.model_of(proxied.fields)
         reused = self._take_lingering(session)
-        client = Client(request, self.gate.lock_path)
+        client = ClientProcess(request, self.gate.lock_path)
+        path = proxied.path[:200]
 
         def new_turn(wait):
             return self.gate.turn(
                 session=session[:200], model=model and model[:200],
-                argv=[request.method, path[:200]], wait=wait,
-                labels={"via": "proxy", "client": request.remote or "?", "path": path[:200]},
+                argv=[proxied.method, path], wait=wait,
+                labels={"via": "proxy", "client": proxied.remote, "path": path},
                 askers=client.askers, priority=asked.priority,
                 fallback=any(fallback.serves(dialect) for fallback in self.options.fallbacks))
 
-        turn = reused.turn if reused else new_turn(asked.wait)
-        status = None
-        timing = request["lanelock_timing"] = Timing()
+        turn = proxied.turn = reused.turn if reused else new_turn(asked.wait)
+        timing = proxied.timing = Timing()
         try:
             if reused is None:
                 self.waiting += 1
                 try:
-                    turn = await _take(turn, new_turn, asked.wait)
+                    turn = proxied.turn = await _take(turn, new_turn, asked.wait)
                 except asyncio.CancelledError:
                     await _abandoned(turn)
                     timing.waited = turn.waited   # the -v line says how long it waited
@@ -229,39 +215,41 @@ class Proxy:
             if turn.state == HELD and not turn.nested:
                 self.failing = False
             if turn.state in (HELD, UNGATED, FAIL_OPEN):
-                if turn.state == UNGATED:
-                    self.ungated += 1
-                fence = {FENCE: str(turn.fence)} if turn.state == HELD and \
-                    turn.fence is not None else {}
-                forwarded = request_headers(request, drop=(*self.drop(), FENCE.lower()),
-                                            set_=fence)
-                watch, cut = self._watch(turn, request, path)
-                try:
-                    response = await relay(self.client, request, self.backend_url + path_qs,
-                                           body, forwarded, {STATE: turn.state, **fence, **applied},
-                                           cut=cut)
-                except Unreachable as error:
-                    await unwatch(watch)
-                    return await self._down(request, path_qs, body, fields, turn, reused, error,
-                                            applied)
-                except LaneLost:
-                    await unwatch(watch)
-                    return self._lost(request, turn, applied)
-                finally:
-                    await unwatch(watch)   # before the turn's release (_end)
-                status = response.status
-                return response
+                return await self._held(upstream, proxied, reused, applied)
             if turn.state == DEFLECTED:
-                return await self._deflected(request, path_qs, body, fields, turn, client,
-                                             applied)
+                return await self._deflected(upstream, proxied, client, applied)
             await _abandoned(turn)
             raise asyncio.CancelledError   # a cancelled wait: the client is gone
         finally:
-            status = status or request.get("lanelock_status")
-            await self._end(turn, session, status, reused, timing.held_until_now(),
-                            _ended(request, status))
+            await self._end(turn, session, proxied.status, reused, timing.held_until_now(),
+                            proxied.ended())
 
-    def _watch(self, turn, request, path: str) -> tuple:
+    async def _held(self, upstream, proxied, reused, applied) -> web.StreamResponse:
+        """The lane is this request's (or it goes ungated): relayed to the engine, watched for a
+        lane its store takes away."""
+        turn = proxied.turn
+        if turn.state == UNGATED:
+            self.ungated += 1
+        fence = {FENCE: str(turn.fence)} if turn.state == HELD and \
+            turn.fence is not None else {}
+        forwarded = request_headers(proxied.http,
+                                    drop=(*self.options.own_credentials(), FENCE.lower()),
+                                    set_=fence)
+        watch, cut = self._watch(turn, proxied)
+        try:
+            return await relay(upstream, proxied, self.backend_url + proxied.target,
+                               proxied.body, forwarded, {STATE: turn.state, **fence, **applied},
+                               cut=cut)
+        except Unreachable as error:
+            await unwatch(watch)
+            return await self._down(upstream, proxied, reused, error, applied)
+        except LaneLost:
+            await unwatch(watch)
+            return self._lost(proxied, applied)
+        finally:
+            await unwatch(watch)   # before the turn's release (_end)
+
+    def _watch(self, turn, proxied) -> tuple:
         """(the lane watch, its cut) of a request that holds a lane its store can take away
         (PostgreSQL; lost.py), started; (None, None) otherwise (a flock lane, a nested turn)."""
         if turn.state != HELD or turn.nested or turn.handle is None or \
@@ -270,26 +258,26 @@ class Proxy:
         from ..lanewatch import LaneWatch
 
         cut = Cut(asyncio.get_running_loop())
-        watch = LaneWatch(turn, self.say.warn, ProxyWords(request.method, path),
+        watch = LaneWatch(turn, self.say.warn, ProxyWords(proxied.method, proxied.path),
                           on_lost=cut.threadsafe)
         watch.start()
         return watch, cut
 
-    def _lost(self, request, turn, applied) -> web.Response:
+    def _lost(self, proxied, applied) -> web.Response:
         """The lane was lost for good before the engine's answer started: the request was cut
         (the engine's connection closed); the client gets the dialect's error."""
-        request["lanelock_cut"] = CUT["lost"]
-        body = dialects.error_answer(request["lanelock_dialect"], 503, REASON_LOST,
+        proxied.cut = CUT["lost"]
+        body = dialects.error_answer(proxied.dialect, 503, REASON_LOST,
                                      f"{CUT['lost']}; the request was cut, try again")
-        return _answer(503, body, {STATE: turn.state, REASON: REASON_LOST, **applied})
+        return _answer(503, body, {STATE: proxied.turn.state, REASON: REASON_LOST, **applied})
 
-    def _refused(self, dialect, error: asks.Malformed) -> web.Response:
+    def _refused(self, dialect, error: class_and_wait.Malformed) -> web.Response:
         """A malformed X-Lanelock-* header: 400 in the client's dialect, naming the header,
         before the lane is asked (the caps said, so the client sees what it may ask)."""
         body = dialects.error_answer(dialect, 400, "invalid_lanelock_header", str(error),
                                      error.header)
-        return _answer(400, body, {**asks.caps(self.options.max_priority, self.options.wait),
-                                   **NO_RETRY})
+        caps = class_and_wait.caps(self.options.max_priority, self.options.wait)
+        return _answer(400, body, {**caps, **NO_RETRY})
 
     # -- linger -------------------------------------------------------------------------------
     def _take_lingering(self, session: str) -> Lingering | None:
@@ -331,60 +319,59 @@ class Proxy:
             await asyncturn.release(held.turn, 0)
 
     # -- forwarding ---------------------------------------------------------------------------
-    async def _forward(self, request, url: str, body: bytes) -> web.StreamResponse:
+    async def _forward(self, upstream, proxied) -> web.StreamResponse:
         """An ungated request, to the local engine: a failure there is the engine's (502)."""
+        url = self.backend_url + proxied.target
         try:
-            return await relay(self.client, request, url, body,
-                               request_headers(request, drop=self.drop()), {})
+            return await relay(upstream, proxied, url, proxied.body,
+                               request_headers(proxied.http,
+                                               drop=self.options.own_credentials()), {})
         except Unreachable as error:
             self.incidents("engine-down", f"backend {url.split('?')[0]} unreachable: {error}")
             return error_response(502, "backend_unreachable",
                                   f"the local engine at {self.backend_url} did not answer: {error}")
 
-    async def _down(self, request, path_qs, body, fields, turn, reused, error,
-                    applied) -> web.StreamResponse:
+    async def _down(self, upstream, proxied, reused, error, applied) -> web.StreamResponse:
         """The local engine did not answer (refused, or reset before a byte came back): the lane
         goes at once (nothing runs on it, and no linger keeps it), then the fallback chain; 502
         naming each attempt when none is left."""
+        turn = proxied.turn
         state = turn.state
-        request["lanelock_status"] = 502
+        proxied.status = 502
         if reused is not None and self.lingering is reused:
             self.lingering = None
         await asyncturn.release(turn, 502)
         why = Why.down(f"the local engine at {self.backend_url} did not answer: {error}")
-        response, failures = await self.chain.walk(request, path_qs, body, fields, why, applied)
+        response, failures = await self.chain.walk(upstream, proxied, why, applied)
         if response is not None:
             return response
         failed, said = failures.texts()
         self.incidents("engine-down", why.sentence(
             f"every fallback failed ({said})" if failed else
-            f"no fallback for {request.method} {path_qs.partition('?')[0][:200]}: 502"))
-        dialect = request["lanelock_dialect"]
-        body = dialects.error_answer(dialect, 502, REASON_DOWN,
+            f"no fallback for {proxied.method} {proxied.path[:200]}: 502"))
+        body = dialects.error_answer(proxied.dialect, 502, REASON_DOWN,
                                      why.words + (f"; {failed}" if failed else ""))
         return _answer(502, body, {STATE: state, REASON: REASON_DOWN, **applied})
 
-    async def _deflected(self, request, path_qs, body, fields, turn, client,
-                         applied) -> web.StreamResponse:
+    async def _deflected(self, upstream, proxied, client, applied) -> web.StreamResponse:
         """A busy lane: the fallback chain; none left, the dialect's busy answer, naming what
         failed. The holder's own request is told at once what to send instead. A crowded gate
         (out of descriptors or memory: whether the lane is held cannot be read) is answered
         the same way, never forwarded to the engine."""
-        dialect = request["lanelock_dialect"]
+        turn, dialect = proxied.turn, proxied.dialect
         if client.holds(turn.holder):
             await asyncturn.settle(turn, "busy")
             return self._holds_itself(dialect, turn.holder, client, applied)
         why = (Why.crowded(turn.crowded, turn.reason) if turn.crowded
                else Why.busy(holder_words(turn.holder)))
-        response, failures = await self.chain.walk(request, path_qs, body, fields, why, applied)
+        response, failures = await self.chain.walk(upstream, proxied, why, applied)
         if response is not None:
             await asyncturn.settle(turn, "deflected")
             return response
         await asyncturn.settle(turn, "busy")
         failed, said = failures.texts()
         self.say.note(why.sentence((f"every fallback failed ({said})" if failed else
-                                    f"no fallback for {request.method} "
-                                    f"{path_qs.partition('?')[0][:200]}")
+                                    f"no fallback for {proxied.method} {proxied.path[:200]}")
                                    + f": {dialect.busy_status}"))
         status, payload = dialects.busy_answer(dialect, why.reason,
                                                why.words + (f"; {failed}" if failed else ""))
@@ -410,14 +397,12 @@ class Proxy:
         return _answer(status, payload, {STATE: BUSY, REASON: REASON_BUSY, **applied,
                                          **NO_RETRY})
 
-    def drop(self) -> tuple:
-        return ("authorization",) if self.options.token else ()
-
     async def _status(self) -> web.Response:
         from ..inspection.status import statuses
 
         lanes = await asyncio.to_thread(statuses, self.gate.store, self.gate.lane, True)
-        here = {"in_flight": self.in_flight - 1, "taking_the_lane": self.waiting}  # less this one
+        here = {"in_flight": self.in_flight.count - 1,   # less this one
+                "taking_the_lane": self.waiting}
         if self.witness is not None:   # the witness now: what it saw last, or why it cannot
             here["witness"] = self.witness.now()
         from ..inspection.render import valid_text   # strict parsers reject lone surrogates
@@ -426,35 +411,8 @@ class Proxy:
                                  dumps=lambda data: json.dumps(data, indent=2, sort_keys=True))
 
 
-class Timing:
-    """A gated request's time waiting for the lane and holding it (the -v line, Retry-After)."""
-
-    __slots__ = ("waited", "_held_from")
-
-    def __init__(self):
-        self.waited = 0.0
-        self._held_from: float | None = None
-
-    def held_from(self, state: str) -> None:
-        if state == HELD:
-            self._held_from = time.monotonic()
-
-    def held_until_now(self) -> float:
-        return 0.0 if self._held_from is None else time.monotonic() - self._held_from
-
-    def __str__(self) -> str:
-        held = f", held {self.held_until_now():.3f}s" if self._held_from is not None else ""
-        return f"(waited {self.waited:.3f}s{held})"
-
-
-def _ended(request, status) -> str | None:
-    """How a relayed answer ended when it did not reach its end (relay.py's words), else None.
-    A stream relayed to its last byte is whole even if the client hung up right after."""
-    if request.get("lanelock_done"):
-        return None
-    if request.get("lanelock_cut"):
-        return request["lanelock_cut"]
-    return CUT["client"] if status is not None else GONE_BEFORE
+# The app's Proxy (serve.py's middlewares read it).
+PROXY = web.AppKey("lanelock_proxy", Proxy)
 
 
 def _answer(status: int, body: bytes, headers: dict) -> web.Response:
@@ -482,18 +440,6 @@ def _per_kind(value) -> dict:
         else:
             result[None] = item
     return result
-
-
-def _json_fields(body: bytes) -> dict:
-    if not body or body[:1] not in (b"{", b" ", b"\n", b"\r", b"\t"):
-        return {}
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 
 
 async def _take(turn, new_turn, wait: float | None):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 
 from ..lanewatch import ENDED, Words
-from .relay import CUT
+from .proxied import CUT
 
 REASON_LOST = "lane_lost"
 CUT_WORDS = CUT["lost"]

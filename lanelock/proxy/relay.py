@@ -14,6 +14,8 @@ import json
 from aiohttp import ClientError, web
 
 from ..handover import HEADER
+from .lost import CUT_WORDS, LaneLost
+from .proxied import CUT, STATE
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                         "te", "trailer", "trailers", "transfer-encoding", "upgrade",
@@ -24,11 +26,6 @@ AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 # business -- neither the engine's nor a cloud fallback's.
 PRIVATE = frozenset({HEADER.lower()})
 
-
-# How an answer that did not reach its end ended (the turn's release says it: never "cleanly").
-CUT = {"engine": "the engine cut the answer", "client": "the client hung up mid-answer",
-       "lost": "the lane was lost mid-answer (the lane store ended its session)"}
-GONE_BEFORE = "the client hung up before the answer"
 
 
 class Unreachable(Exception):
@@ -56,17 +53,20 @@ def response_headers(upstream) -> list:
             if name.lower() not in HOP_BY_HOP and name.lower() not in connection]
 
 
-async def relay(session, request: web.BaseRequest, url: str, body: bytes, headers: dict,
-                extra: dict, answer_within: float | None = None, cut=None) -> web.StreamResponse:
-    """Send the request to url and stream the answer to the client; extra: headers of ours.
+async def relay(session, proxied, url: str, body: bytes, headers: dict, extra: dict,
+                answer_within: float | None = None, cut=None) -> web.StreamResponse:
+    """Send the request (proxied.Proxied) to url and stream the answer to the client; extra:
+    headers of ours. What was relayed is written into proxied (status, state, done, cut) as it
+    happens: the turn's record and the -v line read it even when the client hung up midway.
     answer_within: seconds for the answer's status line and headers (a fallback's bound; None
     for the local engine, which may think for minutes before a non-streamed answer). cut: the
     held request's lost.Cut -- LaneLost when it fires before the answer started; after, the
-    stream stops where it was (request["lanelock_cut"] says why)."""
+    stream stops where it was (proxied.cut says why)."""
     import asyncio
 
     from yarl import URL
 
+    request = proxied.http
     skip = [name for name in AUTO_HEADERS if name not in headers]
     try:
         # encoded=True: the target goes out byte for byte as the client sent it (yarl would
@@ -85,8 +85,6 @@ async def relay(session, request: web.BaseRequest, url: str, body: bytes, header
         raise Unreachable(unreachable_words(error)) from None
     except asyncio.CancelledError:
         if cut is not None and cut.cut_while_entering():
-            from .lost import CUT_WORDS, LaneLost
-
             raise LaneLost(CUT_WORDS) from None
         raise
     if cut is not None:
@@ -94,8 +92,8 @@ async def relay(session, request: web.BaseRequest, url: str, body: bytes, header
         if cut.fired:   # between the headers and now
             cut.fired = False
             cut.fire()
-    request["lanelock_status"] = upstream.status   # the turn's record, even if the client leaves
-    request["lanelock_state"] = extra.get("X-Lanelock-State", "-")
+    proxied.status = upstream.status   # the turn's record, even if the client leaves
+    proxied.state = extra.get(STATE, "-")
     try:
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         for name, value in response_headers(upstream):
@@ -119,10 +117,10 @@ async def relay(session, request: web.BaseRequest, url: str, body: bytes, header
             # The engine failed mid-answer, or the client went away (aiohttp's reset error is
             # both; the side that was being read or written says which), or the lane was lost
             # (lost.Cut): what was relayed stands; close the client's side.
-            request["lanelock_cut"] = CUT["lost"] if cut is not None and cut.fired else CUT[side]
+            proxied.cut = CUT["lost"] if cut is not None and cut.fired else CUT[side]
             request.transport and request.transport.close()
             return response
-        request["lanelock_done"] = True
+        proxied.done = True
         return response
     finally:
         await context.__aexit__(None, None, None)

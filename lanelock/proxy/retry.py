@@ -32,7 +32,7 @@ class RetryAfter:
         return until_lane(typical, (holder or {}).get("held_for") or 0.0, ahead(queue, priority))
 
     def _queue(self) -> list[dict]:
-        try:   # as a turn asks: never /proc/locks on a busy answer's path (PITFALLS 22)
+        try:   # as a turn asks: never /proc/locks on a busy answer's path (client_process.py)
             return self.gate.store.waiting(self.gate.lane)
         except Exception:  # noqa: BLE001 - an estimate is a nicety
             return []

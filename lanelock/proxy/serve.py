@@ -102,10 +102,16 @@ def _bad_request(dialect, message: str, param: str | None = None):
 
 
 def make_app(proxy):
+    """The aiohttp app: the guard, then the in-flight count and the access log (middlewares);
+    one route per path -- the proxy's status, the metrics, and every other target."""
     from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
+
+    from . import traffic
+    from .app import PROXY, UPSTREAM
 
     @web.middleware
     async def guard(request, handler):
+        proxy = request.app[PROXY]
         refused = malformed(request)
         if refused is not None:
             return refused
@@ -140,27 +146,31 @@ def make_app(proxy):
             if listener is not None:
                 listener.ended(request.protocol)
 
-    app = web.Application(middlewares=[guard], client_max_size=proxy.options.max_body,
+    access = traffic.middleware(proxy.in_flight, proxy.say, proxy.options.verbose)
+    app = web.Application(middlewares=[guard, access], client_max_size=proxy.options.max_body,
                           handler_args={"max_field_size": PARSER_LIMIT,
                                         "max_line_size": PARSER_LIMIT,
                                         "max_headers": PARSER_MAX_HEADERS,
                                         "keepalive_timeout": proxy.options.idle_timeout})
+    app[PROXY] = proxy
+    # A GET of another spelling of these paths, and any other method, falls through to the
+    # catch-all: the router tries the later routes when a path matches but its method does not.
+    app.router.add_route("GET", "/lanelock/status", proxy.status_route)
+    app.router.add_route("GET", "/metrics", proxy.metrics_route)
     app.router.add_route("*", "/{tail:.*}", proxy.handle)
 
-    async def startup(app):
+    async def upstream(app):
         # force_close: a new loopback connection per request. On a reused keep-alive connection
         # the client's delayed ACK meets an engine that writes without TCP_NODELAY (Nagle) and
         # holds the first streamed event ~40 ms; a fresh connection costs ~0.1 ms.
-        proxy.client = ClientSession(
+        app[UPSTREAM] = ClientSession(
             auto_decompress=False, timeout=ClientTimeout(total=None, sock_connect=10),
             connector=TCPConnector(limit=0, force_close=True))
+        yield
+        await app[PROXY].close()
+        await app[UPSTREAM].close()
 
-    async def cleanup(app):
-        await proxy.close()
-        await proxy.client.close()
-
-    app.on_startup.append(startup)
-    app.on_cleanup.append(cleanup)
+    app.cleanup_ctx.append(upstream)
     return app
 
 
@@ -223,16 +233,17 @@ def _witness(proxy, say):
 
 async def stop_within(runner, proxy, bound: float) -> None:
     """Stop listening, let requests in flight finish, and be gone within `bound` seconds in all
-    (issue 24: aiohttp's cleanup waited its timeout for the handlers, then again for cancelled
-    ones -- 21 s with a stream in flight, past the unit's TimeoutStopSec). What is still running
+    (aiohttp's own cleanup waits its timeout for the handlers, then again for cancelled ones:
+    past a unit's TimeoutStopSec with a stream in flight). What is still running
     at the end is cancelled: its client's connection closes and its lane is let go."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + bound
     if proxy.listener is not None:
         await proxy.listener.stop()
-    if proxy.in_flight:
+    if proxy.in_flight.count:
         try:
-            await asyncio.wait_for(proxy.idle().wait(), max(0.0, deadline - loop.time() - CANCEL))
+            await asyncio.wait_for(proxy.in_flight.idle().wait(),
+                                   max(0.0, deadline - loop.time() - CANCEL))
         except asyncio.TimeoutError:
             pass
     runner._shutdown_timeout = CANCEL / 2   # noqa: SLF001 - aiohttp waits twice this at most

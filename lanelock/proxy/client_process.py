@@ -1,7 +1,7 @@
 """The process behind a proxy's client connection, read from /proc.
 
-A request from inside a turn is part of it, through the proxy too (issue 23: a `lanelock run`
-job whose client points at the proxy was refused by its own lane). The proxy asks only when a
+A request from inside a turn is part of it, through the proxy too: a `lanelock run` job whose
+client points at the proxy is never refused by its own lane. The proxy asks only when a
 gated request finds the lane busy: the client's end of the connection is a socket whose local
 address is the request's peer and whose remote address is the proxy's; /proc/net/tcp (tcp6) gives
 its inode, and the process holding socket:[inode] among its descriptors is the client. Both files
@@ -21,7 +21,7 @@ import sys
 from ..handover import HEADER, Asker, process
 
 
-class Client:
+class ClientProcess:
     """The process behind a request's connection, looked up only when the gate asks (a busy
     lane): the gate's askers (handover.py), with the tokens the request sent in turn.headers'
     header if it sent any, else those of the process's environment."""
@@ -47,9 +47,10 @@ class Client:
             return []   # not a TCP client (a Unix socket): outside every turn
         self.pids = owners(self.peer, self.local)
         found = [process(pid, self.sent) for pid in self.pids]
-        # Asking the store reads /proc/locks (PITFALLS 22): not for a client that was handed
-        # no turn and has not even opened the lane's lock -- it can be neither part of the
-        # holding turn nor its holder, and is outside every turn.
+        # Asking the store reads /proc/locks, milliseconds during which every flock() on the
+        # machine waits: not for a client that was handed no turn and has not even opened the
+        # lane's lock -- it can be neither part of the holding turn nor its holder, and is
+        # outside every turn.
         lock = _identity(self.lock_path)
         if lock is not None and all(asker is not None and not asker.turns
                                     and not opens(asker.pid, lock) for asker in found):

@@ -1,6 +1,6 @@
-"""The fallback chain: where a request goes when the local model cannot serve it -- its lane is
-busy (local_backend_busy), or its engine is down (local_backend_down: connection refused or reset
-before a byte of an answer came back).
+"""The proxy's fallbacks (--fallback entries) and their chain: where a request goes when the local
+model cannot serve it -- its lane is busy (local_backend_busy), or its engine is down
+(local_backend_down: connection refused or reset before a byte of an answer came back).
 
 The entries that serve the request's dialect are tried in order; one that cannot be reached
 (refused, no answer within --fallback-timeout) is skipped and the next tried; one that answers,
@@ -21,6 +21,7 @@ import time
 from .. import asyncturn
 from ..gate import DEFLECTED, REASON_BUSY, BUSY_WORDS, busy_sentence
 from . import dialects
+from .proxied import REASON, STATE
 from .relay import Unreachable, relay, request_headers
 
 REASON_DOWN = "local_backend_down"
@@ -32,6 +33,57 @@ CROWDED_WORDS = "lanelock's gate is crowded: whether the local model is in use c
 REASON_UNTRUSTED = "gate_untrusted"   # errors.GateUntrusted.reason
 UNTRUSTED_WORDS = ("lanelock's gate is not to be trusted (another user could remove its files): "
                    "the local model is not used until it is fixed")
+
+
+class Fallback:
+    """--fallback [KIND=]URL (a base URL of an API of that kind: openai, the default, such as
+    https://api.openai.com/v1; anthropic, such as https://api.anthropic.com) or --fallback
+    @HOST:PORT (another local engine, gated on its own lane; it takes every dialect)."""
+
+    __slots__ = ("text", "url", "backend", "kind")
+
+    def __init__(self, text: str):
+        self.text = text.strip()
+        self.url = self.backend = self.kind = None
+        if self.text.startswith("@"):
+            self.backend = self.text[1:]
+            return
+        kind, sep, rest = self.text.partition("=")
+        if sep and kind.lower() in dialects.FALLBACK_KINDS:
+            self.kind, self.url = kind.lower(), rest.strip().rstrip("/")
+        else:
+            self.kind, self.url = "openai", self.text.rstrip("/")
+
+    def serves(self, dialect) -> bool:
+        return self.backend is not None or dialect.fallback_kind == self.kind
+
+    def target(self, raw_path_qs: str) -> str | None:
+        """The URL a request goes to at this URL fallback (None for an @ engine)."""
+        if self.url is None:
+            return None
+        strip = dialects.FALLBACK_KINDS[self.kind]["strip"]
+        path = raw_path_qs[len(strip):] if strip and raw_path_qs.startswith(strip + "/") \
+            else raw_path_qs
+        return self.url + path
+
+
+def parse_fallback(text: str) -> Fallback:
+    """A Fallback, or ValueError with the reason (a usage error)."""
+    fallback = Fallback(text)
+    if fallback.backend is not None:
+        from ..lanes import lane_for
+
+        lane_for(fallback.backend)   # BackendError (a ValueError) for a malformed one
+        return fallback
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(fallback.url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        examples = ", ".join(f"{kind}={info['example']}"
+                             for kind, info in dialects.FALLBACK_KINDS.items())
+        raise ValueError(f"--fallback {text!r}: expected an http(s):// base URL (optionally "
+                         f"KIND=URL: {examples}), or @HOST:PORT for another local engine")
+    return fallback
 
 
 class Why:
@@ -85,8 +137,12 @@ class Attempts(list):
 
 
 class Chain:
-    def __init__(self, proxy):
-        self.proxy = proxy
+    """The fallbacks of one proxy (options.fallbacks), tried for a request the local model
+    cannot serve. gate: the proxy's, whose sibling lanes an @HOST:PORT fallback takes; say: the
+    proxy's notes and warnings."""
+
+    def __init__(self, gate, options, say):
+        self.gate, self.options, self.say = gate, options, say
         self.gates: dict[str, tuple] = {}   # backend -> fallback_lane.fallback_gate()
         self.down: dict[str, float] = {}    # fallback -> since when it cannot be reached
 
@@ -94,7 +150,7 @@ class Chain:
         """name could not be reached: warn at the incident's start only."""
         if name not in self.down:
             self.down[name] = time.monotonic()
-            self.proxy.say.warn(f"{name} unreachable: {error}; trying the next (said once: "
+            self.say.warn(f"{name} unreachable: {error}; trying the next (said once: "
                                 "every request still tries it, and a line says when it answers "
                                 "again)")
             failures.add(f"{name} failed: {error}")
@@ -104,75 +160,73 @@ class Chain:
     def _answered(self, name: str) -> None:
         since = self.down.pop(name, None)
         if since is not None:
-            self.proxy.say.note(f"{name} answers again (unreachable for "
+            self.say.note(f"{name} answers again (unreachable for "
                                 f"{time.monotonic() - since:.1f}s)")
 
-    async def walk(self, request, path_qs: str, body: bytes, fields: dict, why: Why,
-                   extra: dict):
-        """(the first fallback's answer or None, the failures on the way). extra: lanelock's
+    async def walk(self, upstream, proxied, why: Why, extra: dict):
+        """(the first fallback's answer or None, the failures on the way). upstream: the
+        proxy's aiohttp ClientSession; proxied: the request (proxied.Proxied); extra: lanelock's
         headers on a fallback's answer (the class and wait applied)."""
-        dialect = request["lanelock_dialect"]
         failures = Attempts()
-        answer_headers = {"X-Lanelock-State": DEFLECTED, "X-Lanelock-Reason": why.reason, **extra}
-        for index, fallback in enumerate(self.proxy.options.fallbacks, 1):
-            if not fallback.serves(dialect):
+        answer_headers = {STATE: DEFLECTED, REASON: why.reason, **extra}
+        for index, fallback in enumerate(self.options.fallbacks, 1):
+            if not fallback.serves(proxied.dialect):
                 continue
             if fallback.backend is not None:
-                response = await self._local(request, path_qs, body, fallback, index, why,
-                                             failures, answer_headers)
+                response = await self._local(upstream, proxied, fallback, index, why, failures,
+                                             answer_headers)
             else:
-                response = await self._url(request, path_qs, body, fields, fallback, index, why,
-                                           failures, answer_headers)
+                response = await self._url(upstream, proxied, fallback, index, why, failures,
+                                           answer_headers)
             if response is not None:
                 return response, failures
         return None, failures
 
-    async def _url(self, request, path_qs, body, fields, fallback, index, why, failures,
-                   answer_headers):
-        options, say = self.proxy.options, self.proxy.say
-        url = fallback.target(path_qs)
+    async def _url(self, upstream, proxied, fallback, index, why, failures, answer_headers):
+        options, say = self.options, self.say
+        url = fallback.target(proxied.target)
+        body = proxied.body
         model = options.fallback_model.get(fallback.kind, options.fallback_model.get(None))
-        if model and fields:
-            body = json.dumps({**fields, "model": model}).encode()
+        if model and proxied.fields:
+            body = json.dumps({**proxied.fields, "model": model}).encode()
         # The client's credentials are the local engine's (its --api-key, a cookie of the
         # box): never sent to another host unless asked (--fallback-pass-auth). A configured key
         # replaces them; the proxy's own token is never passed on.
         key = options.fallback_key.get(fallback.kind, options.fallback_key.get(None))
         passed = options.fallback_pass_auth and not key
         drop = CREDENTIALS if not passed else (("authorization",) if options.token else ())
-        headers = request_headers(request, drop=drop)
+        headers = request_headers(proxied.http, drop=drop)
         name, form = dialects.FALLBACK_KINDS[fallback.kind]["key"]
         if key:
             headers[name] = form.format(key=key)
         say.note(why.sentence(f"deflecting to fallback {index}: {fallback.url}"))
         name = f"fallback {index} {fallback.url}"
         try:
-            response = await relay(self.proxy.client, request, url, body, headers,
-                                   answer_headers, answer_within=options.fallback_timeout)
+            response = await relay(upstream, proxied, url, body, headers, answer_headers,
+                                   answer_within=options.fallback_timeout)
         except Unreachable as error:
             self._unreachable(name, error, failures)
             return None
         self._answered(name)
         return response
 
-    async def _local(self, request, path_qs, body, fallback, index, why, failures,
-                     answer_headers):
+    async def _local(self, upstream, proxied, fallback, index, why, failures, answer_headers):
         from ..fallback_lane import busy_fallback, fallback_gate
 
-        say = self.proxy.say
+        say = self.say
         if fallback.backend not in self.gates:
-            gate, skip = fallback_gate(self.proxy.gate, fallback.backend)
+            gate, skip = fallback_gate(self.gate, fallback.backend)
             if gate is None and skip is None:   # not a local lane: its turns are ungated
-                gate = self.proxy.gate.sibling(fallback.backend)
+                gate = self.gate.sibling(fallback.backend)
             self.gates[fallback.backend] = gate, skip
         gate, skip = self.gates[fallback.backend]
         if skip:   # run's rule and words (fallback_lane.py)
             say.note(f"fallback {index} skipped: {skip}")
             failures.add(f"fallback {index} skipped: {skip}")
             return None
-        path = path_qs.partition("?")[0][:200]
-        turn = gate.turn(session=f"proxy:{request.remote or '?'}", argv=[request.method, path],
-                         labels={"via": "proxy", "client": request.remote or "?"})
+        turn = gate.turn(session=f"proxy:{proxied.remote}",
+                         argv=[proxied.method, proxied.path[:200]],
+                         labels={"via": "proxy", "client": proxied.remote})
         await asyncturn.acquire(turn)
         status = None
         try:
@@ -185,11 +239,12 @@ class Chain:
             from ..lanes import origin
 
             try:
-                response = await relay(self.proxy.client, request,
-                                       origin(gate.lane.given) + path_qs, body,
-                                       request_headers(request, drop=self.proxy.drop()),
+                response = await relay(upstream, proxied, origin(gate.lane.given) + proxied.target,
+                                       proxied.body,
+                                       request_headers(proxied.http,
+                                                       drop=self.options.own_credentials()),
                                        answer_headers,
-                                       answer_within=self.proxy.options.fallback_timeout)
+                                       answer_within=self.options.fallback_timeout)
             except Unreachable as error:
                 self._unreachable(f"fallback {index} @{fallback.backend}", error, failures)
                 return None
