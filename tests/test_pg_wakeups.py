@@ -75,6 +75,28 @@ def test_a_first_waiter_whose_wait_runs_out_across_aging_steps_logs_no_error(
     assert quiet_log() == []
 
 
+def test_a_stopped_first_waiter_is_passed_over_with_no_error_and_goes_next_once_continued(
+        postgres, procs, holder, lock_roots, quiet_log):
+    lock_roots.watch_store(postgres.dsn)
+    backend = f"127.0.0.1:{free_port()}"
+    held = holder("--store", postgres.dsn, "-b", backend)
+    first = waiter(procs, postgres, backend, "--wait", "60", word="first")
+    wait_for(lambda: queued(postgres, backend) == 1, "the first waiter queued")
+    os.kill(first.pid, signal.SIGSTOP)
+    second = waiter(procs, postgres, backend, "--wait", "60", word="second")
+    wait_for(lambda: queued(postgres, backend) == 2, "the second waiter queued")
+    # The one behind looks again every second (order.STOPPED_LOOK) and passes the stopped one
+    # over: two such looks before the release.
+    time.sleep(2.2)
+    assert held.release() == 0
+    assert read_line(second.stdout, TIMEOUT).strip() == "second"
+    assert second.wait(timeout=TIMEOUT) == 0, second.stderr.read()
+    os.kill(first.pid, signal.SIGCONT)
+    assert first.wait(timeout=TIMEOUT) == 0, first.stderr.read()
+    assert first.stdout.read().strip() == "first"
+    assert quiet_log() == []
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
 def test_a_run_wait_interrupted_logs_no_error(signum, postgres, procs, holder, lock_roots,
                                              quiet_log):
