@@ -41,7 +41,7 @@ class Proxied:
         self.dialect = None                    # dialects.Dialect of a gated request
         self.model: str | None = None
         self.session: str | None = None
-        self.asked = None                      # asks.Asked: the class and wait applied
+        self.asked = None                      # class_and_wait.Asked: the class and wait applied
         self.turn = None                       # the lane's answer: the Turn taken for it
         self.state: str | None = None          # X-Lanelock-State of what was relayed
         self.status: int | None = None         # the relayed answer's status, once it came
