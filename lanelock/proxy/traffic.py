@@ -15,7 +15,9 @@ from aiohttp import web
 
 from .proxied import Proxied
 
-PROXIED = web.RequestKey("lanelock_proxied", Proxied)
+# A typed key from aiohttp 3.14 on (a str key warns there); older releases know only str keys.
+PROXIED = web.RequestKey("lanelock_proxied", Proxied) if hasattr(web, "RequestKey") \
+    else "lanelock_proxied"
 
 
 class InFlight:
