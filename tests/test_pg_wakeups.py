@@ -159,3 +159,34 @@ def test_a_holder_killed_with_9_hands_the_lane_on_at_once(postgres, procs, holde
     assert took < KILL_HANDS_ON_WITHIN, took
     held.wait()
     assert quiet_log() == []
+
+
+def test_a_wait_whose_session_is_past_descriptor_1024_wakes(postgres, procs, holder, lock_roots,
+                                                            quiet_log):
+    """A waiter's session socket numbered past 1024 (a proxy with many clients; here a `run`
+    started with 1,100 descriptors open) is slept on with poll(): select() cannot take it."""
+    import resource
+
+    lock_roots.watch_store(postgres.dsn)
+    backend = f"127.0.0.1:{free_port()}"
+    held = holder("--store", postgres.dsn, "-b", backend)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 4096), max(hard, 4096)))
+    fds = []
+    try:
+        fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+        turn = procs.start([*LANELOCK, "run", "--store", postgres.dsn, "-b", backend, "--wait",
+                            "60", "--", "echo", "go"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, env=environ(), text=True, pass_fds=fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    wait_for(lambda: queued(postgres, backend) == 1 or turn.poll() is not None,
+             "the waiter queued")
+    time.sleep(0.5)   # asleep on its session by now (what is under test: that sleep)
+    assert turn.poll() is None, turn.stderr.read()   # it waits: it neither failed nor ran
+    assert held.release() == 0
+    assert turn.wait(timeout=TIMEOUT) == 0
+    assert (turn.stdout.read().strip(), turn.stderr.read()) == ("go", "")
+    assert quiet_log() == []

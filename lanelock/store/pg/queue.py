@@ -225,21 +225,28 @@ def death_of(pid, ticks=None) -> int | None:
 
 
 def _woken(conn, until: float, death: int | None, cancelled) -> bool:
-    """Wait until a notification (False), the moment until (False), a cancel (False) or the
-    death watched (True), without a statement: no query runs meanwhile. A notification that
-    came in with a statement's answer is already read off the socket: taken first."""
+    """Wait until the session has something to read -- a notification, or its end (False: the
+    caller tries, and a session that ended says so then) --, the moment until (False), a cancel
+    (False) or the death watched (True), without a statement: no query runs meanwhile. A
+    notification that came in with a statement's answer is already read off the socket: taken
+    first. poll(), not select(): a proxy's descriptors go past select()'s 1024."""
     import select
     import time
 
     if any(True for _ in conn.notifies(timeout=0)):
         return False
-    watched = [conn.fileno()] + ([death] if death is not None else [])
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    if death is not None:
+        poller.register(death, select.POLLIN)
     while (left := until - time.monotonic()) > 0:
         if cancelled is not None and cancelled():
             return False
-        ready, _, _ = select.select(watched, [], [], min(left, CANCEL_LOOK))
+        ready = {fd for fd, _ in poller.poll(min(left, CANCEL_LOOK) * 1000)}
         if death is not None and death in ready:
             return True
-        if ready and any(True for _ in conn.notifies(timeout=0)):
+        if ready:
+            for _ in conn.notifies(timeout=0):   # read now: not woken by it a second time
+                pass
             return False
     return False
