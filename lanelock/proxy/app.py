@@ -31,6 +31,7 @@ from . import class_and_wait, dialects
 from .fallbacks import REASON_DOWN, Chain, Why
 from .listener import HEADER_TIMEOUT, IDLE_TIMEOUT, MAX_CONNECTIONS
 from .logs import Incidents
+from .linger import Linger
 from .lost import REASON_LOST, Cut, LaneLost, ProxyWords, unwatch
 from .client_process import ClientProcess
 from .proxied import CUT, REASON, STATE, Timing
@@ -83,24 +84,13 @@ class ProxyOptions:
         return ("authorization",) if self.token else ()
 
 
-class Lingering:
-    """A held turn kept for one session between its requests."""
-
-    __slots__ = ("turn", "session", "timer", "in_use")
-
-    def __init__(self, turn, session: str):
-        self.turn, self.session = turn, session
-        self.timer = None
-        self.in_use = True
-
-
 class Proxy:
     """One proxy's state and its three routes: status, metrics and every other request."""
 
     def __init__(self, gate: Gate, options: ProxyOptions, say, backend_url: str):
         self.gate, self.options, self.say = gate, options, say
         self.backend_url = backend_url.rstrip("/")
-        self.lingering: Lingering | None = None
+        self.linger = Linger(options.linger)
         self.failing = False          # inside a fail-open incident: one warning per incident
         self.retry_after = RetryAfter(gate)   # knows this proxy's recent holds
         self.chain = Chain(gate, options, say)
@@ -185,7 +175,7 @@ class Proxy:
         session = proxied.session = request.headers.get(self.options.session_header) or \
             dialect.session_of(proxied.fields) or proxied.remote
         model = proxied.model = dialect.model_of(proxied.fields)
-        reused = self._take_lingering(session)
+        reused = self.linger.take(session)
         client = ClientProcess(request, self.gate.lock_path)
         path = proxied.path[:200]
 
@@ -279,44 +269,19 @@ class Proxy:
         caps = class_and_wait.caps(self.options.max_priority, self.options.wait)
         return _answer(400, body, {**caps, **NO_RETRY})
 
-    # -- linger -------------------------------------------------------------------------------
-    def _take_lingering(self, session: str) -> Lingering | None:
-        held = self.lingering
-        if held is None or held.in_use or held.session != session or held.turn.state != HELD:
-            return None
-        if held.timer is not None:
-            held.timer.cancel()
-            held.timer = None
-        held.in_use = True
-        return held
-
+    # -- the turn's end ------------------------------------------------------------------------
     async def _end(self, turn, session, status, reused, held_seconds, ended=None) -> None:
+        """A held turn whose request is over: counted for Retry-After, then kept for the
+        session (linger.py) or released with how its answer ended."""
         if turn.state != HELD:
             return
         if not turn.nested:
             self.retry_after.held(held_seconds)
-        linger = self.options.linger
-        if linger > 0 and not turn.nested and not turn.lost:
-            held = reused or Lingering(turn, session)
-            held.in_use = False
-            self.lingering = held
-            held.timer = asyncio.get_running_loop().call_later(
-                linger, lambda: asyncio.ensure_future(self._end_linger(held)))
-            return
-        await asyncturn.release(turn, status, ended)
-
-    async def _end_linger(self, held: Lingering) -> None:
-        if held.in_use or self.lingering is not held:
-            return
-        self.lingering = None
-        await asyncturn.release(held.turn, 0)
+        if not self.linger.keep(turn, session, reused):
+            await asyncturn.release(turn, status, ended)
 
     async def close(self) -> None:
-        if self.lingering is not None:
-            held, self.lingering = self.lingering, None
-            if held.timer is not None:
-                held.timer.cancel()
-            await asyncturn.release(held.turn, 0)
+        await self.linger.close()
 
     # -- forwarding ---------------------------------------------------------------------------
     async def _forward(self, upstream, proxied) -> web.StreamResponse:
@@ -338,8 +303,7 @@ class Proxy:
         turn = proxied.turn
         state = turn.state
         proxied.status = 502
-        if reused is not None and self.lingering is reused:
-            self.lingering = None
+        self.linger.forget(reused)
         await asyncturn.release(turn, 502)
         why = Why.down(f"the local engine at {self.backend_url} did not answer: {error}")
         response, failures = await self.chain.walk(upstream, proxied, why, applied)
