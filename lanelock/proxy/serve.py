@@ -153,8 +153,10 @@ def make_app(proxy):
                                         "max_headers": PARSER_MAX_HEADERS,
                                         "keepalive_timeout": proxy.options.idle_timeout})
     app[PROXY] = proxy
-    # A GET of another spelling of these paths, and any other method, falls through to the
-    # catch-all: the router tries the later routes when a path matches but its method does not.
+    # One route per path. The proxy's own two answer only their raw spelling (a target the
+    # router resolves to them, /lanelock/%73tatus, goes to the engine: app.py); another method
+    # falls through to the catch-all (the router tries later routes when only the method
+    # differs).
     app.router.add_route("GET", "/lanelock/status", proxy.status_route)
     app.router.add_route("GET", "/metrics", proxy.metrics_route)
     app.router.add_route("*", "/{tail:.*}", proxy.handle)
