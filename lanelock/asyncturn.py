@@ -37,50 +37,53 @@ def _owner() -> tuple:
 
 
 async def acquire(turn):
+    """Take turn for this task: the steps of turn/acquisition.py, its wait off the loop."""
     loop = asyncio.get_running_loop()
-    turn._own_by(_owner())
+    steps = turn.acquisition
+    steps.begin(_owner())
     if not turn.gate.store.blocking_io:
         # A free lane is a few local system calls: take it here, without a thread's start and
         # wake-up (the proxy's time to first byte). Busy: wait in a thread, as below.
         from .errors import WouldBlock
 
         try:
-            return turn._take(try_only=True)._record_decision()
+            steps.take(try_only=True)
+            return steps.record()
         except WouldBlock:
             pass
         try:
             await _take_without_a_thread(turn)
         except asyncio.CancelledError:
-            turn._give_back()   # a lock the wait got as it was cancelled goes back unrecorded
+            steps.give_back()   # a lock the wait got as it was cancelled goes back unrecorded
             raise
-        return turn._record_decision()   # the task resumed: only now is the turn recorded
+        return steps.record()   # the task resumed: only now is the turn recorded
     done = loop.create_future()
 
     def work() -> None:
         try:
-            result, error = turn._take(), None   # records nothing: the task records it below
+            result, error = steps.take(), None   # records nothing: the task records it below
         except BaseException as raised:   # noqa: BLE001 - handed to the awaiting task
             result, error = None, raised
         try:
             loop.call_soon_threadsafe(_settle, done, result, error)
         except RuntimeError:   # the loop is closed: nobody waits, so nobody keeps the lane
-            turn._give_back()
+            steps.give_back()
 
     threading.Thread(target=work, name="lanelock-turn", daemon=True).start()
     try:
         await asyncio.shield(done)
     except asyncio.CancelledError:
-        turn._cancel_wait()
+        steps.stop_waiting()
         await _finished(done)
-        turn._give_back()   # a lock the wait got too late goes back unrecorded
+        steps.give_back()   # a lock the wait got too late goes back unrecorded
         await release(turn, None)
         raise
     # The task resumed: only now is the turn recorded (a cancellation before this point leaves
     # no trace). A flock store's records are local writes; a network store's go to a thread.
     if not turn.gate.store.blocking_io:
-        return turn._record_decision()
+        return steps.record()
     try:
-        await _finished(asyncio.ensure_future(asyncio.to_thread(turn._record_decision)))
+        await _finished(asyncio.ensure_future(asyncio.to_thread(steps.record)))
     except asyncio.CancelledError:
         await release(turn, None)
         raise
@@ -88,25 +91,24 @@ async def acquire(turn):
 
 
 async def _take_without_a_thread(turn) -> None:
-    """_take() on a store whose wait can be awaited (the flock store): its short steps in the
-    loop's thread pool, the wait itself on the loop, so a waiting request costs no thread
-    (200 waiting proxy requests were 202 threads). A cancellation lets each step finish first,
-    so whatever it took is known, then propagates."""
+    """take() on a store whose wait can be awaited (the flock store): its short steps in the
+    loop's thread pool, the wait itself on the loop, so a waiting request costs no thread of
+    its own. A cancellation lets each step finish first, so whatever it took is known, then
+    propagates."""
     from .errors import GateUnavailable
 
-    gate = turn.gate
+    gate, steps = turn.gate, turn.acquisition
     if gate.config_error or not gate.gated:
-        turn._take()
+        steps.take()
         return
     try:
-        waiting = await _off_loop(turn._try_first, False)
+        waiting = await _off_loop(steps.try_first, False)
         if waiting is None:
             return
-        handle, timeout = waiting
-        got = await gate.store.wait_lock_async(handle, timeout, rank=turn.rank)
-        await _off_loop(turn._decide, handle, got)
+        got = await gate.store.wait_lock_async(waiting.handle, waiting.timeout, rank=turn.rank)
+        await _off_loop(steps.decide, waiting.handle, got)
     except GateUnavailable as error:
-        turn.cannot_take(error)   # crowded: deflect; broken: fail open
+        steps.cannot_take(error)   # crowded: deflect; broken: fail open
 
 
 async def _off_loop(function, *args):

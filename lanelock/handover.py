@@ -13,7 +13,7 @@ lane busy runs through, as part of the holding turn ("nested"), only when all th
     the asking process itself: the holder's own requests are part of its turn only by the header.
 
 Why each: ancestry alone let every descendant of a holder in -- a job it started a moment before its
-turn, a spawn worker, another thread's `lanelock run` (issue 23: four generations at once). The token
+turn, a spawn worker, another thread's `lanelock run`: several generations at once. The token
 names the turn itself, so a variable left over from an ended turn (a daemon it started, the next turn
 of the same process) or copied into an unrelated shell never matches; ancestry keeps a copied token
 in a process outside the holder's tree out. The asking process is this one, or for `lanelock proxy`
