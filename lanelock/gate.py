@@ -16,7 +16,7 @@ import os
 import time
 
 from . import handover, say
-from . import holder as holder_facts
+from .holder import command_facts
 from .errors import GateUnavailable
 from .facts import default_session, utc_now
 from .place import Place, check_arguments
@@ -300,7 +300,7 @@ class Turn:
         if self.state != HELD or self.nested or self.handle is None or pid is None \
                 or (command is not None and command[0] == pid):
             return
-        command = holder_facts.command_facts(pid)
+        command = command_facts(pid)
         if command is not None:
             self.command_pid, self.record.command = pid, command
             self.record.write(self.handle)

@@ -24,10 +24,10 @@ import threading
 import time
 
 from .. import handover
-from .. import holder as holder_facts
 from ..duration import backoff
 from ..errors import GateCrowded, GateUnavailable, ServerCrowded, WouldBlock
 from ..facts import boot_id, hostname, own_start_ticks, user_name
+from ..holder import command_facts, live_pids_here, unlabelled
 from . import nesting, stops
 from .states import CANCELLED, DEFLECTED, HELD, REASON_BUSY, UNGATED
 
@@ -115,7 +115,7 @@ class Acquisition:
         # would delay the hand-off.
         own_start_ticks(), boot_id(), user_name(), hostname()
         if turn.command_pid is not None and turn.record.command is None:
-            turn.record.command = holder_facts.command_facts(turn.command_pid)
+            turn.record.command = command_facts(turn.command_pid)
         turn.handle = None
         handle = turn.handle = store.open(gate.lane)
         handle.asker = {"session": turn.session, "hostname": hostname()}
@@ -229,7 +229,7 @@ class Acquisition:
             facts = gate.store.survey(gate.lane, handle)[0]
         except GateUnavailable:
             return None
-        return handover.verdict(facts.record, askers, holder_facts.live_pids_here(facts))
+        return handover.verdict(facts.record, askers, live_pids_here(facts))
 
     def _nested(self, handle, outer=None) -> None:
         """Part of a turn this owner already holds, or one handed over to this process: run
@@ -286,8 +286,8 @@ def describe_holder(gate, handle) -> dict:
 
         facts = gate.store.survey(gate.lane, handle)[0]
     except GateUnavailable as error:
-        return holder_facts.unlabelled(None, None, f"the store could not say: {error}")
+        return unlabelled(None, None, f"the store could not say: {error}")
     except OSError as error:   # out of descriptors (an import opens a file too): the kernel said
         # busy, only who holds it cannot be read now
-        return holder_facts.unlabelled(None, None, f"who, cannot be read now: {error.strerror}")
+        return unlabelled(None, None, f"who, cannot be read now: {error.strerror}")
     return holder(facts)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 
-from .. import holder as holder_facts
+from .. import holder
 from ..duration import backoff
 from ..errors import RecordNotWritten
 from ..facts import boot_id, hostname, own_start_ticks, utc_now
@@ -51,8 +51,8 @@ class TurnRecord:
     # -- the holder record -----------------------------------------------------------------------
     def holder_record(self) -> dict:
         if self._argv_fields is None:
-            self._argv_fields = holder_facts.argv_fields(self.argv)
-        record = holder_facts.record(
+            self._argv_fields = holder.argv_fields(self.argv)
+        record = holder.record(
             lane=self.gate.lane, session=self.session, model=self.model, argv=self._argv_fields,
             acquired_at=self.acquired_at, acquired_monotonic=self.started, turn=self.token,
             stopped_at=self.stopped_at, labels=self.labels, command=self.command)
@@ -131,7 +131,7 @@ class TurnRecord:
                              start_ticks=own_start_ticks(), boot_id=boot_id(),
                              hostname=hostname(), priority=self.priority,
                              **({"fence": self.fence} if self.fence is not None else {}),
-                             **holder_facts.command_fields(self.command))]
+                             **holder.command_fields(self.command))]
         if waited is not None:
             events.insert(0, self.event("waited", at=(now, self.acquired_at),
                                         waited=round(waited, 6), priority=self.priority))
@@ -140,9 +140,9 @@ class TurnRecord:
                                      fence=self.fence, **{"from": self.took_over}))
         self.log(handle, True, *events)
 
-    def deflected(self, handle, reason: str, holder: dict, wait: float | None,
+    def deflected(self, handle, reason: str, who: dict, wait: float | None,
                   waited: float | None) -> None:
-        """The 'deflected' event. What history needs to tell a turn that timed out waiting from
+        """The 'deflected' event (who: the holder, described). What history needs to tell a turn that timed out waiting from
         one that never waited (wait: the seconds it asked for, None for ever; waited: None when
         it did not block), and busy (nothing ran) from deflected."""
         extra: dict = {"priority": self.priority}
@@ -150,7 +150,7 @@ class TurnRecord:
             extra.update(wait=wait, waited=round(waited, 6))
         if self.outcome is not None:
             extra["outcome"] = self.outcome
-        event = self.event("deflected", reason=reason, holder=holder, **extra)
+        event = self.event("deflected", reason=reason, holder=who, **extra)
         self.deflected_ts = event["ts"]
         self.log(handle, False, event)
 
