@@ -1,9 +1,9 @@
 """One order above every store (store/order.py, issue 30): the waiting walk is the same on the
-flock store, on PostgreSQL, and on tests/contract_store.py's store given only a medium for it
+flock store, on PostgreSQL, and on support/contract_store.py's store given only a medium for it
 (OrderedContractStore), so the same real-process scenes hold on all three.
 
 The scene that stalled (2538e49) and deadlocked PostgreSQL: an aging step that falls between the
-look a waiter takes at the order and the wait that look decides. tests/order_driver.py holds a
+look a waiter takes at the order and the wait that look decides. support/order_driver.py holds a
 waiter up, after its look, until its own next step has passed -- the hook store/order.py keeps for
 this (after_look), so the product itself never sleeps for it.
 """
@@ -22,15 +22,15 @@ import pytest
 
 from conftest import LANELOCK, TIMEOUT
 
-ORDER_DRIVER = str(Path(__file__).with_name("order_driver.py"))
-STORE_DRIVER = str(Path(__file__).with_name("store_driver.py"))
+ORDER_DRIVER = str(Path(__file__).parent / "support" / "order_driver.py")
+STORE_DRIVER = str(Path(__file__).parent / "support" / "store_driver.py")
 AGING = 2.0   # long enough for three processes to queue before the first step
 ARRIVALS_APART = 0.7
 
 
 @pytest.fixture(params=["flock", "postgresql", "contract-ordered"])
 def store(request, tmp_path):
-    """contract-ordered: tests/contract_store.py's store given a medium for the order (its
+    """contract-ordered: support/contract_store.py's store given a medium for the order (its
     ContractLine) and nothing of the policy -- the same scene holds on it."""
     if request.param == "postgresql":
         return request.param, request.getfixturevalue("postgres").dsn

@@ -1,9 +1,9 @@
 """The store contract (lanelock/store/base.py), held to the same tests on every store: flock(2),
-PostgreSQL, and tests/contract_store.py -- a store of the twelve abstract methods alone, on a
+PostgreSQL, and support/contract_store.py -- a store of the twelve abstract methods alone, on a
 medium neither real store uses (OFD record locks). What passes on all three is what the gate, the
 judge and the read commands get from any store that keeps the contract (issue 25).
 
-Turns are taken by real processes (tests/store_driver.py) and by this one; nothing here reaches
+Turns are taken by real processes (support/store_driver.py) and by this one; nothing here reaches
 into a store's own files or tables."""
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 
 from conftest import TIMEOUT
-from contract_store import ContractStore
 from lanelock import Gate
 from lanelock.inspection.status import statuses
 from lanelock.store.base import LaneStore
+from support.contract_store import ContractStore
 
-DRIVER = str(Path(__file__).with_name("store_driver.py"))
+DRIVER = str(Path(__file__).parent / "support" / "store_driver.py")
 STORES = ["flock", "postgresql", "contract"]
 
 

@@ -7,7 +7,8 @@
                                                         given turn.env and of one that was not
 
 KIND: flock (WHERE: the lock root), postgresql (WHERE: the store URL), contract or
-contract-ordered (WHERE: the directory of tests/contract_store.py's store, without or with a queue).
+contract-ordered (WHERE: the directory of tests/support/contract_store.py's store, without or with
+a queue).
 """
 
 from __future__ import annotations
@@ -17,18 +18,18 @@ import os
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
 from lanelock import Gate  # noqa: E402
 
 
 def gate(kind: str, where: str, backend: str) -> Gate:
     if kind == "contract":
-        from contract_store import ContractStore
+        from support.contract_store import ContractStore
 
         return Gate(backend, lane_store=ContractStore(where))
     if kind == "contract-ordered":
-        from contract_store import OrderedContractStore
+        from support.contract_store import OrderedContractStore
 
         return Gate(backend, lane_store=OrderedContractStore(where))
     if kind == "postgresql":

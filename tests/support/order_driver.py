@@ -16,10 +16,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
 from lanelock.store import order  # noqa: E402
-from store_driver import gate  # noqa: E402
+from support.store_driver import gate  # noqa: E402
 
 
 def pid_of(entry) -> int:
