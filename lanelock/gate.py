@@ -16,15 +16,16 @@ import os
 import time
 
 from . import handover, say
-from .holder import command_facts
 from .errors import GateUnavailable
 from .facts import default_session, utc_now
+from .holder import command_facts
 from .place import Place, check_arguments
 from .priority import CLASSES, class_named
 from .settings import Settings
 from .turn import nesting, stops
 from .turn.acquisition import Acquisition, describe_holder
-from .turn.record import LOST_JOURNAL_WITHIN, TurnRecord  # noqa: F401 - public: lanelock.gate.X
+# The states and LOST_JOURNAL_WITHIN are the turn's; named here too, for `from lanelock.gate import`.
+from .turn.record import LOST_JOURNAL_WITHIN, TurnRecord  # noqa: F401
 from .turn.states import (CANCELLED, DEFLECTED, FAIL_OPEN, HELD, REASON_BUSY,  # noqa: F401
                           RELEASED, UNGATED)
 
