@@ -7,7 +7,7 @@ A holder (`lanelock run`) and N `lanelock run --wait` turns queued behind it; th
 command ends, and each turn's command stamps its start and end ($EPOCHREALTIME). Measured:
 - first hand-off: from the holder's command end to the next turn's command start;
 - back to back: inside the queue, from one turn's command end to the next one's start.
-Without --dsn a PostgreSQL server is started on loopback (tests/pg_server.py: Debian's
+Without --dsn a PostgreSQL server is started on loopback (tests/support/pg_server.py: Debian's
 postgresql package; as root it runs as the postgres user). Prints a markdown table with
 PASS/MISS against the target: PostgreSQL's first hand-off within 5 ms of the holder's end.
 Nothing here is a test: tests assert behaviour, this reports speed.
@@ -111,7 +111,7 @@ def _held(env: dict, store: list[str], lane: str) -> bool:
 
 def start_server():
     sys.path.insert(0, os.path.join(TOP, "tests"))
-    import pg_server
+    from support import pg_server
 
     return pg_server.Server().start()
 

@@ -45,6 +45,14 @@ COLOUR_VARIABLES = ("NO_COLOR", "FORCE_COLOR", "CLICOLOR_FORCE")
 # closes our stdin; the line, if a number, is the exit status.
 HOLD_SCRIPT = 'echo "ready $$"; read code; exit "${code:-0}"'
 
+# A command that turns its parent-death signal off: it outlives a killed wrapper.
+ESCAPING_HOLD = r"""
+import ctypes, os, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, 0, 0, 0, 0)   # PR_SET_PDEATHSIG, none
+print("ready", os.getpid(), flush=True)
+sys.stdin.read()
+"""
+
 # A held child that takes signals and goes on: each signal it gets (the names in argv) is reported
 # as a line "signal N" on stdout, until the test writes the exit status to stdin. The handlers only
 # note the signal on a wakeup pipe that select() watches beside stdin, so a signal arriving at any
@@ -834,9 +842,9 @@ class Server:
 # -- a PostgreSQL server (the lane-store tests) --------------------------------------------------------
 @pytest.fixture(scope="session")
 def postgres():
-    """One real PostgreSQL server on loopback for the session (tests/pg_server.py); skipped without
+    """One real PostgreSQL server on loopback per session (support/pg_server.py); skipped without
     Debian's postgresql package unless LANELOCK_REQUIRE_PG is set."""
-    import pg_server
+    from support import pg_server
 
     if pg_server.binaries() is None:
         if os.environ.get("LANELOCK_REQUIRE_PG"):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -14,12 +13,7 @@ import psutil
 import pytest
 
 from conftest import environ, remove_lane_files
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from support.ports import free_port
 
 
 def leftover_duelists(lock_dir: str | None) -> list[psutil.Process]:

@@ -244,7 +244,7 @@ def test_status_of_a_broken_root_says_turns_run_ungated(broken_root, lanelock):
 
 def test_metrics_of_a_broken_root_say_the_gate_cannot_be_taken(broken_root, lanelock, run_cmd):
     from prometheus_client.parser import text_string_to_metric_families
-    from test_metrics import tool
+    from support.prometheus import tool
 
     promtool = tool("promtool")
     for args in ((), ("--all",)):
@@ -262,7 +262,7 @@ def test_metrics_of_a_broken_root_say_the_gate_cannot_be_taken(broken_root, lane
 
 def test_a_root_that_is_not_there_yet_is_free(lanelock, lock_dir, run_cmd):
     """The first turn makes a missing root: that is no broken gate."""
-    from test_metrics import tool
+    from support.prometheus import tool
 
     assert not lock_dir.exists()
     done = lanelock("probe")

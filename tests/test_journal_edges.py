@@ -273,7 +273,7 @@ def test_json_output_is_valid_utf8_for_strict_parsers(procs, lock_dir, holder):
 
 def test_the_proxys_status_json_is_valid_utf8_for_strict_parsers(procs, holder):
     """GET /lanelock/status of a lane whose holder's session is undecodable bytes."""
-    from test_proxy import Proxy, request
+    from support.proxy import Proxy, request
 
     held = holder("-b", "127.0.0.1:9", "--session", os.fsdecode(b"bad\xff\xfe"))
     proxy = Proxy(procs, "127.0.0.1:9")

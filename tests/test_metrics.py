@@ -29,7 +29,6 @@ import http.client
 import json
 import os
 import select
-import shutil
 import signal
 import stat
 import subprocess
@@ -44,27 +43,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import (LANE, LANELOCK, STEM, TIMEOUT, Server, cli_in_process, is_queued, is_waiting,
-                      json_of, read_line, wait_for)
+                      json_of, wait_for)
 from lanelock import __version__ as lanelock_version
+from support.engine import Engine
+from support.prometheus import tool
 
 BUSY = 75
 PYTHON = sys.executable
 OUTCOMES = ("local", "waited", "deflected", "busy", "ungated", "fail_open")
 REASON = "local_backend_busy"
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana-lanelock.json"
-# Read at import: the autouse isolation fixture may clear LANELOCK_* before a test's fixtures run.
-REQUIRE_PROM = bool(os.environ.get("LANELOCK_REQUIRE_PROM"))
-
-# The stand-in engine (lanelock.testing's make_server), printing its port on stdout once it
-# listens: `python -m lanelock.testing serve` says so only in a --port-file, which a test would
-# have to poll.
-ENGINE_SCRIPT = """
-import sys
-from lanelock.testing.standin import make_server
-server = make_server(0, float(sys.argv[1]), sys.argv[2])
-print(server.server_address[1], flush=True)
-server.serve_forever()
-"""
 
 # Scrapes `ARGV` (a `lanelock metrics` command line) in a loop, each scrape's text followed by a
 # NUL on stdout, until the test closes our stdin.
@@ -96,18 +84,6 @@ TURNS_LOOP = ('i=0; while [ "$i" -lt "$3" ]; do "$1" -m lanelock run -q --grace 
 
 
 # -- the Prometheus tools -----------------------------------------------------------------------
-def tool(*names: str) -> str:
-    """The first of these programs on PATH; skips (fails under LANELOCK_REQUIRE_PROM) without."""
-    for name in names:
-        found = shutil.which(name)
-        if found:
-            return found
-    why = f"{' or '.join(names)} not found (apt-get install prometheus prometheus-node-exporter)"
-    if REQUIRE_PROM:
-        pytest.fail(why)
-    pytest.skip(why)
-
-
 @pytest.fixture
 def promtool() -> str:
     return tool("promtool")
@@ -210,10 +186,7 @@ def outcomes(**counts) -> dict[str, int]:
 # -- servers ----------------------------------------------------------------------------------
 def engine(procs, name="stand-in", delay=0.05) -> int:
     """The stand-in engine in its own process; its port."""
-    proc = procs.start([PYTHON, "-c", ENGINE_SCRIPT, str(delay), name], stdout=subprocess.PIPE)
-    line = read_line(proc.stdout)
-    assert line.strip().isdigit(), f"the stand-in did not start: {line!r}"
-    return int(line)
+    return Engine(procs, delay=delay, name=name).port
 
 
 def proxy(procs, backend: str, *args, env=None) -> Server:

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import LANELOCK, TIMEOUT, environ, wait_for
 
-pg_server = pytest.importorskip("pg_server")
+pg_server = pytest.importorskip("support.pg_server")
 psycopg = pytest.importorskip("psycopg")
 
 # Each command stamps its own start and end (ns since the epoch) into the file named by $1.
@@ -150,7 +150,8 @@ def test_twenty_five_waiting_requests_through_the_proxy_past_max_connections(pro
 
     pytest.importorskip("aiohttp")
     from conftest import Server, send_waiting
-    from test_proxy import CHAT, LISTENING, Engine, chat_body
+    from support.engine import Engine
+    from support.proxy import CHAT, LISTENING, chat_body
 
     dsn, server = crowded_server(lock_roots, "lanes")   # 17 slots; the test's check has 3 more
     engine = Engine(procs, delay=0.01)

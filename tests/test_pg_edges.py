@@ -16,9 +16,9 @@ import uuid
 import pytest
 
 from conftest import LANELOCK, TIMEOUT, environ, read_line
-from netns import namespace, reachable_server  # noqa: F401
+from support.netns import namespace, reachable_server  # noqa: F401
 
-pg_server = pytest.importorskip("pg_server")
+pg_server = pytest.importorskip("support.pg_server")
 psycopg = pytest.importorskip("psycopg")
 
 

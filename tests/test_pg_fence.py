@@ -12,7 +12,7 @@ ungated ('lost'); the turn that takes the lane next journals whom it took it fro
 turn, fence); `history` puts the two together as the overlap. A restart's ungated seconds
 ('regained') and a loss's feed one counter, lanelock_ungated_seconds_total.
 
-Real PostgreSQL 15 (tests/pg_server.py), real `lanelock run` turns and a real proxy; each test
+Real PostgreSQL 15 (support/pg_server.py), real `lanelock run` turns and a real proxy; each test
 has a database of its own on the session's server, so its fences start at 1.
 """
 
@@ -29,9 +29,9 @@ import sys
 import pytest
 
 from conftest import LANELOCK, TIMEOUT, Server, environ, read_line
-from netns import namespace, reachable_server  # noqa: F401 - fixtures
+from support.netns import namespace, reachable_server  # noqa: F401 - fixtures
 
-pg_server = pytest.importorskip("pg_server")
+pg_server = pytest.importorskip("support.pg_server")
 psycopg = pytest.importorskip("psycopg")
 
 BACKEND = "localhost:7051"

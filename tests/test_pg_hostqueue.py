@@ -4,8 +4,8 @@ queue holds a server connection and waits in the server's queue. Server connecti
 holder plus one per host with waiters, whatever the number of waiters; the order across hosts
 (class, then arrival; aging) holds as with one connection per waiter.
 
-A real PostgreSQL 15 (tests/pg_server.py) with max_connections=20, real `lanelock run` turns and a
-real proxy; two hosts are network namespaces with hostnames of their own (tests/netns.py), sharing
+A real PostgreSQL 15 (support/pg_server.py) with max_connections=20, real `lanelock run` turns and a
+real proxy; two hosts are network namespaces with hostnames of their own (support/netns.py), sharing
 this machine's files (so the same LANELOCK_DIR: the host lane's name carries the host's name).
 Each command stamps its own start and end into one file: overlaps are read from the stamps.
 """
@@ -23,7 +23,7 @@ import pytest
 
 from conftest import LANELOCK, TIMEOUT, environ, json_of, wait_for
 
-pg_server = pytest.importorskip("pg_server")
+pg_server = pytest.importorskip("support.pg_server")
 psycopg = pytest.importorskip("psycopg")
 
 # Each command stamps its own start and end (ns since the epoch) into the file named by $1.
@@ -145,7 +145,8 @@ def test_twenty_five_waiting_requests_through_the_proxy_hold_one_connection(proc
 
     pytest.importorskip("aiohttp")
     from conftest import Server, send_waiting
-    from test_proxy import CHAT, LISTENING, Engine, chat_body
+    from support.engine import Engine
+    from support.proxy import CHAT, LISTENING, chat_body
 
     dsn, _ = crowded_server(lock_roots)
     engine = Engine(procs, delay=0.01)
@@ -250,7 +251,7 @@ SERVED = 'echo "$1" >> "$0"'
 def hosts(lock_roots, monkeypatch):
     """[host A, host B]: network namespaces with their own hostnames, reaching one PostgreSQL
     server on the engine box's LAN address (netns.two_hosts)."""
-    from netns import Host, two_hosts
+    from support.netns import Host, two_hosts
 
     hosts = two_hosts(lock_roots, ("host-a", "host-b"), Host)
     monkeypatch.setenv("LANELOCK_PRIORITY_AGING", NO_AGING)
@@ -258,7 +259,7 @@ def hosts(lock_roots, monkeypatch):
 
 
 def engine() -> str:
-    from netns import ENGINE_IP
+    from support.netns import ENGINE_IP
 
     return f"{ENGINE_IP}:{ENGINE_PORT}"
 

@@ -18,9 +18,9 @@ import time
 import pytest
 
 from conftest import LANELOCK, TIMEOUT, Server, environ, read_line, wait_for
-from netns import namespace, reachable_server  # noqa: F401 - fixtures
+from support.netns import namespace, reachable_server  # noqa: F401 - fixtures
 
-pg_server = pytest.importorskip("pg_server")
+pg_server = pytest.importorskip("support.pg_server")
 psycopg = pytest.importorskip("psycopg")
 
 # The command of a turn: says "ready", then runs until told; a SIGTERM to its group is noted in

@@ -30,7 +30,7 @@ import psutil
 import pytest
 
 from conftest import LANELOCK, TIMEOUT, ExitWatch, Server, read_line, wait_for
-from netns import ENGINE_IP, Host, two_hosts
+from support.netns import Host, lan_engine, two_hosts
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("psycopg")
@@ -39,27 +39,6 @@ PYTHON = sys.executable
 LISTENING = re.compile(r"proxy listening on http://127\.0\.0\.1:(\d+) for (\S+) \(lane ([^)]+)\)")
 HOST_NAMES = ("host-a", "host-b")
 CLIENTS_PER_HOST = 12
-
-# The stand-in engine (make_server's, strict: every request but GETs and the cheap endpoints
-# generates), bound to the engine box's LAN address instead of loopback, printing its port on
-# stdout once it listens (the test reads the pipe).
-ENGINE_SCRIPT = """
-import sys
-from http.server import ThreadingHTTPServer
-from lanelock.testing import standin
-
-address, tokens, interval = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-
-class OnTheLan(ThreadingHTTPServer):
-    def server_bind(self):
-        self.server_address = (address, self.server_address[1])
-        super().server_bind()
-
-standin.ThreadingHTTPServer = OnTheLan
-server = standin.make_server(0, tokens * interval, "stand-in", tokens, interval, strict=True)
-print(server.server_address[1], flush=True)
-server.serve_forever()
-"""
 
 # One host's clients: COUNT streaming chat requests at once through the proxy on this host's
 # loopback, let go together by a line on stdin. Each reads its answer to the end and reports the
@@ -126,28 +105,6 @@ except Exception as error:
 
 
 # -- the site ------------------------------------------------------------------------------------
-class Engine:
-    """The strict stand-in in its own process, on the engine box's LAN address."""
-
-    def __init__(self, procs, *, tokens: int, interval: float):
-        self.proc = procs.start([PYTHON, "-c", ENGINE_SCRIPT, ENGINE_IP, str(tokens),
-                                 str(interval)], stdout=subprocess.PIPE)
-        line = read_line(self.proc.stdout)
-        assert line.strip().isdigit(), f"the stand-in did not start: {line!r}"
-        self.port = int(line)
-        self.backend = f"{ENGINE_IP}:{self.port}"
-
-    def stats(self) -> dict:
-        import http.client
-
-        conn = http.client.HTTPConnection(ENGINE_IP, self.port, timeout=TIMEOUT)
-        try:
-            conn.request("GET", "/stats")
-            return json.loads(conn.getresponse().read())
-        finally:
-            conn.close()
-
-
 class ProxyHost(Host):
     """A host of the site (netns.Host) that runs proxies and their clients."""
 
@@ -197,7 +154,7 @@ def assert_one_lane(hosts, run_cmd, backend: str) -> None:
 # -- many clients through both proxies ---------------------------------------------------------------
 @pytest.mark.slow
 def test_two_proxies_on_two_hosts_never_let_the_engine_see_two_generations(hosts, procs, run_cmd):
-    engine = Engine(procs, tokens=8, interval=0.03)   # 7 gaps of 30 ms: ~0.2 s a generation
+    engine = lan_engine(procs, tokens=8, interval=0.03)   # 7 gaps of 30 ms: ~0.2 s a generation
     assert_one_lane(hosts, run_cmd, engine.backend)
     proxies = [host.proxy(procs, engine.backend, "--wait", "60") for host in hosts]
     assert [proxy.lane for proxy in proxies] == [engine.backend] * 2
@@ -251,7 +208,7 @@ def test_kill_9_of_the_proxy_holding_the_lane_frees_it_for_the_other_host(killed
                                                                            run_cmd):
     from lanelock.store.pg.session import BOUND_SECONDS
 
-    engine = Engine(procs, tokens=1200, interval=0.05)   # a minute-long stream unless cut
+    engine = lan_engine(procs, tokens=1200, interval=0.05)   # a minute-long stream unless cut
     assert_one_lane(hosts, run_cmd, engine.backend)
     holding_host, other_host = hosts[killed], hosts[1 - killed]
     holding_proxy = holding_host.proxy(procs, engine.backend)

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import LANELOCK, TIMEOUT, environ, read_line, wait_for
 
-pg_server = pytest.importorskip("pg_server")
+pg_server = pytest.importorskip("support.pg_server")
 psycopg = pytest.importorskip("psycopg")
 
 WAITERS = 5

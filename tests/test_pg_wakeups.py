@@ -18,17 +18,12 @@ import time
 import pytest
 
 from conftest import LANELOCK, TIMEOUT, Server, environ, read_line, wait_for
-from pg_server import lanelock_errors
+from support.pg_server import lanelock_errors
+from support.ports import free_port
 
 psycopg = pytest.importorskip("psycopg")
 LISTENING = r"proxy listening on http://127\.0\.0\.1:(\d+) for "
 KILL_HANDS_ON_WITHIN = 1.0   # seconds from kill -9 of the holder to the next command's start
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 the engine box's account and the lane through the store, so a turn held on host B covers the
 engine's generation -- and a client of host B that bypasses lanelock is still seen.
 
-The site is test_pg_proxy.py's (tests/netns.py): the stand-in engine and PostgreSQL on the engine
+The site is test_pg_proxy.py's (support/netns.py): the stand-in engine and PostgreSQL on the engine
 box's LAN address 10.213.77.1, two hosts in network namespaces with their own hostnames. Needs
 root, iproute2, util-linux's unshare and Debian's postgresql package; skipped without them.
 """
@@ -15,11 +15,10 @@ import sys
 import pytest
 
 from conftest import LANELOCK, TIMEOUT, read_line
-from netns import Host, two_hosts
+from support.netns import Host, lan_engine, two_hosts
 
 pytest.importorskip("psycopg")
 pytest.importorskip("aiohttp")   # test_pg_proxy's site imports it
-from test_pg_proxy import Engine  # noqa: E402
 
 PYTHON = sys.executable
 
@@ -27,7 +26,7 @@ PYTHON = sys.executable
 def test_a_turn_held_on_another_host_covers_the_engine_and_a_bypass_is_seen(lock_roots, procs,
                                                                              run_cmd):
     host_a, host_b = two_hosts(lock_roots, ("host-a", "host-b"), Host)
-    engine = Engine(procs, tokens=10, interval=0.08)   # a generation: 0.8 s
+    engine = lan_engine(procs, tokens=10, interval=0.08)   # a generation: 0.8 s
     url = f"http://{engine.backend}"
     watch = procs.start([*host_a.prefix, *LANELOCK, "watch", "-b", engine.backend, "--store",
                          host_a.store, "--interval", "0.2"], stdout=subprocess.DEVNULL,

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, environ, read_line, wait_for
+from conftest import ESCAPING_HOLD, LANELOCK, TIMEOUT, environ, read_line, wait_for
 from lanelock.store.pg.store import lane_key
 
 
@@ -212,11 +212,9 @@ def test_missing_driver_names_the_extra(lanelock, tmp_path):
 
 def test_a_killed_run_hands_the_lane_on_only_once_its_command_is_gone(lanelock, holder, postgres,
                                                                       procs):
-    """As on the flock store (test_run.py): the server lets the lane go when the killed wrapper's
+    """As on the flock store (test_run_signals.py): the server lets the lane go when the killed wrapper's
     session closes, but its command, still running here, keeps it -- status says `ending`, a
     deflect-mode turn names it, a waiting turn gets the lane once it ends."""
-    from test_run import ESCAPING_HOLD
-
     held = holder(command=[sys.executable, "-c", ESCAPING_HOLD])
     os.kill(held.pid, signal.SIGKILL)
     held.wait()

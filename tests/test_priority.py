@@ -279,7 +279,7 @@ def test_a_class_is_read_whatever_its_case(lanelock, procs):
             if event["event"] == "acquired"}
     assert said == {"interactive": "interactive", "batch": "batch",
                     "from-config": "interactive", "api": "normal"}, said
-    from test_proxy import Proxy
+    from support.proxy import Proxy
 
     proxy = Proxy(procs, BACKEND, "--priority", "BATCH", "--max-priority", "Normal")
     assert "Invalid value" not in proxy.stderr()

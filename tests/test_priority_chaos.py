@@ -69,8 +69,8 @@ from conftest import LANELOCK, TIMEOUT, flock_entries, json_of, read_line
 from lanelock import Gate
 from lanelock.store.flock import journal
 from lanelock.store.pg.session import CLIENT_CHECK_MS
-from pg_server import lanelock_errors
-from test_proxy import CHAT, Proxy, chat_body, request
+from support.pg_server import lanelock_errors
+from support.proxy import CHAT, Proxy, chat_body, request
 
 CLASSES = ("batch", "normal", "interactive")        # rank = index, as in lanelock/store/flock/queue.py
 AGING = 1.0                  # seconds per aging step (LANELOCK_PRIORITY_AGING)
@@ -611,7 +611,7 @@ class PgRecords:
         return self.gate.store.events(self.gate.lane, None)
 
     def server_log(self) -> list[str]:
-        """What the server logged since the run began (tests/pg_server.py keeps its stderr)."""
+        """What the server logged since the run began (support/pg_server.py keeps its stderr)."""
         with open(self.server.log_path, "rb") as log:
             log.seek(self.log_start)
             text = log.read().decode(errors="replace")

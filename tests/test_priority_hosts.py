@@ -2,8 +2,8 @@
 waiters spread over two hosts sharing one PostgreSQL store, and over three users sharing one flock
 root.
 
-Two hosts: the site of test_pg_proxy.py (tests/netns.py). This namespace is the engine box, where a
-PostgreSQL server listens on its LAN address 10.213.77.1; each host is a network namespace with its
+Two hosts: the site of test_pg_proxy.py (support/netns.py). This namespace is the engine box, where
+a PostgreSQL server listens on its LAN address 10.213.77.1; each host is a network namespace with its
 own link to it and its own hostname (`ip netns exec NS unshare --uts`). Every turn is given
 `-b 10.213.77.1:PORT`, a LAN address to both hosts and one of the box's own addresses, so all of
 them key the one lane "10.213.77.1:PORT" (`where --json` on each says so); nothing needs to listen
@@ -33,8 +33,8 @@ from pathlib import Path
 import pytest
 
 from conftest import LANELOCK, TIMEOUT, ExitWatch, is_waiting, json_of, wait_for
-from netns import ENGINE_IP, Host, two_hosts
-from other_users import launcher, shared_root, users  # noqa: F401 - fixtures
+from support.netns import ENGINE_IP, Host, two_hosts
+from support.other_users import launcher, shared_root, users  # noqa: F401 - fixtures
 
 
 NO_AGING = "3600"

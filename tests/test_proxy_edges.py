@@ -20,7 +20,9 @@ import time
 import pytest
 
 from conftest import LANELOCK, TIMEOUT, Server, answer, read_all, send_waiting, wait_for
-from test_proxy import CHAT, LISTENING, Engine, Proxy, Recorder, chat_body, free_port, request
+from support.engine import Engine
+from support.ports import free_port
+from support.proxy import CHAT, LISTENING, Proxy, Recorder, chat_body, request
 
 pytest.importorskip("aiohttp")
 

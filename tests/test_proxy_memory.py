@@ -23,7 +23,8 @@ import json
 
 import pytest
 
-from test_proxy import CHAT, Engine, Proxy
+from support.engine import Engine
+from support.proxy import CHAT, Proxy
 
 aiohttp = pytest.importorskip("aiohttp")
 

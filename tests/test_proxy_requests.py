@@ -18,9 +18,11 @@ import threading
 
 import pytest
 
-from conftest import TIMEOUT, read_line, wait_for
-from test_proxy import (CHAT, Engine, Proxy, Recorder, chat_body, free_port, history,
-                        open_stream, probe, raw_request, read_all, request)
+from conftest import TIMEOUT, read_all, read_line, wait_for
+from support.engine import Engine
+from support.ports import free_port
+from support.proxy import (CHAT, Proxy, Recorder, chat_body, history, open_stream, probe, raw_request,
+                           request)
 
 pytest.importorskip("aiohttp")
 PYTHON = sys.executable

@@ -14,9 +14,10 @@ import sys
 
 import pytest
 
-from conftest import TIMEOUT, read_line, wait_for
-from test_proxy import (CHAT, Engine, Proxy, chat_body, free_port, history, open_stream, read_all,
-                        read_until, request)
+from conftest import TIMEOUT, read_all, read_line, wait_for
+from support.engine import Engine
+from support.ports import free_port
+from support.proxy import CHAT, Proxy, chat_body, history, open_stream, read_until, request
 
 pytest.importorskip("aiohttp")
 

@@ -8,53 +8,17 @@ LANELOCK_REQUIRE_REAL=1 (CI sets it after building), in which case they fail.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from conftest import LANELOCK
+from support.real_backend import CLIENT, servers, slots_busy  # noqa: F401 - servers is a fixture
 
 pytestmark = pytest.mark.real
-
-TOP = Path(__file__).resolve().parent.parent
-SCRIPT = [sys.executable, str(TOP / "scripts" / "real-backend")]
-CLIENT = [sys.executable, "-m", "lanelock.testing", "client"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def servers():
-    paths = json.loads(subprocess.run(SCRIPT + ["paths"], capture_output=True, text=True,
-                                      check=True).stdout)
-    if not (paths["server_ready"] and paths["model_ready"]):
-        if os.environ.get("LANELOCK_REQUIRE_REAL"):
-            pytest.fail(f"real backend missing: {paths}")
-        pytest.skip("no real backend built: run scripts/real-backend build && scripts/real-backend model")
-    started = {}
-    try:
-        for name, parallel in (("local", 2), ("cloud", 1)):
-            port = free_port()
-            pid = subprocess.run(SCRIPT + ["start", "--port", str(port), "--parallel", str(parallel),
-                                           "--threads", "1"],
-                                 capture_output=True, text=True, check=True).stdout.strip()
-            started[name] = (port, int(pid))
-        yield {name: f"http://127.0.0.1:{port}" for name, (port, _) in started.items()}
-    finally:
-        for port, pid in started.values():
-            subprocess.run(SCRIPT + ["stop", str(pid)], capture_output=True)
-
 
 def test_duel_with_a_real_client_every_answer_is_a_real_completion(servers, tmp_path, lanelock):
     out = tmp_path / "answers"
@@ -73,15 +37,6 @@ def test_duel_with_a_real_client_every_answer_is_a_real_completion(servers, tmp_
     for answer in answers.values():
         assert answer["content"].strip()
         assert answer["timings"]["predicted_n"] > 0   # the engine really generated tokens
-
-
-def slots_busy(url: str) -> int | None:
-    try:
-        with urllib.request.urlopen(url + "/slots", timeout=2) as response:
-            slots = json.load(response)
-    except OSError:
-        return None
-    return sum(1 for slot in slots if slot.get("is_processing"))
 
 
 def test_six_real_clients_one_generation_at_a_time(servers, procs):

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import LANELOCK, TIMEOUT, json_of, read_line
-from test_real_backend import CLIENT, servers, slots_busy  # noqa: F401 - servers is a fixture
+from support.real_backend import CLIENT, servers, slots_busy  # noqa: F401 - servers is a fixture
 
 pytestmark = pytest.mark.real
 

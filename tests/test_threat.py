@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from conftest import LANE, STEM, read_line
-from other_users import AS_USER, shared_root  # noqa: F401 - a fixture
+from support.other_users import AS_USER, shared_root  # noqa: F401 - a fixture
 
 NOWHERE = "/nonexistent-lanelock"   # config files another user could not read: none at all
 
@@ -153,7 +153,7 @@ def test_the_readme_tmpfiles_line_makes_a_default_root_no_one_can_squat(namespac
                                                                         run_cmd, tmp_path):
     """README's /etc/tmpfiles.d line, applied as at boot: the default root is root's and 1777
     before any user runs; mallory cannot take it, and every user's turns run without a word."""
-    from test_examples import block
+    from support.doc_blocks import block
 
     mallory, alice = two_users
     conf = tmp_path / "lanelock.conf"

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from other_users import USERS, as_user, launcher, shared_root, users  # noqa: F401 - fixtures
+from support.other_users import USERS, as_user, launcher, shared_root, users  # noqa: F401 - fixtures
 
 
 def test_the_turns_really_run_as_those_users(users, shared_root, run_cmd):

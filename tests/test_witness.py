@@ -149,7 +149,7 @@ def test_thirty_gated_turns_from_run_the_api_and_the_proxy_are_never_unseen(proc
         "        assert turn.held, turn.state\n"
         "        complete(sys.argv[2])\n")
     assert procs.start([PYTHON, "-c", api, engine.backend, engine.url]).wait(TIMEOUT) == 0
-    from test_proxy import Proxy, chat_body, request
+    from support.proxy import Proxy, chat_body, request
 
     proxy = Proxy(procs, engine.backend, "--no-witness")
     for _ in range(10):
@@ -360,7 +360,7 @@ def test_an_engine_down_is_named_by_the_endpoint_of_the_kind_witnessed(procs, tm
     line = later.wait_for("watching the engine")
     assert f"(not answering yet: {engine.url}{endpoint}: " in line, line
     later.stop()
-    from test_proxy import Proxy
+    from support.proxy import Proxy
 
     proxy = Proxy(procs, engine.backend, "--witness-interval", INTERVAL)   # its witness too
     log = proxy.said("witness: cannot read the engine")
@@ -381,7 +381,7 @@ def watch_until_detected(procs, engine) -> bool:
 
 # -- where it runs ------------------------------------------------------------------------------------
 def test_the_proxy_witnesses_its_engine_by_default(procs, tmp_path):
-    from test_proxy import Proxy
+    from support.proxy import Proxy
 
     engine = StandIn(procs, tmp_path, delay=0.8)
     proxy = Proxy(procs, engine.backend, "--witness-interval", INTERVAL)
@@ -458,7 +458,7 @@ def test_an_engine_that_answers_nonsense_is_said_once(procs, tmp_path, kind, wor
 
 
 def test_an_engine_down_then_up_is_said_once_each_way(procs, tmp_path, lanelock):
-    from test_proxy import free_port
+    from support.ports import free_port
 
     port = free_port()
     watch = Watch(procs, f"127.0.0.1:{port}", started=False)

@@ -10,7 +10,7 @@ the switch, would fail with "cannot import name" -- so every module is imported 
 extra's module whose library is not installed (the proxy's aiohttp, the PostgreSQL store's
 psycopg) is left out.
 
-Fixtures (import them by name into the test module: `from other_users import users, shared_root
+Fixtures (import them by name into the test module: `from support.other_users import users, shared_root
 # noqa: F401 - fixtures`): users, shared_root.
 """
 

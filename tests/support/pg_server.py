@@ -10,10 +10,11 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
+
+from support.ports import free_port
 
 
 LOG_LINE_PREFIX = "%m [%p] app=%a "   # the session's application_name after app=
@@ -30,12 +31,6 @@ def binaries() -> str | None:
         os.path.dirname(shutil.which("postgres")) if shutil.which("postgres") else None)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Server:
     def __init__(self):
         self.bindir = binaries()
@@ -46,7 +41,7 @@ class Server:
         os.chmod(self.dir, 0o755)
         self.data = os.path.join(self.dir, "data")
         self.log_path = os.path.join(self.dir, "server.log")
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.listen = "127.0.0.1"          # listen_addresses
         self.trust: str | None = None      # another client network to trust (a test host's)

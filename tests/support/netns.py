@@ -1,6 +1,6 @@
 """Test hosts for the PostgreSQL store: a network namespace joined to this one by a veth pair, and
 a PostgreSQL server the namespaces can reach. test_pg_edges.py imports these
-(`from netns import namespace, reachable_server  # noqa: F401` for the fixtures); test_pg_proxy.py
+(`from support.netns import namespace, reachable_server  # noqa: F401` for the fixtures); test_pg_proxy.py
 and test_priority_hosts.py build their site of two hosts from them (two_hosts, Host).
 
 Root and iproute2 make a namespace; without them (or where the kernel refuses one) the fixtures
@@ -16,8 +16,9 @@ import uuid
 
 import pytest
 
-import pg_server
 from conftest import LANELOCK, TIMEOUT
+from support import pg_server
+from support.engine import Engine
 
 # One /24 per pytest-xdist worker (10.213.77.0/24 for the first, or without xdist): two workers'
 # namespaces on one address would send each other's packets to the wrong link.
@@ -110,6 +111,13 @@ def reachable_server(namespace, lock_roots):
     """A server that also listens on the veth address, trusting the namespace's address; stopped
     after the teardown check has seen its lanes free."""
     return reachable_postgres(lock_roots, namespace.host_ip, f"{namespace.ns_ip}/32")
+
+
+def lan_engine(procs, *, tokens: int, interval: float) -> Engine:
+    """The strict stand-in on the engine box's LAN address (ENGINE_IP), where both hosts reach it;
+    a plain answer takes as long as a stream (tokens * interval)."""
+    return Engine(procs, delay=tokens * interval, tokens=tokens, interval=interval, strict=True,
+                  address=ENGINE_IP)
 
 
 class Host:
