@@ -1,32 +1,67 @@
-"""Who goes next: the waiting walk, written once for every store that keeps its waiters in order
-(issue 30). The classes and their aging are priority.py's; a store supplies only its medium (a
-Line: where the waiters' entries live and how one waits on another), never the policy.
+"""Who goes next: every rule of the order, written once for every store that keeps its waiters in
+order. The classes and their aging are priority.py's; a store supplies only its medium, never the
+policy: its entries (class, arrival, seconds waited at one reading, a tiebreak), whether each
+still waits, whether a stopped one can be seen, who it is, and how to wait -- on the lane, or
+behind an entry (a Line).
+
+The rules among entries (one reading of the medium):
+- the order: effective class first (one step up per `aging` seconds waited, up to the top), then
+  arrival, then the medium's tiebreak (priority.order_key);
+- a stopped waiter (kill -STOP, ^Z) is passed over while it is stopped: it sends no event a waiter
+  behind it could block on. Its entry, arrival and class stay, and it goes next again once
+  continued if it is still first. A waiter whose stop its medium cannot see is waited for;
+- no barging: a free lane taken without queueing is let go again (busy) while a live waiter of
+  that class or higher is queued;
+- a killed turn's command that still runs (outlived.py) keeps the lane: taking it waits for that
+  command within the same timeout, or lets the lane go again;
+- `status` shows the live entries in this order (status_rows).
 
 The walk, for one waiting turn that has joined the queue:
 - one look gives BOTH the live entry just ahead of it (None: it is first) and the seconds until
   its own class rises a step, from one reading of the medium's clock. Read twice, a step taken
   between the readings left a waiter waiting without a timeout on an entry by then behind it
-  while that entry waited on it (a stall on flock, a deadlock on PostgreSQL: 2538e49, issue 30);
+  while that entry waited on it (a stall on flock, a deadlock on PostgreSQL);
 - first: it takes the lane's lock, then looks again -- a later arrival of a higher class may have
   come first meanwhile: it lets go at once for it (no barging, either way);
 - not first: it waits for the entry ahead to leave, at most until its own next step, and looks
   again. Every wait is on a waiter strictly ahead as it saw the order, or on the lane; the order
   changes only at arrivals and steps, and a waiter looks again at each of its own: no deadlock;
-- the lane taken, a killed turn's command that still runs (outlived.py) is waited for too, within
-  the same timeout, and the lane let go again if it outlasts it;
+- the lane taken, a killed turn's command that still runs is waited for too, within the same
+  timeout, and the lane let go again if it outlasts it;
 - a queue that breaks while the turn waits (its medium says QueueBroken) never makes the turn
   ungated: it falls back to the lane's own lock, the kernel's or the server's order.
 
 The walk is a generator: it yields each blocking step (LOOK, LOCK, GONE, BEHIND) to a driver --
 wait() in the calling thread, wait_async() in an event loop with no thread per waiter -- which
-asks the line. So a thread and an asyncio task wait in the same order, decided the same way.
+calls the line's method for it by name. So a thread and an asyncio task wait in the same order,
+decided the same way.
 """
 
 from __future__ import annotations
 
 import time
 
-# The blocking steps a walk yields; the driver calls the line's method of that name (or NAME_async).
+from ..priority import CLASSES, effective, order_key
+
+TYPE_CHECKING = False   # typing.TYPE_CHECKING without importing typing (the run path)
+if TYPE_CHECKING:
+    from typing import Any, Iterable, Protocol
+
+    class Queued(Protocol):
+        """One entry of a medium, as it stood at one reading."""
+        rank: int          # its class (priority.CLASSES index)
+        arrival: Any       # when it arrived, in the medium's own clock
+        waited: float      # seconds it had waited at the reading
+        tiebreak: Any      # the medium's last word between equals (a name, a ticket)
+
+    class Entries(Protocol):
+        """What the rules ask a medium about its entries."""
+        def waits(self, entry: Queued) -> bool: ...            # its waiter still waits
+        def stopped(self, entry: Queued) -> bool | None: ...    # None: cannot tell
+        def who(self, entry: Queued) -> dict: ...               # pid, session, hostname
+
+# The blocking steps a walk yields; the driver calls the line's method for each (look, lock, gone,
+# behind, or its _async twin).
 LOOK = "look"       # () -> (entry just ahead or None, seconds to this turn's next step or None)
 LOCK = "lock"       # (timeout) -> the lane's lock taken: True, or False when timeout passed
 GONE = "gone"       # (timeout) -> the killed turn's command has ended (True when there is none)
@@ -36,9 +71,8 @@ BEHIND = "behind"   # (entry, timeout) -> returns when the entry's waiter left, 
 # lane's (a lock file replaced under it), before the gate is called unavailable.
 AGAIN_TRIES = 3
 
-# A waiter stopped ahead (kill -STOP, ^Z) sends no event a waiter behind it could block on, and
-# is passed over while stopped (the media skip it in look()): a waiter behind one whose stop its
-# medium can see (Line.sees_stop) looks again this often -- the walk's one timed look.
+# A waiter behind one whose stop its medium can see (Line.sees_stop) looks again this often, to
+# pass it over once it stops -- the walk's one timed look.
 STOPPED_LOOK = 1.0
 
 # For tests only: called with (ahead, step) after every look, in the waiting process. A test puts
@@ -50,18 +84,71 @@ class QueueBroken(Exception):
     """The medium's queue cannot be read or waited on: the turn waits in the lane's own order."""
 
 
+# -- the rules among entries -----------------------------------------------------------------------
+def place(entry: "Queued", aging: float) -> tuple:
+    """Where the entry stands at its reading (smaller goes first)."""
+    return order_key(entry.rank, entry.arrival, entry.waited, aging, entry.tiebreak)
+
+
+def counts_as(entry: "Queued", aging: float) -> int:
+    """The class the entry counts as at its reading."""
+    return effective(entry.rank, 0, int(entry.waited * 1e9), aging)
+
+
+def first_waiting(entries: "Iterable[Queued]", medium: "Entries"):
+    """The first of entries whose waiter still waits and is not stopped: each asked in turn, and
+    only until one answers (a waiter alone asks nothing)."""
+    for entry in entries:
+        if medium.waits(entry) and not medium.stopped(entry):
+            return entry
+    return None
+
+
+def just_ahead(mine: "Queued", entries: "Iterable[Queued]", aging: float, medium: "Entries"):
+    """The live entry just ahead of mine (None: mine is first), nearest first."""
+    me = place(mine, aging)
+    before = [(at, entry) for entry in entries if (at := place(entry, aging)) < me]
+    before.sort(key=lambda pair: pair[0], reverse=True)
+    return first_waiting((entry for _, entry in before), medium)
+
+
+def waiting_at_or_above(entries: "Iterable[Queued]", rank: int, aging: float,
+                        medium: "Entries") -> bool:
+    """Does a live waiter of this class or higher (as it counts now) wait? No barging: a free
+    lane is not taken past it."""
+    return first_waiting((entry for entry in entries if counts_as(entry, aging) >= rank),
+                         medium) is not None
+
+
+def status_rows(entries: "Iterable[Queued]", aging: float, medium: "Entries") -> list[dict]:
+    """The entries in order, for `status`: position, class, effective class, pid, session, host,
+    waited (seconds), stopped (None: the medium cannot tell). The entries are the live ones."""
+    rows = []
+    for position, entry in enumerate(sorted(entries, key=lambda entry: place(entry, aging)), 1):
+        who = medium.who(entry)
+        rows.append({"position": position, "class": CLASSES[entry.rank],
+                     "effective_class": CLASSES[counts_as(entry, aging)],
+                     "pid": who.get("pid"), "session": who.get("session"),
+                     "host": who.get("hostname"), "waited": round(entry.waited, 3),
+                     # a stopped waiter keeps its place but is passed over meanwhile
+                     "stopped": medium.stopped(entry)})
+    return rows
+
+
 class Line:
     """One waiting turn's place, as a store's medium gives it to the walk. A store implements:
 
       look()                    ONE reading: (entry just ahead or None, seconds to the next step
-                                or None); QueueBroken when the queue cannot be read
+                                or None) -- just_ahead() over its entries; QueueBroken when the
+                                queue cannot be read
       lock(timeout, cancel)     block on the lane's own lock: True / False (timeout)
-      checked(got)             after lock: True (the lane is really ours), False (busy after all),
+      checked(got)              after lock: True (the lane is really ours), False (busy after all),
                                 None (it was taken on something no longer the lane's: again)
       behind(entry, timeout, cancel)   block until the entry's waiter leaves (or timeout);
                                 QueueBroken when it cannot be waited on
       hand_on()                 let the lane's lock go at once (another goes first)
       leave()                   leave the queue (never raises)
+      waiting_at_or_above(rank) a live waiter of this class or higher is queued (no barging)
       sees_stop(entry)          can it tell the entry's waiter is stopped? (look() then passes
                                 over a stopped one; default: no)
       keeps_changing()          the GateUnavailable when checked() keeps saying None (default:
@@ -83,6 +170,36 @@ class Line:
     def outlived(self, value) -> None:
         self.handle.outlived = value
 
+    def look(self, cancel=None) -> tuple:
+        raise NotImplementedError
+
+    def lock(self, timeout: float | None, cancel=None) -> bool:
+        raise NotImplementedError
+
+    def checked(self, got: bool) -> bool | None:
+        return got
+
+    def behind(self, entry, timeout: float | None, cancel=None) -> None:
+        raise NotImplementedError
+
+    def hand_on(self) -> None:
+        raise NotImplementedError
+
+    def leave(self) -> None:
+        pass
+
+    def waiting_at_or_above(self, rank: int) -> bool:
+        return False
+
+    async def look_async(self) -> tuple:
+        raise NotImplementedError
+
+    async def lock_async(self, timeout: float | None) -> bool:
+        raise NotImplementedError
+
+    async def behind_async(self, entry, timeout: float | None) -> None:
+        raise NotImplementedError
+
     def sees_stop(self, entry) -> bool:
         """Can this medium tell when the entry's waiter is stopped (a process of this host)?
         Default: no -- it is waited for like any other."""
@@ -102,6 +219,18 @@ class Line:
         from .outlived import gone_async
 
         return self.outlived is None or await gone_async(self.outlived, timeout)
+
+
+def keep_free_lane(line: Line, rank: int) -> bool:
+    """The lane's lock, just taken without queueing (a try), is kept only when no live waiter of
+    this class or higher is queued (no barging; asked once the lock is ours: a busy lane, the
+    usual case, never reads the queue) and no killed turn's command still runs; else it is let go
+    again: busy."""
+    if line.waiting_at_or_above(rank) or not line.gone(0):
+        line.hand_on()
+        return False
+    line.outlived = None
+    return True
 
 
 def walk(line: Line, timeout: float | None, cancel=None):
@@ -136,7 +265,7 @@ def walk(line: Line, timeout: float | None, cancel=None):
         if left is not None and left <= 0:
             return False
         try:
-            yield BEHIND, ahead, _least(left, _left(step_at),
+            yield BEHIND, ahead, least(left, _left(step_at),
                                         STOPPED_LOOK if line.sees_stop(ahead) else None)
         except QueueBroken:
             return (yield from take(line, _left(deadline)))
@@ -166,24 +295,44 @@ def wait(line: Line, timeout: float | None, cancel=None) -> bool:
     the line leaves the queue however the walk ends."""
     with _Walking(line, walk(line, timeout, cancel)) as walking:
         while (step := walking.next()) is not None:
-            kind, *args = step
             try:
-                walking.answered(getattr(line, kind)(*args, cancel=cancel))
+                walking.answered(_step(line, step, cancel))
             except QueueBroken as broken:
                 walking.failed(broken)
         return walking.result
+
+
+def _step(line: Line, step: tuple, cancel):
+    kind, *args = step
+    if kind == LOOK:
+        return line.look(cancel=cancel)
+    if kind == LOCK:
+        return line.lock(*args, cancel=cancel)
+    if kind == GONE:
+        return line.gone(*args, cancel=cancel)
+    return line.behind(*args, cancel=cancel)
 
 
 async def wait_async(line: Line, timeout: float | None) -> bool:
     """Walk in the event loop (cancelling the task abandons the waits)."""
     with _Walking(line, walk(line, timeout)) as walking:
         while (step := walking.next()) is not None:
-            kind, *args = step
             try:
-                walking.answered(await getattr(line, f"{kind}_async")(*args))
+                walking.answered(await _step_async(line, step))
             except QueueBroken as broken:
                 walking.failed(broken)
         return walking.result
+
+
+async def _step_async(line: Line, step: tuple):
+    kind, *args = step
+    if kind == LOOK:
+        return await line.look_async()
+    if kind == LOCK:
+        return await line.lock_async(*args)
+    if kind == GONE:
+        return await line.gone_async(*args)
+    return await line.behind_async(*args)
 
 
 class _Walking:
@@ -225,7 +374,7 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.monotonic()
 
 
-def _least(*bounds: float | None) -> float | None:
+def least(*bounds: float | None) -> float | None:
     """The shortest of some timeouts (None: no bound)."""
     given = [bound for bound in bounds if bound is not None]
     return max(0.0, min(given)) if given else None

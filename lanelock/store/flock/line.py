@@ -5,7 +5,6 @@ just ahead -- in this thread (waiting.wait) or in the event loop (waiting.wait_a
 
 from __future__ import annotations
 
-import fcntl
 import time
 
 from ..order import Line, QueueBroken
@@ -36,24 +35,27 @@ class FlockLine(Line):
         try:   # a zero timeout: one try without blocking (waiting.wait)
             return waiting.wait(self.handle, timeout, cancel)
         except OSError as error:
-            return self.store._contended(self.handle, error)
+            return self.store.contended(self.handle, error)
 
     async def lock_async(self, timeout: float | None) -> bool:
         if timeout is not None and timeout <= 0:
-            return self.store._flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return self.store.try_lane_lock(self.handle)
         try:
             return await waiting.wait_async(self.handle, timeout)
         except OSError as error:
-            return self.store._contended(self.handle, error)
+            return self.store.contended(self.handle, error)
 
     def checked(self, got: bool) -> bool | None:
-        return self.store._ours(self.handle, got)
+        return self.store.checked(self.handle, got)
 
     def keeps_changing(self):
-        return self.store._keeps_being_replaced(self.handle)
+        return self.store.keeps_being_replaced(self.handle)
 
     def hand_on(self) -> None:
-        self.store._hand_on(self.handle)
+        self.store.hand_on(self.handle)
+
+    def waiting_at_or_above(self, rank: int) -> bool:
+        return self.store.waiting_at_or_above(self.handle, rank)
 
     def sees_stop(self, entry) -> bool:
         return True   # every waiter is a process of this machine

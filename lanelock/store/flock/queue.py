@@ -1,4 +1,4 @@
-"""Who goes next on a flock lane: the waiting turns in order, kept by the kernel (issue 26).
+"""The waiting turns of a flock lane, kept by the kernel.
 
 Each waiting turn is a file in the lane's queue directory (STEM.queue/ under the lock root, mode
 1777 like /tmp: every user's turns queue there), named ARRIVAL.RANK.PID.RANDOM -- ARRIVAL in
@@ -9,18 +9,9 @@ one that got the lane and left, or one killed with kill -9 (the kernel dropped i
 files are skipped by everyone and removed by whoever notices; no file a live process holds is
 ever removed, and nobody has to clean up after a crash for the queue to move.
 
-The order: effective class first -- a waiting turn's class rises one step per `aging` seconds
-waited, up to interactive, so a batch turn waits at most about two steps plus the holds of those
-ahead of it -- then arrival. A waiting turn blocks on the flock of the live entry just ahead of it
-(the kernel wakes it the instant that waiter leaves or dies), or on the lane's lock when it is
-first, and looks again at its own next aging step. Holding the lane's lock it takes the lane only
-if it is still first, else it lets go at once for the one ahead (a later arrival of a higher
-class). A turn that would take a free lane without queueing (flock.try_lock) first asks whether a
-live waiter of its class or higher is queued: then the lane counts as busy (no barging).
-
-It cannot deadlock: every wait is on a waiter strictly ahead in the order as the waiter saw it,
-or on the lane's lock; the order changes only at arrivals and aging steps, and a waiter looks
-again at each of its own steps, so a wait on an entry no longer ahead ends when that matters.
+The order, and every rule of who goes next, are store/order.py's; this module is the medium: the
+entries, whether each still waits (its file locked), whether it is stopped (/proc), who it is
+(the file's line), and the waits on them (EntryWait, wait_mine).
 """
 
 from __future__ import annotations
@@ -35,29 +26,38 @@ import time
 
 from ... import locks, proc
 from ...errors import crowded
-from ...priority import CLASSES, TOP, effective, next_step, order_key
+from ...priority import TOP, next_step
+from .. import order
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class Entry:
-    """One queued turn, as its file name says (ARRIVAL.RANK.PID.RANDOM)."""
+    """One queued turn, as its file name says (ARRIVAL.RANK.PID.RANDOM), read at one moment:
+    waited is the seconds it had waited then (an order.Queued)."""
 
-    __slots__ = ("name", "arrival", "rank", "pid")
+    __slots__ = ("name", "arrival", "rank", "pid", "waited")
 
-    def __init__(self, name: str, arrival: int, rank: int, pid: int):
+    def __init__(self, name: str, arrival: int, rank: int, pid: int, waited: float = 0.0):
         self.name, self.arrival, self.rank, self.pid = name, arrival, rank, pid
+        self.waited = waited
 
     @classmethod
-    def parse(cls, name: str) -> "Entry | None":
+    def parse(cls, name: str, now_ns: int) -> "Entry | None":
         parts = name.split(".")
         if len(parts) != 4 or not all(part.isdigit() for part in parts[:3]):
             return None
-        rank = int(parts[1])
-        return cls(name, int(parts[0]), rank, int(parts[2])) if rank <= TOP else None
+        rank, arrival = int(parts[1]), int(parts[0])
+        return cls(name, arrival, rank, int(parts[2]), (now_ns - arrival) / 1e9) \
+            if rank <= TOP else None
 
-    def key(self, now_ns: int, aging: float) -> tuple:
-        return order_key(self.rank, self.arrival, (now_ns - self.arrival) / 1e9, aging, self.name)
+    def at(self, now_ns: int) -> "Entry":
+        """The same entry read at now_ns."""
+        return Entry(self.name, self.arrival, self.rank, self.pid, (now_ns - self.arrival) / 1e9)
+
+    @property
+    def tiebreak(self) -> str:
+        return self.name
 
 
 # This process's live tickets, by file name -> what to call when each leaves. A waiter whose
@@ -95,11 +95,8 @@ class Ticket:
         default: now), or None when first. Only the entries ahead are asked whether they live,
         nearest first, and only until one does: a waiter alone asks nothing."""
         now = time.monotonic_ns() if now is None else now
-        aging = self.queue.aging
-        mine = self.entry.key(now, aging)
-        before = [entry for entry in self.queue.listed() if entry.key(now, aging) < mine]
-        return self.queue.first_alive(sorted(before, key=lambda entry: entry.key(now, aging),
-                                             reverse=True))
+        return order.just_ahead(self.entry.at(now), self.queue.listed(now), self.queue.aging,
+                                self.queue)
 
     def next_step(self, now: int | None = None) -> float | None:
         """Seconds from `now` until this turn's class rises a step (None: at the top, or no
@@ -165,27 +162,35 @@ class Queue:
             raise
         return Ticket(self, entry, fd)
 
-    def listed(self) -> list[Entry]:
-        """Every entry in the directory, its waiter alive or gone (no question asked yet)."""
+    def listed(self, now: int | None = None) -> list[Entry]:
+        """Every entry in the directory, its waiter alive or gone (no question asked yet), read at
+        now (CLOCK_MONOTONIC ns; default: now)."""
         if not self.open(create=False):
             return []
-        return [entry for entry in map(Entry.parse, os.listdir(self.dir_fd))
-                if entry is not None]
+        now = time.monotonic_ns() if now is None else now
+        return [entry for name in os.listdir(self.dir_fd)
+                if (entry := Entry.parse(name, now)) is not None]
 
     def first_alive(self, entries) -> Entry | None:
-        """The first of entries whose waiter still waits and is not stopped, each asked itself (a
-        non-blocking lock attempt on its file: never /proc/locks on a turn's path, PITFALLS 22);
-        the files of waiters found gone on the way are removed. A stopped waiter (kill -STOP,
-        ^Z) is passed over while it is stopped: its file, arrival and class stay, and it goes
-        next again once continued if it is still first (issue 31)."""
-        for entry in entries:
-            alive = self._alive(entry)
-            if alive:
-                if not proc.is_stopped(entry.pid):
-                    return entry
-            elif alive is not None:
-                self._remove(entry.name)
-        return None
+        """The first of entries whose waiter still waits and is not stopped (order.first_waiting,
+        asked of this queue)."""
+        return order.first_waiting(entries, self)
+
+    # -- the medium's answers to the order's rules (order.Entries) ---------------------------------
+    def waits(self, entry: Entry) -> bool:
+        """Does the entry's waiter still wait? Asked of the entry itself (a non-blocking lock
+        attempt on its file: never /proc/locks on a turn's path); the file of a waiter found gone
+        is removed on the way."""
+        alive = self._alive(entry)
+        if alive is False:
+            self._remove(entry.name)
+        return bool(alive)
+
+    def stopped(self, entry: Entry) -> bool:
+        return proc.is_stopped(entry.pid)   # every waiter is a process of this machine
+
+    def who(self, entry: Entry) -> dict:
+        return {**self._facts(entry.name), "pid": entry.pid}
 
     def live_for_status(self) -> list[Entry]:
         """The entries whose turn still waits, for `status`: /proc/locks read once, after the
@@ -238,32 +243,15 @@ class Queue:
             os.close(fd)
         return False
 
-    def queued_at_or_above(self, rank: int) -> bool:
-        """Does a live waiter of this class or higher (as it counts now) wait? Asked of the
-        entries themselves, until one answers (no barging: try_lock asks it of a free lane)."""
-        now = time.monotonic_ns()
-        return self.first_alive(entry for entry in self.listed()
-                                if effective(entry.rank, entry.arrival, now, self.aging) >= rank) \
-            is not None
+    def waiting_at_or_above(self, rank: int) -> bool:
+        """order.waiting_at_or_above over this queue (no barging)."""
+        return order.waiting_at_or_above(self.listed(), rank, self.aging, self)
 
     def describe(self, kernel: bool = True) -> list[dict]:
-        """The live entries in order, for `status`: position, class, effective class, pid,
-        session, waited (seconds). kernel=False: on a turn's path, each entry asked itself."""
-        now = time.monotonic_ns()
-        rows = []
+        """The live entries in order, for `status` (order.status_rows). kernel=False: on a
+        turn's path, each entry asked itself."""
         live = self.live_for_status() if kernel else self.live_asked()
-        for position, entry in enumerate(sorted(live, key=lambda entry: entry.key(now, self.aging)),
-                                         1):
-            facts = self._facts(entry.name)
-            rows.append({"position": position, "class": CLASSES[entry.rank],
-                         "effective_class": CLASSES[effective(entry.rank, entry.arrival, now,
-                                                              self.aging)],
-                         "pid": entry.pid, "session": facts.get("session"),
-                         "host": facts.get("hostname"),
-                         "waited": round((now - entry.arrival) / 1e9, 3),
-                         # a waiter stopped (^Z) keeps its place but is passed over meanwhile
-                         "stopped": proc.is_stopped(entry.pid)})
-        return rows
+        return order.status_rows(live, self.aging, self)
 
     def _facts(self, name: str) -> dict:
         try:

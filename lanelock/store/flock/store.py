@@ -173,17 +173,12 @@ class FlockStore(LaneStore):
     # under it) keeps the lane: we let go and say busy.
     def try_lock(self, handle: Handle, rank: int = DEFAULT_RANK) -> bool:
         for _ in range(order.AGAIN_TRIES):
-            ours = self._ours(handle, self._flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB))
+            ours = self.checked(handle, self.try_lane_lock(handle))
             if ours is not None:
                 break
         else:
-            raise self._keeps_being_replaced(handle)
-        # No barging: a free lane is not taken past a queued waiter of this class or higher
-        # (asked once the lock is ours: a busy lane, the usual case, never reads the queue).
-        if ours and self._waiters_first(handle, rank):
-            self._hand_on(handle)
-            return False
-        return ours and self._outlived_gone(handle)
+            raise self.keeps_being_replaced(handle)
+        return ours and order.keep_free_lane(FlockLine(self, handle), rank)
 
     # -- waiting in order (store/order.py walks it; line.py is this store's medium) ----------------
     def wait_lock(self, handle: Handle, timeout: float | None, cancel=None,
@@ -211,7 +206,8 @@ class FlockStore(LaneStore):
             raise
         return await order.wait_async(FlockLine(self, handle, ticket), timeout)
 
-    def _queue(self, handle: Handle) -> "queue.Queue | None":
+    def queue_of(self, handle: Handle) -> "queue.Queue | None":
+        """The lane's queue (None: the lane's directory is not open)."""
         if handle.queue is None and handle.dir_fd is not None and handle.dir_fd >= 0:
             handle.queue = queue.Queue(handle.dir_fd, handle.stem, self.aging)
         return handle.queue
@@ -219,7 +215,7 @@ class FlockStore(LaneStore):
     def _join(self, handle: Handle, rank: int):
         """This turn's place in the queue; None when the queue is broken (once said: the wait
         then takes the kernel's order, as before there was a queue)."""
-        found = self._queue(handle)
+        found = self.queue_of(handle)
         if found is None:
             return None
         try:
@@ -230,15 +226,18 @@ class FlockStore(LaneStore):
                 self._queue_broken(found, error)   # waits in the kernel's order unannounced
             return None
 
-    def _waiters_first(self, handle: Handle, rank: int) -> bool:
-        found = self._queue(handle)
+    def waiting_at_or_above(self, handle: Handle, rank: int) -> bool:
+        """Is a live waiter of this class or higher queued on the lane (handle: its lock held)?
+        A queue that cannot be read is said once and counts as empty; one whose waiters cannot be
+        asked (out of descriptors) lets the lane go and says why: never taken past them."""
+        found = self.queue_of(handle)
         if found is None:
             return False
         try:
-            return found.queued_at_or_above(rank)
+            return found.waiting_at_or_above(rank)
         except OSError as error:
             if crowded(error):   # who waits cannot be read: never take the lane past them
-                self._hand_on(handle)
+                self.hand_on(handle)
                 raise GateCrowded(f"cannot read the queue {self.path(found.name)}: "
                                   f"{error.strerror}") from None
             self._queue_broken(found, error)
@@ -250,21 +249,14 @@ class FlockStore(LaneStore):
             self.warn(f"queue {self.path(found.name)} unavailable "
                       f"({error.strerror or error}); waiting in the kernel's order")
 
-    def _hand_on(self, handle: Handle) -> None:
+    def hand_on(self, handle: Handle) -> None:
         """Holding the lane's lock but not first: let go at once for the one ahead."""
         fcntl.flock(handle.fd, fcntl.LOCK_UN)
         handle.locked = False
 
-    def _outlived_gone(self, handle: Handle) -> bool:
-        """The lane is ours: is the command of the turn before it (killed, outlived.py) gone?
-        If not, the lane is let go again (busy; a turn that waits, waits for it)."""
-        if handle.outlived is None:
-            return True
-        if not outlived.gone(handle.outlived, 0):
-            self._hand_on(handle)
-            return False
-        handle.outlived = None
-        return True
+    def try_lane_lock(self, handle: Handle) -> bool:
+        """One try of the lane's lock, never blocking (True: taken; check it with checked())."""
+        return self._flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
     def _flock(self, handle: Handle, operation: int) -> bool:
         if handle.fd is None:   # refused (a planted file): busy, as for a holder
@@ -273,15 +265,17 @@ class FlockStore(LaneStore):
             fcntl.flock(handle.fd, operation)
             return True
         except OSError as error:
-            return self._contended(handle, error)
+            return self.contended(handle, error)
 
-    def _contended(self, handle: Handle, error: OSError) -> bool:
+    def contended(self, handle: Handle, error: OSError) -> bool:
+        """A lock attempt's error: False when the lane is busy; else the gate is crowded or
+        unavailable (raised)."""
         if error.errno in CONTENDED:
             return False
         kind = GateCrowded if crowded(error) else GateUnavailable   # ENOLCK: the kernel's locks
         raise kind(f"flock failed on {self.path(handle.name)}: {error.strerror}") from None
 
-    def _ours(self, handle: Handle, got: bool) -> bool | None:
+    def checked(self, handle: Handle, got: bool) -> bool | None:
         """After a lock was tried: True (the lane is ours), False (busy), None (the file was
         replaced under it: the new one is open, lock again)."""
         if not got:
@@ -307,7 +301,7 @@ class FlockStore(LaneStore):
             raise GateUnavailable(f"cannot open {self.path(handle.name)}: {error.strerror}") from None
         return None
 
-    def _keeps_being_replaced(self, handle: Handle) -> GateUnavailable:
+    def keeps_being_replaced(self, handle: Handle) -> GateUnavailable:
         return GateUnavailable(f"lock file {self.path(handle.name)} keeps being replaced")
 
     def _current(self, handle: Handle) -> bool:

@@ -109,11 +109,11 @@ def open_local(flock, dsn: str, lane: str) -> Local | None:
 def ahead_here(local: Local, rank: int) -> bool:
     """Is a live turn of this host queued at this class or higher (a head or a waiter)? Then a
     try is busy, without connecting."""
-    found = local.flock._queue(local.handle)
+    found = local.flock.queue_of(local.handle)
     if found is None:
         return False
     try:
-        return found.queued_at_or_above(rank)
+        return found.waiting_at_or_above(rank)
     except OSError:
         return False   # the local queue cannot be read: the server decides alone
 
@@ -128,7 +128,7 @@ def place(local: Local, rank: int):
 
     if local.ticket is not None:
         return local.ticket
-    found = local.flock._queue(local.handle)
+    found = local.flock.queue_of(local.handle)
     if found is None:
         return None
     try:
@@ -189,7 +189,7 @@ def wait_first(local: Local, timeout: float | None, cancel, rank: int, before_bl
         if cancel is not None and cancel.is_set():
             local.wake.set()
         try:
-            line.behind(ahead, order._least(left, step, order.STOPPED_LOOK), cancel=local.wake)
+            line.behind(ahead, order.least(left, step, order.STOPPED_LOOK), cancel=local.wake)
         except order.QueueBroken:
             return True
         finally:
@@ -207,16 +207,16 @@ def cancel(local: Local) -> None:
 def someone_ahead(local: Local, rank: int) -> bool:
     """Does a live waiter of this host stand before this head in the local order (one listing,
     and a lock test only of the entries ahead)?"""
-    found = local.flock._queue(local.handle)
+    found = local.flock.queue_of(local.handle)
     ticket = local.ticket
     if found is None or ticket is None:
         return False
+    from .. import order
+
     now = time.monotonic_ns()
-    mine = ticket.entry.key(now, found.aging)
     try:
-        before = [entry for entry in found.listed()
-                  if entry.key(now, found.aging) < mine and entry.name != ticket.entry.name]
-        return found.first_alive(before) is not None
+        return order.just_ahead(ticket.entry.at(now), found.listed(now), found.aging,
+                                found) is not None
     except OSError:
         return False
 
@@ -311,9 +311,9 @@ def give_way(store, handle) -> None:
     """The lane came to a head that a turn of its host now stands before (it arrived as the
     lane was handed on): the lane is handed on in the server's order once that turn has joined
     the server's queue, and this one waits on its host again, with its arrival."""
-    await_next_head(handle.local, lambda: store._host_queued(handle))
+    await_next_head(handle.local, lambda: store.host_queued(handle))
     try:
-        store._unlock_lane(handle)   # the unlock wakes the server's queue
+        store.unlock_lane(handle)   # the unlock wakes the server's queue
     except Exception:  # noqa: BLE001 - the session gone takes the lock with it
         pass
     store.disconnect(handle)
@@ -378,7 +378,7 @@ def await_next_head(local: Local, joined) -> None:
 
 def _waiting_here(local: Local) -> bool:
     """Does a live turn of this host (another than this one) wait in its host's queue?"""
-    found = local.flock._queue(local.handle)
+    found = local.flock.queue_of(local.handle)
     own = local.ticket.entry.name if local.ticket is not None else None
     try:
         return found is not None and found.first_alive(
@@ -390,10 +390,9 @@ def _waiting_here(local: Local) -> bool:
 # -- status: the local queues under this root -------------------------------------------------
 def local_rows(root_path: str, dsn: str, lane: str, aging: float, heads=()) -> list[dict]:
     """The waiters of every host queue of this store lane under the root (this host's: a root
-    is one machine's), as store/flock/queue.py describes them -- but the heads (their entries'
+    is one machine's), in the order's status rows -- but the heads (their entries'
     names in heads): the server's queue lists those."""
-    from ...priority import CLASSES, effective
-    from ... import proc
+    from .. import order
     from ..flock.queue import Queue
 
     prefix = lane_prefix(dsn, lane)
@@ -402,24 +401,16 @@ def local_rows(root_path: str, dsn: str, lane: str, aging: float, heads=()) -> l
         root_fd = os.open(root_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return []
-    rows, now = [], time.monotonic_ns()
+    rows = []
     try:
         for name in names:
             if not (name.startswith(prefix) and name.endswith(".queue")):
                 continue
             queue = Queue(root_fd, name[:-len(".queue")], aging)
             try:
-                for entry in queue.live_for_status():
-                    if entry.name in heads:
-                        continue
-                    facts = queue._facts(entry.name)
-                    rows.append({"class": CLASSES[entry.rank],
-                                 "effective_class": CLASSES[effective(entry.rank, entry.arrival,
-                                                                      now, aging)],
-                                 "pid": entry.pid, "session": facts.get("session"),
-                                 "host": facts.get("hostname"),
-                                 "waited": round((now - entry.arrival) / 1e9, 3),
-                                 "stopped": proc.is_stopped(entry.pid)})
+                # positions are merged()'s, across the server's queue and these
+                rows.extend(order.status_rows([entry for entry in queue.live_for_status()
+                                               if entry.name not in heads], aging, queue))
             except OSError:
                 pass
             finally:

@@ -24,14 +24,17 @@ class PgLine(Line):
         if self.handle.cancelled:
             return False
         # the pooler check included; a cancel is a flag the wait looks at
-        return self.store._lock_lane(self.handle, timeout,
+        return self.store.lock_lane(self.handle, timeout,
                                      None if cancel is None else cancel.is_set)
 
     def checked(self, got: bool) -> bool:
         return got
 
     def hand_on(self) -> None:
-        self.store._unlock_lane(self.handle)
+        self.store.unlock_lane(self.handle)
+
+    def waiting_at_or_above(self, rank: int) -> bool:
+        return self.store.waiting_at_or_above(self.handle, rank)
 
     def sees_stop(self, entry) -> bool:
         return entry.here()   # a waiter of this host: its state can be read
@@ -52,19 +55,19 @@ class PgLine(Line):
         if self.handle.cancelled:
             return default
         try:
-            return self.store._queue_call(self.handle, function, *args)
+            return self.store.queue_call(self.handle, function, *args)
         except GateUnavailable as error:
             if self.handle.cancelled:
                 return default
             if ended(self.handle.conn):
                 raise   # the session is gone, not the queue: the wait connects again
-            self.store._queue_unusable(error)
+            self.store.queue_unusable(error)
             raise QueueBroken(str(error)) from None
 
     def leave(self) -> None:
         if self.ticket is None or self.handle.cancelled:
             return   # a cancelled session is closed with its ticket lock
         try:
-            self.store._queue_call(self.handle, pg_queue.leave, self.ticket, self.listening)
+            self.store.queue_call(self.handle, pg_queue.leave, self.ticket, self.listening)
         except GateUnavailable:
             pass   # the session is gone: its ticket lock with it

@@ -1,5 +1,5 @@
-"""Who goes next on a PostgreSQL lane: the order of store/flock/queue.py -- class, aging, arrival --
-kept by the server for every host's waiters (issue 26).
+"""The waiting turns of a PostgreSQL lane, kept by the server for every host's waiters; who goes next
+among them is store/order.py's (this module is the medium: the rows, and the waits on them).
 
 A waiting turn is a row of lanelock_queue (lane, a ticket from a sequence, class, the server's
 clock_timestamp() at arrival, who) and a session advisory lock on (QUEUE_NAMESPACE, ticket) that
@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 import os
 
-from ...priority import CLASSES, effective, next_step, order_key
+from ...priority import next_step
+from .. import order
 
 QUEUE_NAMESPACE = 0x4C4E5155   # "LNQU": never a lane's key (store/pg/store.py NAMESPACE)
 CHANNEL = "lanelock_queue"     # a waiter left (its ticket is the payload)
@@ -45,20 +46,17 @@ def key(ticket: int) -> tuple[int, int]:
 
 
 class Entry:
+    """One waiting turn's row, read at one statement_timestamp() (an order.Queued)."""
+
     __slots__ = ("ticket", "rank", "arrival", "waited", "facts")
 
     def __init__(self, ticket, rank, arrival, waited, facts):
         self.ticket, self.rank, self.arrival, self.waited = ticket, rank, arrival, waited
         self.facts = facts if isinstance(facts, dict) else {}
 
-    def stopped_here(self) -> bool:
-        """A waiter of this host stopped (kill -STOP, ^Z): passed over while it is stopped, as on
-        the flock store. Another host's cannot be seen: it is waited for, and `status` names it
-        and how long it has waited."""
-        from ...proc import is_stopped
-
-        pid = self.facts.get("pid")
-        return self.here() and isinstance(pid, int) and is_stopped(pid)
+    @property
+    def tiebreak(self) -> int:
+        return self.ticket
 
     def here(self) -> bool:
         """Is the waiter a process of this host (one whose state can be read)?"""
@@ -66,11 +64,28 @@ class Entry:
 
         return self.facts.get("hostname") == hostname()
 
-    def effective(self, aging: float) -> int:
-        return effective(self.rank, 0, int(self.waited * 1e9), aging)
 
-    def order(self, aging: float) -> tuple:
-        return order_key(self.rank, self.arrival, self.waited, aging, self.ticket)
+class _Rows:
+    """The server's rows as the order's rules ask about them (order.Entries): every row live()
+    returns still waits (its ticket lock is held); a waiter of this host can be seen stopped, and
+    another host's cannot (None: waited for, and `status` says it cannot tell)."""
+
+    def waits(self, entry: Entry) -> bool:
+        return True
+
+    def stopped(self, entry: Entry) -> bool | None:
+        from ...proc import is_stopped
+
+        if not entry.here():
+            return None
+        pid = entry.facts.get("pid")
+        return isinstance(pid, int) and is_stopped(pid)
+
+    def who(self, entry: Entry) -> dict:
+        return entry.facts
+
+
+ROWS = _Rows()
 
 
 def join(conn, lane: str, rank: int, facts: dict, waited: float = 0.0) -> int:
@@ -130,29 +145,18 @@ def ahead_and_step(conn, lane: str, ticket: int, aging: float) -> tuple:
     mine = next((entry for entry in entries if entry.ticket == ticket), None)
     if mine is None:
         return None, None
-    # A stopped waiter is passed over; it holds nothing in the server meanwhile (no waiter
-    # blocks there: until_taken), so nothing can be granted to it while it is stopped.
-    before = [entry for entry in entries
-              if entry.order(aging) < mine.order(aging) and not entry.stopped_here()]
-    ahead = max(before, key=lambda entry: entry.order(aging), default=None)
-    return ahead, next_step(mine.rank, mine.waited, aging)
+    # A stopped waiter holds nothing in the server (no waiter blocks there: until_taken), so
+    # nothing can be granted to it while the order passes it over.
+    return order.just_ahead(mine, entries, aging, ROWS), next_step(mine.rank, mine.waited, aging)
 
 
-def queued_at_or_above(conn, lane: str, rank: int, aging: float) -> bool:
-    return any(entry.effective(aging) >= rank and not entry.stopped_here()
-               for entry in live(conn, lane))
+def waiting_at_or_above(conn, lane: str, rank: int, aging: float) -> bool:
+    return order.waiting_at_or_above(live(conn, lane), rank, aging, ROWS)
 
 
 def describe(conn, lane: str, aging: float) -> list[dict]:
-    """The live entries in order, as store/flock/queue.py describes them for `status`."""
-    entries = sorted(live(conn, lane), key=lambda entry: entry.order(aging))
-    return [{"position": position, "class": CLASSES[entry.rank],
-             "effective_class": CLASSES[entry.effective(aging)], "pid": entry.facts.get("pid"),
-             "session": entry.facts.get("session"), "host": entry.facts.get("hostname"),
-             "waited": round(entry.waited, 3),
-             # another host's waiter cannot be seen stopped: None, "cannot tell", never "no"
-             "stopped": entry.stopped_here() if entry.here() else None}
-            for position, entry in enumerate(entries, 1)]
+    """The live entries in order, for `status` (order.status_rows)."""
+    return order.status_rows(live(conn, lane), aging, ROWS)
 
 
 def wait_behind(conn, entry: Entry, timeout: float | None, cancelled=None) -> None:

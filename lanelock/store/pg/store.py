@@ -243,23 +243,17 @@ class PgStore(LaneStore):
         self.connected(handle)
         if not self._try_lane(handle):
             return False
-        # No barging: a free lane is not taken past a queued waiter of this class or higher.
-        if self._queue_or(handle, False, pg_queue.queued_at_or_above, handle.lane, rank,
-                          self.aging):
-            self._unlock_lane(handle)
-            return False
-        return self._outlived_gone(handle, 0)
+        return order.keep_free_lane(PgLine(self, handle), rank)
 
-    def _outlived_gone(self, handle: PgHandle, timeout: float | None) -> bool:
-        """The lane is ours: is the command of a killed turn before it (outlived.py) gone, or
-        gone within timeout? If not, the lane is let go again (busy)."""
-        if handle.outlived is None:
-            return True
-        if not outlived.gone(handle.outlived, timeout):
-            self._unlock_lane(handle)
+    def waiting_at_or_above(self, handle: PgHandle, rank: int) -> bool:
+        """Is a live waiter of this class or higher in the lane's server queue? A queue that
+        cannot be read counts as empty (said once)."""
+        try:
+            return self.queue_call(handle, pg_queue.waiting_at_or_above, handle.lane, rank,
+                                   self.aging)
+        except GateUnavailable as error:
+            self.queue_unusable(error)
             return False
-        handle.outlived = None
-        return True
 
     def _try_lane(self, handle: PgHandle) -> bool:
         handle.claimed = None
@@ -279,10 +273,10 @@ class PgStore(LaneStore):
         down still have time to take it back (handle.claimed, and the lock let go)?"""
         if handle.claimed is None:
             return True
-        self._unlock_lane(handle)
+        self.unlock_lane(handle)
         return False
 
-    def _unlock_lane(self, handle: PgHandle) -> None:
+    def unlock_lane(self, handle: PgHandle) -> None:
         # The unlock and the wake-up of the lane's first waiter in one statement: one round trip,
         # and no moment when the lane is free with its waiter asleep (queue.until_taken).
         handle.held = False
@@ -341,31 +335,25 @@ class PgStore(LaneStore):
         """This turn's ticket; None when the queue cannot be used (said once: the wait then
         takes the server's order, as before there was a queue)."""
         try:
-            return self._queue_call(handle, pg_queue.join, handle.lane, rank,
+            return self.queue_call(handle, pg_queue.join, handle.lane, rank,
                                     {**(handle.asker or {}), "pid": os.getpid(),
                                      "backend": handle.backend_pid}, waited)
         except GateUnavailable as error:
             if handle.cancelled or ended(handle.conn):
                 raise   # the session is gone, not the queue (wait_lock connects again)
-            self._queue_unusable(error)
+            self.queue_unusable(error)
             return None
 
-    def _queue_or(self, handle: PgHandle, default, function, *args):
-        """A look at the queue that must not fail the turn: default when the queue cannot be
-        read (said once)."""
-        try:
-            return self._queue_call(handle, function, *args)
-        except GateUnavailable as error:
-            self._queue_unusable(error)
-            return default
-
-    def _queue_unusable(self, error) -> None:
-        """Said once per process: the waits then take the server's order, as before the queue."""
+    def queue_unusable(self, error) -> None:
+        """The queue cannot be used: said once per process; the waits then take the server's
+        order (the lane's own lock)."""
         if not PgStore._queue_warned:
             PgStore._queue_warned = True
             self.warn(f"lane store queue unavailable ({error}); waiting in the server's order")
 
-    def _queue_call(self, handle: PgHandle, function, *args):
+    def queue_call(self, handle: PgHandle, function, *args):
+        """function(the handle's connection, *args), connected first; a server error is
+        GateUnavailable."""
         psycopg = driver()
         self.connected(handle)
         try:
@@ -373,7 +361,7 @@ class PgStore(LaneStore):
         except psycopg.Error as error:
             raise GateUnavailable(f"lane store: {first_line(error)}") from None
 
-    def _lock_lane(self, handle: PgHandle, timeout: float | None, cancelled=None) -> bool:
+    def lock_lane(self, handle: PgHandle, timeout: float | None, cancelled=None) -> bool:
         """The lane's lock, within timeout (None: no bound); cancelled(): given up (besides
         cancel_wait)."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -492,12 +480,12 @@ class PgStore(LaneStore):
         if handle.held and local is not None:   # no gap for another host's later waiter
             from . import hostqueue
 
-            hostqueue.await_next_head(local, lambda: self._host_queued(handle))
+            hostqueue.await_next_head(local, lambda: self.host_queued(handle))
         # Only a lock this session holds: a turn that deflected or gave its wait up holds none,
         # and the server warns of every unlock of a lock not held ("you don't own a lock").
         if handle.held:
             try:
-                self._unlock_lane(handle)
+                self.unlock_lane(handle)
             except GateUnavailable:
                 pass   # the session is gone, and the lock with it
         # The count after the unlock, on the same connection: the next turn starts while this
@@ -511,11 +499,11 @@ class PgStore(LaneStore):
         if local is not None:
             local.close()
 
-    def _host_queued(self, handle: PgHandle) -> bool:
+    def host_queued(self, handle: PgHandle) -> bool:
         """Is a turn of this host in the lane's server queue (its head joined)?"""
         try:
             return any(entry.here() for entry in
-                       self._queue_call(handle, pg_queue.live, handle.lane))
+                       self.queue_call(handle, pg_queue.live, handle.lane))
         except GateUnavailable:
             return True   # nothing to wait for that can be seen
 
