@@ -10,20 +10,18 @@ for the busy lane.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, Server, read_line
+from conftest import read_line
+from support.proxy import Proxy, raw_request
 
 pytest.importorskip("aiohttp")
 
-LISTENING = r"proxy listening on http://127\.0\.0\.1:(\d+) for "
-
 # An engine that writes down each request (method, target) and answers 200 with a JSON body that
-# says it was the engine; HEAD too.
+# says it was the engine; HEAD too (support.proxy's Recorder answers GET and POST alone).
 RECORDER = r"""
 import json, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -74,31 +72,11 @@ class Recorder:
                 return seen
 
 
-def raw(port: int, method: str, target: str, body: bytes = b"{}") -> tuple[int, dict, bytes]:
-    """(status, lower-cased headers, body) of one request whose target goes out byte for byte
-    (http.client would quote it)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
-        sock.sendall(f"{method} {target} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                     f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-                     + body)
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    fields = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        fields[name.strip().lower()] = value.strip()
-    return int(lines[0].split()[1]), fields, rest
-
-
 @pytest.fixture
 def served(procs):
     engine = Recorder(procs)
-    # --no-witness: the engine sees the requests of the test alone
-    proxy = Server(procs, [*LANELOCK, "proxy", "--listen", "127.0.0.1:0", "-b", engine.backend,
-                           "--no-witness"], LISTENING)
+    # --no-witness: the engine sees the requests of the test and the proxy's own reads alone
+    proxy = Proxy(procs, engine.backend, "--no-witness")
     return engine, proxy
 
 
@@ -108,9 +86,9 @@ def test_the_proxys_own_endpoints_answer_only_their_own_spelling_and_method(serv
     engine, forwarded as they came -- the target judged is the raw one, not the path the router
     resolved."""
     engine, proxy = served
-    status, headers, body = raw(proxy.port, "GET", "/lanelock/status?n=0")
+    status, headers, body = raw_request(proxy.port, "GET", "/lanelock/status?n=0")
     assert status == 200 and "lanes" in json.loads(body) and "proxy" in json.loads(body)
-    status, headers, body = raw(proxy.port, "GET", "/metrics?n=0")
+    status, headers, body = raw_request(proxy.port, "GET", "/metrics?n=0")
     assert status == 200 and headers["content-type"].startswith("text/plain")
     assert b"lanelock_" in body
     for number, (method, path) in enumerate((
@@ -121,7 +99,7 @@ def test_the_proxys_own_endpoints_answer_only_their_own_spelling_and_method(serv
             ("HEAD", "/lanelock/status"), ("HEAD", "/metrics"), ("GET", "/lanelock/status/"),
             ("POST", "/lanelock/status"), ("POST", "/metrics")), 1):
         target = f"{path}?n={number}"
-        status, headers, body = raw(proxy.port, method, target)
+        status, headers, body = raw_request(proxy.port, method, target)
         assert status == 200, (method, target, status, body)
         if method != "HEAD":
             assert json.loads(body) == {"engine": True}, (method, target, body[:200])
@@ -137,16 +115,16 @@ def test_a_cheap_endpoints_name_spelled_otherwise_still_holds_the_lane(served, h
     written -- not cheap -- and answered busy without reaching the engine."""
     engine, proxy = served
     held = holder("-b", engine.backend, "-s", "holder")
-    status, headers, body = raw(proxy.port, "POST", "/tokenize?n=1")
+    status, headers, body = raw_request(proxy.port, "POST", "/tokenize?n=1")
     assert (status, json.loads(body)) == (200, {"engine": True})
     assert "x-lanelock-state" not in headers
     assert engine.next_request() == ["POST", "/tokenize?n=1"]
     for target in ("/./tokenize", "/%74okenize", "//tokenize", "/tokenize/", "/x/../tokenize",
                    "/tokenize%2F"):
-        status, headers, body = raw(proxy.port, "POST", target + "?n=2")
+        status, headers, body = raw_request(proxy.port, "POST", target + "?n=2")
         assert (headers.get("x-lanelock-state"), headers.get("x-lanelock-reason")) == \
             ("busy", "local_backend_busy"), (target, status, body)
     assert held.release() == 0
     # nothing of the busy ones reached the engine: the next it sees is this one
-    raw(proxy.port, "POST", "/tokenize?n=3")
+    raw_request(proxy.port, "POST", "/tokenize?n=3")
     assert engine.next_request() == ["POST", "/tokenize?n=3"]
