@@ -82,9 +82,9 @@ def served(procs):
 
 def test_the_proxys_own_endpoints_answer_only_their_own_spelling_and_method(served):
     """GET /lanelock/status and GET /metrics are the proxy's; another spelling of either (a dot
-    segment, a percent-encoding, a doubled slash, a trailing one) and another method are requests for the
-    engine, forwarded as they came -- the target judged is the raw one, not the path the router
-    resolved."""
+    segment, a percent-encoding, a doubled slash, a trailing one) and another method are
+    requests for the engine, forwarded as they came -- the target judged is the raw one, not
+    the path the router resolved."""
     engine, proxy = served
     status, headers, body = raw_request(proxy.port, "GET", "/lanelock/status?n=0")
     assert status == 200 and "lanes" in json.loads(body) and "proxy" in json.loads(body)
