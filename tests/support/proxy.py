@@ -1,8 +1,8 @@
 """What a test of `lanelock proxy` needs around the proxy: the proxy in its own process (Proxy),
 a recorder of what an upstream was sent (Recorder), a client speaking HTTP over a fresh connection
-(request, raw_request, open_stream, read_until, chat_body), and the lane as lanelock reports it (probe,
-history, lane_status, turn_state, lock_path). Every process is started through the procs fixture
-and synchronised on its startup line."""
+(request, raw_request, open_stream, read_until, chat_body), and the lane as lanelock reports it
+(probe, history, lane_status, turn_state, lock_path). Every process is started through the procs
+fixture and synchronised on its startup line."""
 
 from __future__ import annotations
 

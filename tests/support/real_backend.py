@@ -1,6 +1,7 @@
 """The real llama.cpp servers of the real tier (pytest -m real): scripts/real-backend starts them
 from its cache; without a build the tests skip, and fail under LANELOCK_REQUIRE_REAL=1 (CI sets it
-after building). Import the fixture by name: `from support.real_backend import servers  # noqa: F401`.
+after building). Import the fixture by name:
+`from support.real_backend import servers  # noqa: F401`.
 """
 
 from __future__ import annotations
