@@ -24,7 +24,7 @@ from .priority import CLASSES, class_named
 from .settings import Settings
 from .turn import nesting, stops
 from .turn.acquisition import Acquisition, describe_holder
-# The states and LOST_JOURNAL_WITHIN are the turn's; named here too, for `from lanelock.gate import`.
+# The states and LOST_JOURNAL_WITHIN are the turn's; named here too (`from lanelock.gate import`).
 from .turn.record import LOST_JOURNAL_WITHIN, TurnRecord  # noqa: F401
 from .turn.states import (CANCELLED, DEFLECTED, FAIL_OPEN, HELD, REASON_BUSY,  # noqa: F401
                           RELEASED, UNGATED)

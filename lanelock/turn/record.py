@@ -142,9 +142,10 @@ class TurnRecord:
 
     def deflected(self, handle, reason: str, who: dict, wait: float | None,
                   waited: float | None) -> None:
-        """The 'deflected' event (who: the holder, described). What history needs to tell a turn that timed out waiting from
-        one that never waited (wait: the seconds it asked for, None for ever; waited: None when
-        it did not block), and busy (nothing ran) from deflected."""
+        """The 'deflected' event (who: the holder, described). What history needs to tell a
+        turn that timed out waiting from one that never waited (wait: the seconds it asked for,
+        None for ever; waited: None when it did not block), and busy (nothing ran) from
+        deflected."""
         extra: dict = {"priority": self.priority}
         if waited is not None:
             extra.update(wait=wait, waited=round(waited, 6))
