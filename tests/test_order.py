@@ -147,7 +147,7 @@ def test_a_queue_that_breaks_while_a_turn_waits_never_lets_it_run_beside_the_hol
     assert "gate unavailable" not in behind.stderr.read()
 
 
-@pytest.mark.parametrize("kind", ["flock", "postgresql"])
+@pytest.mark.parametrize("kind", ["flock", "postgresql", "contract-ordered"])
 def test_a_stopped_waiter_is_passed_over_and_goes_next_once_continued(kind, tmp_path, backend,
                                                                      procs, request):
     """issue 31: kill -STOP (or ^Z) of the first waiter held every turn back -- those queued
@@ -160,12 +160,13 @@ def test_a_stopped_waiter_is_passed_over_and_goes_next_once_continued(kind, tmp_
     first, second = two_in_line(procs, store, backend)   # W2 waits on W1's entry
     os.kill(first.pid, signal.SIGSTOP)
     assert line(second)["look"] is None                 # W1 stopped: passed over (a timed look)
-    where_flag = ["--store", where] if kind == "postgresql" else ["--lock-dir", where]
-    metrics = subprocess.run([*LANELOCK, "metrics", "-b", backend, *where_flag],
-                             capture_output=True, text=True, timeout=TIMEOUT)
-    assert f'lanelock_lane_waiters_stopped{{lane="' in metrics.stdout, metrics.stderr
-    assert [line_ for line_ in metrics.stdout.splitlines()
-            if line_.startswith("lanelock_lane_waiters_stopped{")][0].endswith(" 1.0")
+    if kind != "contract-ordered":   # the CLI opens the flock and PostgreSQL stores only
+        where_flag = ["--store", where] if kind == "postgresql" else ["--lock-dir", where]
+        metrics = subprocess.run([*LANELOCK, "metrics", "-b", backend, *where_flag],
+                                 capture_output=True, text=True, timeout=TIMEOUT)
+        assert f'lanelock_lane_waiters_stopped{{lane="' in metrics.stdout, metrics.stderr
+        assert [line_ for line_ in metrics.stdout.splitlines()
+                if line_.startswith("lanelock_lane_waiters_stopped{")][0].endswith(" 1.0")
     let_go(holder)
     assert until_held(second)["state"] == "held"
     assert second.wait(TIMEOUT) == 0
@@ -175,3 +176,54 @@ def test_a_stopped_waiter_is_passed_over_and_goes_next_once_continued(kind, tmp_
     os.kill(first.pid, signal.SIGCONT)                  # its place kept: it goes next
     assert until_held(first)["state"] == "held"
     assert first.wait(TIMEOUT) == 0
+
+
+def plain_turn(procs, store, backend) -> dict:
+    """One turn that does not wait (a try), of the default class: its facts."""
+    plain = procs.start([sys.executable, STORE_DRIVER, *store, backend, "turn", "plain", "0"],
+                        stdout=subprocess.PIPE, text=True)
+    return json.loads(plain.communicate(timeout=TIMEOUT)[0])
+
+
+def test_a_free_lane_is_not_taken_past_a_queued_waiter(store, backend, procs):
+    """No barging, the same rule on every store: a waiter frozen between the look that makes it
+    first and its take (the lane free, its entry queued) keeps the lane from a turn of its class
+    that does not queue; once it walks on, it takes the lane."""
+    holder = holding(procs, store, backend)
+    first = procs.start([sys.executable, ORDER_DRIVER, *store, backend, "w1", "normal", "freeze"],
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        text=True)
+    assert line(first)["look"] is None   # first, and frozen before its take
+    let_go(holder)   # the lane free, the waiter still queued
+    tried = plain_turn(procs, store, backend)
+    assert tried["state"] != "held", tried
+    first.stdin.write("go\n")
+    first.stdin.flush()
+    assert until_held(first)["state"] == "held"
+    assert first.wait(TIMEOUT) == 0
+    assert plain_turn(procs, store, backend)["state"] == "held"
+
+
+def test_a_killed_turns_command_keeps_the_lane_until_it_ends(store, backend, procs):
+    """The same rule on every store: a turn killed (kill -9) while its command runs on in a
+    session of its own leaves the lane to no one until that command ends -- a try is busy, a
+    waiter waits for it and takes the lane the moment it is gone."""
+    killed = procs.start([sys.executable, STORE_DRIVER, *store, backend, "command", "killed"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    said = killed.stdout.readline().split()
+    assert said[0] == "held", said
+    command = int(said[2])
+    try:
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.wait(TIMEOUT)
+        tried = plain_turn(procs, store, backend)
+        assert tried["state"] != "held", tried
+        waiting = procs.start([sys.executable, STORE_DRIVER, *store, backend, "turn", "next",
+                               "60"], stdout=subprocess.PIPE, text=True)
+        os.kill(command, signal.SIGKILL)
+        assert json.loads(waiting.communicate(timeout=TIMEOUT)[0])["state"] == "held"
+    finally:
+        try:
+            os.kill(command, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

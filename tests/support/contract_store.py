@@ -16,8 +16,9 @@ import threading
 import time
 
 from lanelock.lanes import name_from_stem
-from lanelock.priority import effective, next_step, order_key
-from lanelock.store import counts, order
+from lanelock.priority import next_step
+from lanelock.proc import is_stopped
+from lanelock.store import counts, order, outlived
 from lanelock.store.base import LaneFacts, LaneStore, LockHandle
 
 FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
@@ -186,9 +187,11 @@ class ContractStore(LaneStore):
 
 # -- the same store keeping its waiters in order: a medium for store/order.py, not the policy ------
 class OrderedContractStore(ContractStore):
-    """ContractStore whose waiters queue: it gives store/order.py a medium (ContractLine) and asks
-    the order nothing else. A waiting turn is a file in LANE.queue/ named ARRIVAL.RANK.PID.RANDOM
-    (ARRIVAL: CLOCK_MONOTONIC ns), alive while its waiter holds an OFD lock on its first byte."""
+    """ContractStore whose waiters queue: it gives store/order.py a medium (ContractLine, and
+    QUEUE's answers about entries) and every rule of who goes next -- the order, the stopped
+    waiter passed over, no barging, a killed turn's command waited for -- comes from there. A
+    waiting turn is a file in LANE.queue/ named ARRIVAL.RANK.PID.RANDOM (ARRIVAL: CLOCK_MONOTONIC
+    ns), alive while its waiter holds an OFD lock on its first byte."""
 
     kind = "contract-ordered"
 
@@ -198,65 +201,56 @@ class OrderedContractStore(ContractStore):
             else aging
 
     def try_lock(self, handle: Handle, rank: int = 1) -> bool:
-        if not super().try_lock(handle):
-            return False
-        now = time.monotonic_ns()
-        if any(effective(rank_, arrival, now, self.aging) >= rank
-               for arrival, rank_, path in _entries(self._queue_dir(handle)) if _alive(path)):
-            _lock(handle.fd, handle.offset, fcntl.F_OFD_SETLK, fcntl.F_UNLCK)   # no barging
-            return False
-        return True
+        line = ContractLine(self, handle)
+        return line.checked(super().try_lock(handle)) and order.keep_free_lane(line, rank)
 
     def wait_lock(self, handle: Handle, timeout: float | None, cancel=None, rank: int = 1) -> bool:
-        return order.wait(ContractLine(self, handle, rank), timeout, cancel)
+        return order.wait(ContractLine(self, handle, _join(self._queue_dir(handle), rank)),
+                          timeout, cancel)
 
     def _queue_dir(self, handle: Handle) -> str:
         return os.path.join(self.root, f"{handle.offset}.queue")
 
 
-class ContractLine(order.Line):
-    def __init__(self, store: OrderedContractStore, handle: Handle, rank: int):
-        self.rank = rank
-        folder = store._queue_dir(handle)
-        os.makedirs(folder, exist_ok=True)
-        self.arrival = time.monotonic_ns()
-        name = f"{self.arrival:020d}.{rank}.{os.getpid()}.{os.urandom(4).hex()}"
-        self.path = os.path.join(folder, name)
-        self.fd = os.open(os.path.join(folder, "." + name), FLAGS, 0o666)
-        _lock(self.fd, 0, fcntl.F_OFD_SETLK)   # locked before it appears
-        os.rename(os.path.join(folder, "." + name), self.path)
-        super().__init__(store, handle, ticket=self.path)
+class Entry:
+    """One entry file, read at one moment (an order.Queued)."""
 
-    def look(self, cancel=None) -> tuple:
-        now, aging = time.monotonic_ns(), self.store.aging
+    __slots__ = ("path", "arrival", "rank", "pid", "waited")
 
-        def key(arrival, rank, path):
-            return order_key(rank, arrival, (now - arrival) / 1e9, aging, path)
+    def __init__(self, path: str, arrival: int, rank: int, pid: int, now: int):
+        self.path, self.arrival, self.rank, self.pid = path, arrival, rank, pid
+        self.waited = (now - arrival) / 1e9
 
-        mine = key(self.arrival, self.rank, self.path)
-        before = sorted((entry for entry in _entries(os.path.dirname(self.path))
-                         if key(*entry) < mine), key=lambda entry: key(*entry), reverse=True)
-        ahead = next((entry for entry in before if _alive(entry[2])), None)
-        return ahead, next_step(self.rank, (now - self.arrival) / 1e9, aging)
+    @property
+    def tiebreak(self) -> str:
+        return self.path
 
-    def lock(self, timeout: float | None, cancel=None) -> bool:
-        if timeout is not None and timeout <= 0:
-            return ContractStore.try_lock(self.store, self.handle)
-        return ContractStore.wait_lock(self.store, self.handle, timeout, cancel)
 
-    def checked(self, got: bool) -> bool:
-        return got
+class _Queue:
+    """What the order asks about entries (order.Entries): every waiter is a process of this
+    machine, alive while it holds its entry's byte."""
 
-    def hand_on(self) -> None:
-        _lock(self.handle.fd, self.handle.offset, fcntl.F_OFD_SETLK, fcntl.F_UNLCK)
+    def waits(self, entry: Entry) -> bool:
+        return _alive(entry.path)
 
-    def behind(self, entry, timeout: float | None, cancel=None) -> None:
-        try:   # until its waiter lets go (or dies)
-            fd = _wait_byte(entry[2], 0, fcntl.F_RDLCK, timeout, cancel, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return   # it left as we looked: look again
-        if fd is not None:
-            os.close(fd)
+    def stopped(self, entry: Entry) -> bool:
+        return is_stopped(entry.pid)
+
+    def who(self, entry: Entry) -> dict:
+        return {"pid": entry.pid}
+
+
+QUEUE = _Queue()
+
+
+class Ticket:
+    """This turn's entry, locked until leave()."""
+
+    def __init__(self, path: str, fd: int, arrival: int, rank: int):
+        self.path, self.fd, self.arrival, self.rank = path, fd, arrival, rank
+
+    def at(self, now: int) -> Entry:
+        return Entry(self.path, self.arrival, self.rank, os.getpid(), now)
 
     def leave(self) -> None:
         if self.fd is not None:
@@ -265,8 +259,67 @@ class ContractLine(order.Line):
             self.fd = None
 
 
-def _entries(folder: str) -> list[tuple]:
-    """(arrival, rank, path) of every entry file, its waiter alive or gone."""
+def _join(folder: str, rank: int) -> Ticket:
+    os.makedirs(folder, exist_ok=True)
+    arrival = time.monotonic_ns()
+    name = f"{arrival:020d}.{rank}.{os.getpid()}.{os.urandom(4).hex()}"
+    fd = os.open(os.path.join(folder, "." + name), FLAGS, 0o666)
+    _lock(fd, 0, fcntl.F_OFD_SETLK)   # locked before it appears
+    os.rename(os.path.join(folder, "." + name), os.path.join(folder, name))
+    return Ticket(os.path.join(folder, name), fd, arrival, rank)
+
+
+class ContractLine(order.Line):
+    def look(self, cancel=None) -> tuple:
+        now, aging = time.monotonic_ns(), self.store.aging
+        mine = self.ticket.at(now)
+        return (order.just_ahead(mine, _entries(os.path.dirname(mine.path), now), aging, QUEUE),
+                next_step(mine.rank, mine.waited, aging))
+
+    def lock(self, timeout: float | None, cancel=None) -> bool:
+        if timeout is not None and timeout <= 0:
+            return ContractStore.try_lock(self.store, self.handle)
+        return ContractStore.wait_lock(self.store, self.handle, timeout, cancel)
+
+    def checked(self, got: bool) -> bool:
+        """The lane's byte taken: a killed turn's command still running is the walk's to wait
+        for (the holder record names it)."""
+        if got:
+            try:
+                with open(self.store._file(self.handle.lane.stem, "holder")) as file:
+                    record = json.load(file)
+            except (OSError, ValueError):
+                record = None
+            self.outlived = outlived.running_command(record if isinstance(record, dict) else None)
+        return got
+
+    def hand_on(self) -> None:
+        _lock(self.handle.fd, self.handle.offset, fcntl.F_OFD_SETLK, fcntl.F_UNLCK)
+
+    def waiting_at_or_above(self, rank: int) -> bool:
+        return order.waiting_at_or_above(_entries(self.store._queue_dir(self.handle),
+                                                  time.monotonic_ns()),
+                                         rank, self.store.aging, QUEUE)
+
+    def sees_stop(self, entry) -> bool:
+        return True
+
+    def behind(self, entry, timeout: float | None, cancel=None) -> None:
+        try:   # until its waiter lets go (or dies)
+            fd = _wait_byte(entry.path, 0, fcntl.F_RDLCK, timeout, cancel,
+                            os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return   # it left as we looked: look again
+        if fd is not None:
+            os.close(fd)
+
+    def leave(self) -> None:
+        if self.ticket is not None:
+            self.ticket.leave()
+
+
+def _entries(folder: str, now: int) -> list[Entry]:
+    """Every entry file, its waiter alive or gone, read at now."""
     try:
         names = os.listdir(folder)
     except FileNotFoundError:
@@ -274,8 +327,9 @@ def _entries(folder: str) -> list[tuple]:
     found = []
     for name in names:
         parts = name.split(".")
-        if len(parts) == 4 and parts[0].isdigit() and parts[1].isdigit():
-            found.append((int(parts[0]), int(parts[1]), os.path.join(folder, name)))
+        if len(parts) == 4 and all(part.isdigit() for part in parts[:3]):
+            found.append(Entry(os.path.join(folder, name), int(parts[0]), int(parts[1]),
+                               int(parts[2]), now))
     return found
 
 

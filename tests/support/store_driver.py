@@ -5,6 +5,9 @@
     store_driver.py KIND WHERE BACKEND turn SESSION WAIT    one turn; print its facts as JSON
     store_driver.py KIND WHERE BACKEND handover SESSION     hold, then print the JSON of a child
                                                         given turn.env and of one that was not
+    store_driver.py KIND WHERE BACKEND command SESSION  hold, run `sleep 600` as the turn's command
+                                                        (a session of its own), print "held PID
+                                                        COMMAND-PID", then wait to be killed
 
 KIND: flock (WHERE: the lock root), postgresql (WHERE: the store URL), contract or
 contract-ordered (WHERE: the directory of tests/support/contract_store.py's store, without or with
@@ -53,6 +56,13 @@ def main(kind: str, where: str, backend: str, action: str, session: str, *rest: 
         assert turn.held, turn.state
         if action == "hold":
             print(f"held {os.getpid()}", flush=True)
+            sys.stdin.readline()
+            return 0
+        if action == "command":
+            command = subprocess.Popen(["sleep", "600"], env={**os.environ, **turn.env},
+                                       start_new_session=True)
+            turn.command_started(command.pid)
+            print(f"held {os.getpid()} {command.pid}", flush=True)
             sys.stdin.readline()
             return 0
         ask = [sys.executable, __file__, kind, where, backend, "turn", f"{session}-child", "0"]
