@@ -15,6 +15,7 @@ import stat
 from ... import locks, proc
 from . import sidecar
 from ..base import LaneFacts
+from ..record_facts import read_record
 
 
 def lane_stems(root: str) -> list[str]:
@@ -71,12 +72,11 @@ def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0,
     if record is None:
         return found
     pid = sidecar.field(record, "pid", int)
-    ticks = sidecar.field(record, "start_ticks", int)
-    now_ticks = proc.start_ticks(pid) if pid is not None else None
-    found.alive = now_ticks is not None and now_ticks == ticks
-    found.reused = now_ticks is not None and ticks is not None and now_ticks != ticks
     kernel_pids = [holder["pid"] for holder in found.holders]
     found.matches = pid is not None and (not kernel_pids or pid in kernel_pids)
+    # the lock root is this machine's: every record's process is of this machine
+    read_record(found, record, True,
+                lambda command: sidecar.turns_command(command, found.lock_path, record))
     inode = sidecar.field(record, "lock_inode", int)
     if "released_at" not in record and inode is not None and inode != st.st_ino:
         # A live holder still locking the old inode is two gates; a dead one is a stale record.
@@ -87,17 +87,6 @@ def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0,
         else:
             found.store_stale = (f"it was written for lock inode {inode}, the file here is inode "
                                  f"{st.st_ino}")
-    if not found.alive:   # free, or held by the next turn while it waits for the command
-        from ..outlived import running_command
-
-        command = running_command(record)
-        if command is not None and sidecar.turns_command(command, found.lock_path, record):
-            found.ending, found.ending_pgid = command.named, command.pgid
-            found.ending_pids = command.members
-    if found.held and found.matches and pid is not None:
-        from ...holder import stopped
-
-        found.stopped = stopped(pid, record)
     return found
 
 

@@ -671,7 +671,7 @@ class PgStore(LaneStore):
 
     def _facts(self, conn, lane: str) -> LaneFacts:
         from ...facts import hostname
-        from ...proc import start_ticks
+        from ..record_facts import read_record
 
         key = lane_key(lane)
         facts = LaneFacts(lane, self.locator(lane))
@@ -707,22 +707,8 @@ class PgStore(LaneStore):
         facts.matches = facts.held and record.get("backend_pid") == facts.holders[0]["pid"]
         if not facts.matches and facts.held:
             facts.store_stale = "the holder row describes an earlier turn"
-        pid = record.get("pid")
-        if record.get("hostname") == hostname() and isinstance(pid, int):
-            ticks = start_ticks(pid)
-            facts.alive = ticks is not None and ticks == record.get("start_ticks")
-            facts.reused = ticks is not None and ticks != record.get("start_ticks")
-        else:
-            facts.alive = False   # its session is gone (the lock is free): the turn has ended
-        if not facts.alive:   # a killed turn's command may still run here (outlived.py)
-            command = outlived.running_command(record)
-            if command is not None:
-                facts.ending, facts.ending_pgid = command.named, command.pgid
-                facts.ending_pids = command.members
-        if facts.matches and record.get("hostname") == hostname() and isinstance(pid, int):
-            from ...holder import stopped
-
-            facts.stopped = stopped(pid, record)
+        # another host's turn is alive while its session holds the lane: not alive here
+        read_record(facts, record, record.get("hostname") == hostname())
         return facts
 
     def event_handle(self, lane, again: bool = False) -> PgHandle | None:
