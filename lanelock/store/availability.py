@@ -1,6 +1,5 @@
 """Can a turn take this lane's gate? The question `probe`, `status` and `metrics` answer before
-they say "free" (issue 23: a root no turn could lock was reported "free" while every turn there
-ran ungated).
+they say "free": a root no turn can lock is not free, every turn there runs ungated.
 
 The answer is the turn's own first step, without creating or locking anything: open the lane's
 lock as a turn opens it (store.open: what exists must open -- a trusted root, no symlink, a

@@ -257,8 +257,9 @@ class LaneStore(ABC):
         """(a turn holds the lane now: True, False or None when the store cannot tell; seconds
         since the last turn released it, or None), for a witness that asks several times a
         second. A store whose survey() costs others something overrides it with something
-        cheaper (the flock store never reads /proc/locks here, PITFALLS 22). Raises
-        GateUnavailable when the store cannot be read. Default: survey()."""
+        cheaper (the flock store never reads /proc/locks here: each read stalls every flock()
+        on the machine). Raises GateUnavailable when the store cannot be read. Default:
+        survey()."""
         from ..holder import released_ago
 
         facts = self.survey(lane, handle)[0]

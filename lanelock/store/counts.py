@@ -8,7 +8,7 @@ of the lane (never on the hand-off path), under a flock of this file's own: conc
 agree (or take the shared lock), so they never see half an update. Mode 0666, like the journal:
 every user's turns count.
 
-Never reset silently (issue 23): a file that cannot be read whole -- not JSON, not the counts'
+Never reset silently: a file that cannot be read whole -- not JSON, not the counts'
 shape, a count that is no count, a directory or symlink in its place -- is never written over (that
 would start every counter again at the next turn). A turn that cannot add its count says so once
 and goes on; a reader keeps what parses, marks what does not as unknown (None: left out of the
@@ -27,7 +27,7 @@ from ..priority import CLASSES
 from .shared_file import open_shared
 
 OUTCOMES = ("local", "waited", "deflected", "busy", "ungated", "fail_open")
-# The histograms: hold and wait times, and the waits of each class (issue 26).
+# The histograms: hold and wait times, and the waits of each class.
 HISTOGRAMS = ("hold", "wait") + tuple(f"wait_{klass}" for klass in CLASSES)
 # What a witness (witness.py) saw of the engine: generations no turn covered, and the time a turn
 # held the lane while the engine computed nothing. Counters, like the turns.

@@ -62,8 +62,8 @@ class Entry:
 
 # This process's live tickets, by file name -> what to call when each leaves. A waiter whose
 # turn comes after another turn of this same process waits for it here, not in the kernel: the
-# kernel wait costs a thread per file (store/flock/waiting.py), and a proxy's 200 waiting requests
-# would be 200 threads (issue 24); this costs none.
+# kernel wait costs a thread per file (store/flock/waiting.py), a thread for each of a proxy's
+# waiting requests; this costs none.
 _MINE: dict[str, list] = {}
 _GUARD = _thread.allocate_lock()
 

@@ -177,11 +177,12 @@ def _unlink(name: str, dir_fd: int) -> None:
 # -- what a record says is believed only where the kernel agrees --------------------------------
 # Anyone may write the record (MODE), so it names processes, it proves nothing: a forged record
 # naming pid 1 as the holder, or as a killed turn's command still running, must deflect no one
-# and blame no one. Each name is checked in /proc, cheaply and without /proc/locks (PITFALLS
-# 22): a holder by its open files, a command by the environment its wrapper gave it. Both are
-# readable for processes of our own user (and by root); another user's holder is believed when it
-# is a lanelock process of the uid the record names (holds), another user's command when it is in
-# the process group lanelock made for it, under that uid (turns_command).
+# and blame no one. Each name is checked in /proc, cheaply and without /proc/locks (each read
+# stalls every flock() on the machine): a holder by its open files, a command by the environment
+# its wrapper gave it. Both are readable for processes of our own user (and by root); another
+# user's holder is believed when it is a lanelock process of the uid the record names (holds),
+# another user's command when it is in the process group lanelock made for it, under that uid
+# (turns_command).
 def opens_lock(pid: int, st: os.stat_result, inode: int | None = None) -> bool | None:
     """Has pid the lock file open (st's device; st's inode, or `inode`)? None: cannot tell
     (another user's process)."""
@@ -207,7 +208,7 @@ def holds(pid: int, st: os.stat_result, record: dict) -> bool:
     """Is the record's live pid believed to hold the lock file st? When it has the file open;
     for another user's process, whose open files we may not see, when it is a lanelock process
     of the uid the record names -- never pid 1 or any other process a forger picks, and no
-    /proc/locks read on a turn's path (PITFALLS 22)."""
+    /proc/locks read on a turn's path."""
     seen = opens_lock(pid, st)
     if seen is not None:
         return seen

@@ -1,4 +1,4 @@
-"""A lane split in two: its lock file removed (or replaced) while a turn held it (PITFALLS 28).
+"""A lane split in two: its lock file removed (or replaced) while a turn held it.
 
 The holder's lock stays on the old inode, and the next turn creates and locks a new file: two
 gates. Whoever owns a lock file can remove it (the first user of a lane, in a sticky root), and

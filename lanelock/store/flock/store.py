@@ -214,7 +214,7 @@ class FlockStore(LaneStore):
 
     def _join(self, handle: Handle, rank: int):
         """This turn's place in the queue; None when the queue is broken (once said: the wait
-        then takes the kernel's order, as before there was a queue)."""
+        then takes the kernel's order, the lane's own lock alone)."""
         found = self.queue_of(handle)
         if found is None:
             return None

@@ -30,7 +30,7 @@ def lane_stems(root: str) -> list[str]:
 def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0,
           kernel: bool = True) -> LaneFacts:
     """kernel=False: asked on a turn's own path (a deflection naming its holder, a hand-over
-    check), where /proc/locks must not be read (PITFALLS 22: each cold read stalls every flock()
+    check), where /proc/locks must not be read (each cold read stalls every flock()
     on the machine, the hand-off under way included). The holder is then the record's, when the
     record is a live turn's on this very lock file (only a holder writes it, while it holds); the
     kernel is asked only when no record says so (a flock(1) holder, a record of another file)."""
@@ -114,8 +114,8 @@ def _live_turn(record: dict) -> int | None:
 
 def holding(sidecar_path: str) -> tuple:
     """(held, seconds since the release) from the holder record and the holder's /proc/PID/stat
-    alone: never /proc/locks, whose every read stalls every flock() on the machine (PITFALLS
-    22), so a witness can ask several times a second. A record not released whose process lives
+    alone: never /proc/locks, whose every read stalls every flock() on the machine, so a
+    witness can ask several times a second. A record not released whose process lives
     (same start time) holds; so does the command of a killed turn that still runs. A holder that
     writes no record (a plain flock(1)) is not seen here: a witness asks survey() before it calls
     a generation unseen."""

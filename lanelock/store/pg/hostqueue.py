@@ -95,7 +95,7 @@ def flock_store(root, aging: float):
 
 def open_local(flock, dsn: str, lane: str) -> Local | None:
     """This turn's handle on its host lane; None when the lock root cannot be used (the turn then
-    waits with a connection of its own, as before host lanes)."""
+    waits in the server with a connection of its own)."""
     from ...errors import GateUnavailable
 
     stem = host_stem(dsn, lane)

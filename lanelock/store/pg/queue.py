@@ -1,5 +1,5 @@
-"""The waiting turns of a PostgreSQL lane, kept by the server for every host's waiters; who goes next
-among them is store/order.py's (this module is the medium: the rows, and the waits on them).
+"""The waiting turns of a PostgreSQL lane, kept by the server for every host's waiters; who goes
+next among them is store/order.py's (this module is the medium: the rows, and the waits on them).
 
 A waiting turn is a row of lanelock_queue (lane, a ticket from a sequence, class, the server's
 clock_timestamp() at arrival, who) and a session advisory lock on (QUEUE_NAMESPACE, ticket) that
@@ -137,10 +137,7 @@ def live(conn, lane: str) -> list[Entry]:
 def ahead_and_step(conn, lane: str, ticket: int, aging: float) -> tuple:
     """(the live entry just ahead of this ticket's, or None when it is first; seconds until this
     ticket's class rises a step, or None), both from ONE reading: one query, in which every
-    row's wait is measured from the one statement_timestamp() (PITFALLS 24). Asked in two
-    queries, a step taken between them left a waiter waiting with no timeout on an entry by
-    then behind it, while that entry waited on it: the server's deadlock detector ended one of
-    the waits, and its turn failed open beside the holder."""
+    row's wait is measured from the one statement_timestamp() (store/order.py says why one)."""
     entries = live(conn, lane)
     mine = next((entry for entry in entries if entry.ticket == ticket), None)
     if mine is None:

@@ -3,10 +3,10 @@ tables, set up once per database without racing.
 
 - The server's keepalives, not only libpq's: libpq's parameters let the *client* notice a dead
   link; the *server* keeps the session -- and the advisory lock -- until its own socket gives up,
-  hours with the defaults (PITFALLS 12). tcp_keepalives_idle/interval/count and tcp_user_timeout
+  hours with the defaults. tcp_keepalives_idle/interval/count and tcp_user_timeout
   are set per session through the connection's options.
 - Concurrent CREATE TABLE IF NOT EXISTS is not safe (a unique violation on
-  pg_type_typname_nsp_index, PITFALLS 13): the first turns on a fresh database serialise the setup
+  pg_type_typname_nsp_index): the first turns on a fresh database serialise the setup
   behind a transaction-level advisory lock, and once the tables exist nobody takes it. A column
   added later (the holders' generation) is added the same way: a database made by an earlier
   lanelock upgrades under that lock at its first turn, and once it has the column nobody takes it.
@@ -45,7 +45,7 @@ CREATE TABLE IF NOT EXISTS lanelock_queue (
     arrival timestamptz NOT NULL DEFAULT clock_timestamp(), facts jsonb NOT NULL);
 CREATE INDEX IF NOT EXISTS lanelock_queue_lane ON lanelock_queue (lane);
 """
-# A connection refused for load, not for absence (PITFALLS 27): 53300 too_many_connections
+# A connection refused for load, not for absence: 53300 too_many_connections
 # ("sorry, too many clients already", "remaining connection slots are reserved ...", "too many
 # connections for role"), 53400 configuration_limit_exceeded, and pgbouncer's "no more
 # connections allowed". libpq gives a refused connection no SQLSTATE, only the server's words,

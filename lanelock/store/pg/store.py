@@ -12,7 +12,7 @@ collision between two lanes is reported, never silent.
 
 A vanished holder host: the server holds the lock until its own socket gives up, so every lanelock
 session sets the server's keepalives (session.py): the lane frees within about 11 s of the
-host's disappearance (PITFALLS 12).
+host's disappearance.
 
 A restart is an outage, not a release: every session ends with it, the holder's and the waiters'.
 The holder's row (updated before the server started) is its claim: a taker that gets the lock
@@ -333,7 +333,7 @@ class PgStore(LaneStore):
 
     def _join(self, handle: PgHandle, rank: int, waited: float = 0.0) -> int | None:
         """This turn's ticket; None when the queue cannot be used (said once: the wait then
-        takes the server's order, as before there was a queue)."""
+        takes the server's order, the lane's own lock alone)."""
         try:
             return self.queue_call(handle, pg_queue.join, handle.lane, rank,
                                     {**(handle.asker or {}), "pid": os.getpid(),
