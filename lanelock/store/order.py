@@ -75,8 +75,9 @@ AGAIN_TRIES = 3
 # pass it over once it stops -- the walk's one timed look.
 STOPPED_LOOK = 1.0
 
-# For tests only: called with (ahead, step) after every look, in the waiting process. A test puts
-# an aging step between the look and the wait with it (tests/test_order.py); None in the product.
+# A hook point: when set, called with (ahead, step) after every look of a walk in this process,
+# before the wait that look decides -- whatever it does there (report, pause) happens between the
+# two, and the walk must still hold (no wait past its own step). None: no call.
 after_look = None
 
 
