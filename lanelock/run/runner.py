@@ -96,7 +96,7 @@ class Starter:
         self.pid: int | None = None
         self.started = False
         self._go = self._status = -1
-        self.mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())   # the command's signal mask
+        self.mask = command_mask()   # the command's signal mask
         # An inherited SIGCHLD=SIG_IGN would make the kernel reap the child behind our back.
         self.old_chld = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         self.terminal: Terminal | None = None
@@ -217,6 +217,27 @@ class Unforked:
 
     def __exit__(self, kind, value, traceback) -> None:
         pass
+
+
+_STARTED_WITH: list = []   # the signal mask this process had before hold_sigchld()
+
+
+def hold_sigchld() -> None:
+    """Block SIGCHLD in this process from now on, before the turn starts any thread: a thread
+    inherits its creator's mask, and one that does not block SIGCHLD can be handed the command's
+    (the kernel gives a process's signal to any thread that does not block it, whenever the
+    waiting thread is not in sigwaitinfo at that moment) -- its action being to ignore it, it is
+    lost, and run() waits for ever. The commands still start with the mask of before
+    (command_mask)."""
+    if not _STARTED_WITH:
+        _STARTED_WITH.append(signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD}))
+
+
+def command_mask() -> set:
+    """The signal mask a command starts with: this process's, as it was before hold_sigchld()."""
+    if _STARTED_WITH:
+        return set(_STARTED_WITH[0])
+    return signal.pthread_sigmask(signal.SIG_BLOCK, ())
 
 
 def run(starter: Starter, changes: dict[str, str | None], *, kill_after: float | None = None,

@@ -75,6 +75,7 @@ def run_turn(gate: Gate, argv: list[str], options: Options, say: Say) -> int:
     except OSError as error:   # too few descriptors to start any child: the command, a fallback
         say.error(f"cannot start {argv[0]}: {_resources(error)}; nothing ran")
         return exitcodes.RESOURCES
+    runner.hold_sigchld()   # before the turn starts a thread; the parked child has its mask
     with parked:
         turn = gate.turn(session=options.session, model=options.model, argv=argv,
                          wait=options.wait, command_pid=parked.pid,
