@@ -1,11 +1,12 @@
 """`lanelock history`: the lane's night at a glance, from its journal.
 
-Turns are the journal's `acquired` (local) and `deflected` events; a local turn that follows a
-deflection is marked as the way back. A deflected event is a turn sent away: "deflected" when a
+Turns are the journal's `acquired` (local) and `deflected` events; a local turn whose own session
+was deflected since its last local turn is marked as the way back. A deflected event is a turn sent away: "deflected" when a
 fallback ran, "busy" when nothing did (its `outcome`, or a later `settled` event naming it: the
 metrics' outcomes, told apart the same way); one with `waited` timed out waiting (--wait). An old
 journal's deflection, which says neither, reads as deflected. The timeline divides each hour into
-60 one-minute cells: local (held), deflected, busy, or idle.
+60 one-minute cells, each what most of that minute's turns were: local (held), deflected, busy
+(a tie goes to the one sent away), or idle; unseen outranks them all.
 
 A local turn ends with its `released` event. One without (its holder was kill -9'd, or still runs)
 is judged by its holder: still running is "holding", gone is "died". One whose store session
@@ -90,13 +91,23 @@ def outcome(event: dict) -> str:
 
 
 def _mark_way_back(events: list[dict]) -> None:
-    deflected_since_local = False
+    """A local turn is the way back when its own session was sent away since that session's last
+    local turn: another session's deflection says nothing of this one (a chat turn that never
+    left the engine is not "back")."""
+    deflected_since_local: set = set()
     for event in events:
+        session = _session(event)
         if event["event"] == "deflected":
-            deflected_since_local = True
+            deflected_since_local.add(session)
         elif event["event"] == "acquired":
-            event["way_back"] = deflected_since_local
-            deflected_since_local = False
+            event["way_back"] = session in deflected_since_local
+            deflected_since_local.discard(session)
+
+
+def _session(event: dict):
+    """The session a turn belongs to, hashable whatever the journal line holds."""
+    session = event.get("session")
+    return session if isinstance(session, (str, int, float)) else None
 
 
 def _mark_endings(events: list[dict], now: float) -> None:
@@ -238,15 +249,16 @@ def timeline(events: list[dict]) -> list[tuple[str, list[str]]]:
     last_hour = int(events[-1]["ts"] // 3600) * 3600
     rows = []
     for hour in range(first_hour, last_hour + 3600, 3600):
-        cells = [IDLE] * 60
-        _mark(cells, hour, [(start, end) for start, end, _ in spans], LOCAL)
+        # Turns per minute and kind: a local turn counts in every minute it held the lane, a
+        # deflection in the minute it was sent away.
+        counts = [{LOCAL: 0, DEFLECTED: 0, BUSY: 0} for _ in range(60)]
+        for start, end, _ in spans:
+            for minute in _minutes(hour, start, end):
+                counts[minute][LOCAL] += 1
         for event in events:
             if event["event"] == "deflected" and hour <= event["ts"] < hour + 3600:
-                # A deflection happens while someone holds the lane, so it outranks "local";
-                # a busy one (nothing ran) outranks one that reached a fallback.
-                cell = int((event["ts"] - hour) // 60)
-                if cells[cell] != BUSY:
-                    cells[cell] = outcome(event)
+                counts[int((event["ts"] - hour) // 60)][outcome(event)] += 1
+        cells = [_most(count) for count in counts]
         _mark(cells, hour, unseen, UNSEEN)   # what nobody gated outranks all the gate did
         label = time.strftime("%Y-%m-%d %H:00 %Z", time.localtime(hour))
         rows.append((label, cells))
@@ -255,13 +267,28 @@ def timeline(events: list[dict]) -> list[tuple[str, list[str]]]:
     return rows
 
 
+def _most(count: dict) -> str:
+    """What most of a minute's turns were; a tie goes to the turn sent away (a deflection
+    happens while someone holds the lane, and is what a reader looks for), busy before
+    deflected (nothing ran). No turn: idle."""
+    best = max(count.values())
+    if not best:
+        return IDLE
+    return next(kind for kind in (BUSY, DEFLECTED, LOCAL) if count[kind] == best)
+
+
+def _minutes(hour: float, start: float, end: float) -> range:
+    """The minute cells of the hour a (start, end) span touches."""
+    first = max(0, int((start - hour) // 60))
+    last = min(59, int((end - hour) // 60))
+    return range(first, last + 1) if start < hour + 3600 and end >= hour else range(0)
+
+
 def _mark(cells: list[str], hour: float, spans, kind: str) -> None:
     """Every minute cell of the hour that a (start, end) span touches becomes kind."""
     for start, end in spans:
-        for minute in range(60):
-            cell_start = hour + minute * 60
-            if start < cell_start + 60 and end >= cell_start:
-                cells[minute] = kind
+        for minute in _minutes(hour, start, end):
+            cells[minute] = kind
 
 
 def describe(event: dict) -> str:

@@ -290,6 +290,9 @@ def watch(fetch, interval: float = 0.5, *, as_json: bool = False, notes=(),
 
 CELL = {"local": ("█", "green"), "deflected": ("▒", "yellow"), "busy": ("x", "red"),
         "idle": ("·", "dim"), "unseen": ("!", "bold red")}
+# The piped timeline's cells: ASCII, so a pipe into grep, a log or a mail keeps the bars whatever
+# the reader's encoding (and an ASCII-only stdout never fails on them).
+PLAIN_CELL = {"local": "#", "deflected": "~", "busy": "x", "idle": ".", "unseen": "!"}
 
 
 HISTORY_COLUMNS = (("time", 27), ("event", 9), ("class", 11), ("session", 24), ("pid", 8),
@@ -318,6 +321,11 @@ def history(data: dict, lane: str, as_json: bool, rows: list) -> None:
         for line in lines:
             sys.stdout.write("  ".join(f"{cell:<{width}}" for cell, (_, width) in
                                        zip(line, HISTORY_COLUMNS)).rstrip() + "\n")
+        for label, cells in rows:
+            sys.stdout.write(f"{sanitize(label, 40)}  {''.join(PLAIN_CELL[c] for c in cells)}\n")
+        if rows:
+            sys.stdout.write("           # local  ~ deflected  x busy  . idle  ! unseen (one cell "
+                             "per minute: what most of its turns were)\n")
     else:
         from rich.markup import escape
         from rich.table import Table
@@ -333,7 +341,7 @@ def history(data: dict, lane: str, as_json: bool, rows: list) -> None:
             console.print(f"{label}  {bar}")
         if rows:
             console.print("           █ local  ▒ deflected  x busy  · idle  ! unseen (one cell "
-                          "per minute)")
+                          "per minute: what most of its turns were)")
     if data["unreadable_lines"]:
         warn(f"{data['unreadable_lines']} journal line(s) could not be read and were skipped")
     timed_out = summary["timed_out"]
