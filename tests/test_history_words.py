@@ -38,7 +38,10 @@ def test_piped_history_draws_the_timeline_in_plain_ascii(lanelock, holder):
     assert "x" in "".join(hours)   # the busy turn's minute (1 local, 1 sent away: a tie)
     legend = [line for line in done.stdout.splitlines() if "one cell per minute" in line]
     assert len(legend) == 1 and "# local" in legend[0] and "~ deflected" in legend[0]
-    assert done.stdout.splitlines()[-1].startswith("turns 2 ")   # the summary stays last
+    # README: `lanelock history | tail -3` is the last hour's bar, its legend and the summary.
+    last_three = done.stdout.splitlines()[-3:]
+    assert TIMELINE.match(last_three[0]) and last_three[1] == legend[0], done.stdout
+    assert last_three[2].startswith("turns 2 "), done.stdout
     # The label is the hour the journal's turn began in, in local time as every time shown.
     first = history_json(lanelock)["events"][0]["ts"]
     label = time.strftime("%Y-%m-%d %H:00 %Z", time.localtime(first))
