@@ -402,8 +402,9 @@ def watch(backend, lock_dir, model, key_by, store, engine, interval, quiet):
               help="Send a URL fallback with no key of its own the client's credentials "
                    "(Authorization, Cookie, X-Api-Key, api-key); by default they never leave "
                    "the box.")
-@setting_option("wait")
-@setting_option("priority")
+@setting_option("proxy_wait")
+@setting_option("proxy_max_wait")
+@setting_option("proxy_priority")
 @click.option("--max-priority", type=click.Choice(list(SPELLED), case_sensitive=False),
               default="interactive", show_default=True,
               help="The highest class a request's X-Lanelock-Priority header may claim.")
@@ -434,7 +435,8 @@ def watch(backend, lock_dir, model, key_by, store, engine, interval, quiet):
 @click.option("--quiet", "-q", is_flag=True, help="No notes or warnings from lanelock.")
 @click.option("--verbose", "-v", is_flag=True, help="One line per request.")
 def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fallback_timeout,
-          fallback_pass_auth, wait, priority, max_priority, proxy_linger, proxy_session_header,
+          fallback_pass_auth, proxy_wait, proxy_max_wait, proxy_priority, max_priority,
+          proxy_linger, proxy_session_header,
           token_env, store, lock_dir, no_witness, engine, witness_interval, max_connections, header_timeout,
           idle_timeout, quiet, verbose):
     """Serve the lane to HTTP clients: a loopback proxy that holds the lane per generation request.
@@ -458,7 +460,8 @@ def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fa
 
     say = Say(quiet)
     settings = Settings({"backend": backend, "store": store, "lock_dir": lock_dir or None,
-                         "wait": wait, "priority": priority, "proxy_listen": proxy_listen,
+                         "proxy_wait": proxy_wait, "proxy_max_wait": proxy_max_wait,
+                         "proxy_priority": proxy_priority, "proxy_listen": proxy_listen,
                          "proxy_linger": proxy_linger,
                          "proxy_session_header": proxy_session_header})
     gate = strict_gate(None, None, None, None, settings=settings, warn=say.warn)
@@ -466,9 +469,14 @@ def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fa
         entries = [parse_fallback(text) for text in fallbacks]
     except ValueError as error:
         raise click.UsageError(str(error)) from None
-    wait_value = settings.get("wait")
+
+    def seconds(name):   # None: for ever (a bare --wait, --max-wait)
+        value = settings.get(name)
+        return None if value == float("inf") else float(value or 0)
+
     options = ProxyOptions(fallbacks=entries, fallback_model=list(fallback_model) or None,
-                           wait=None if wait_value == float("inf") else float(wait_value or 0),
+                           wait=seconds("proxy_wait"), max_wait=seconds("proxy_max_wait"),
+                           priority=settings.get("proxy_priority"),
                            linger=float(settings.get("proxy_linger")),
                            session_header=settings.get("proxy_session_header"),
                            cheap_paths=settings.get("proxy_cheap_paths"), quiet=quiet,

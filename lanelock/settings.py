@@ -187,6 +187,10 @@ def _class_read(value):
     return class_named(value) or value   # a class in any case; anything else stays, to be refused
 
 DEFAULT_LISTEN = "127.0.0.1:8089"
+# A minute: long enough for a client that can wait (a cron job, a batch) to outlast one
+# typical local generation, short enough that no header pins a connection and a lane's queue
+# for much longer than an SDK's own patience; raise it with --max-wait.
+DEFAULT_PROXY_MAX_WAIT = 60
 DEFAULT_GRACE = 0.05   # seconds: long enough to ride out a probe, short enough to be invisible
 JOURNAL_MAX_BYTES = 1 << 20
 
@@ -246,6 +250,21 @@ TABLE = (
     # lanelock proxy
     Setting("proxy_listen", flags=("--listen",), default=DEFAULT_LISTEN, check=_listen,
             metavar="HOST:PORT", help="Where the proxy listens (loopback unless --token-env)."),
+    # The proxy's own wait and class: `run`'s wait and priority are one command's choice, and a
+    # proxy serves many clients (a chat client should go straight to the cloud, a cron one wait).
+    Setting("proxy_wait", flags=("--wait", "-w"), kind="optional-seconds", default=0,
+            check=_seconds, read=_seconds_read, metavar="[SECONDS]",
+            help="How long a request that sends no X-Lanelock-Wait waits for the lane, then falls "
+                 "back; a bare --wait waits for ever."),
+    Setting("proxy_max_wait", flags=("--max-wait",), kind="optional-seconds",
+            default=DEFAULT_PROXY_MAX_WAIT, check=_seconds, read=_seconds_read,
+            metavar="[SECONDS]",
+            help="The longest X-Lanelock-Wait a request may ask (never less than --wait); a bare "
+                 "--max-wait: no limit."),
+    Setting("proxy_priority", flags=("--priority",), kind="priority", default=DEFAULT_CLASS,
+            check=_class, read=_class_read, metavar="CLASS",
+            help="The class of a request that sends no X-Lanelock-Priority: interactive, normal "
+                 "or batch."),
     Setting("proxy_linger", flags=("--linger",), kind="seconds", default=0, check=_seconds,
             read=_seconds_read, metavar="SECONDS",
             help="Keep the lane this long after a request for the same session's next one."),

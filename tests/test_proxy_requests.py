@@ -195,18 +195,19 @@ def test_a_malformed_class_or_wait_header_is_a_400_naming_it(procs, lanelock):
     head, _, body = curled.stdout.partition("\n\n")   # text mode: CRLF reads as \n
     assert head.startswith("HTTP/1.1 400") and json.loads(body) == {
         "error": "X-Lanelock-Wait: '5 seconds' is not a number of seconds, 0 or more ('inf': "
-                 "as long as the proxy's --wait allows)"}
+                 "as long as the proxy's --max-wait allows)"}
     assert engine.stats()["total"] == 0 and history(lanelock, engine.backend) == []
 
 
 def test_every_gated_answer_says_the_class_and_wait_it_applied_and_the_caps(procs, holder):
-    """Under --wait 2 and --max-priority normal: a wait of 10 is 2, interactive is normal, and
-    each answer -- held, busy, deflected -- says so; without the headers, the proxy's own."""
+    """Under --max-wait 2 and --max-priority normal: a wait of 10 is 2, interactive is normal,
+    and each answer -- held, busy, deflected -- says so; without the headers, the proxy's own
+    (--wait 1, --priority batch)."""
     engine = Engine(procs, delay=0.01)
     cloud = Engine(procs, delay=0.01, name="cloud")
-    proxy = Proxy(procs, engine.backend, "--wait", "2", "--max-priority", "normal",
-                  "--priority", "batch")
-    deflecting = Proxy(procs, engine.backend, "--fallback", cloud.url + "/v1")
+    proxy = Proxy(procs, engine.backend, "--wait", "1", "--max-wait", "2", "--max-priority",
+                  "normal", "--priority", "batch")
+    deflecting = Proxy(procs, engine.backend, "--fallback", cloud.url + "/v1", "--max-wait", "0")
     asked = {"X-Lanelock-Wait": "10", "X-Lanelock-Priority": "Interactive"}
 
     def told(headers) -> tuple:
@@ -217,7 +218,7 @@ def test_every_gated_answer_says_the_class_and_wait_it_applied_and_the_caps(proc
     status, headers, _ = request(proxy.port, "POST", CHAT, chat_body(), asked)
     assert (status, *told(headers)) == (200, "held", "normal", "2", "normal", "2")
     status, headers, _ = request(proxy.port, "POST", CHAT, chat_body())
-    assert (status, *told(headers)) == (200, "held", "batch", "2", "normal", "2")
+    assert (status, *told(headers)) == (200, "held", "batch", "1", "normal", "2")
     busy = holder("-b", engine.backend)
     status, headers, _ = request(proxy.port, "POST", CHAT, chat_body(),
                                  {"X-Lanelock-Wait": "0.2", "X-Lanelock-Priority": "batch"})

@@ -27,6 +27,7 @@ from ..duration import backoff
 from ..gate import CANCELLED, DEFLECTED, FAIL_OPEN, HELD, REASON_BUSY, UNGATED, Gate
 from ..handover import HEADER
 from ..holder import words as holder_words
+from ..priority import DEFAULT_CLASS
 from . import class_and_wait, dialects
 from .fallbacks import REASON_DOWN, Chain, Why
 from .listener import HEADER_TIMEOUT, IDLE_TIMEOUT, MAX_CONNECTIONS
@@ -46,6 +47,7 @@ from .traffic import PROXIED, InFlight
 FENCE = "X-Lanelock-Fence"
 BUSY = "busy"
 GONE = "client_gone"   # the reason of an abandoned wait: the client hung up
+DEFAULT_PROXY_MAX_WAIT = 60.0   # the settings' proxy_max_wait default, for the API
 # An answer a retry cannot change (the client holds the lane itself; it sent a malformed header):
 # the OpenAI and Anthropic SDKs obey this instead of retrying on their own.
 NO_RETRY = {"x-should-retry": "false"}
@@ -55,6 +57,7 @@ UPSTREAM = web.AppKey("lanelock_upstream", ClientSession)
 
 class ProxyOptions:
     def __init__(self, *, fallbacks=(), fallback_model=None, fallback_key=None, wait=0.0,
+                 max_wait=DEFAULT_PROXY_MAX_WAIT, priority=DEFAULT_CLASS,
                  linger=0.0, session_header="X-Lanelock-Session", token=None, cheap_paths=None,
                  quiet=False, verbose=False, max_body=32 << 20, fallback_timeout=60.0,
                  max_priority="interactive", witness=None, fallback_pass_auth=False,
@@ -71,7 +74,12 @@ class ProxyOptions:
         # seconds an idle keep-alive connection is kept.
         self.max_connections = max_connections
         self.header_timeout, self.idle_timeout = header_timeout, idle_timeout
+        # wait: seconds a request that asks none waits (None: for ever); max_wait: the cap on
+        # what one asks, never below wait (class_and_wait.cap_of); priority: the class of one
+        # that names none.
         self.wait, self.linger = wait, linger
+        self.max_wait = class_and_wait.cap_of(wait, max_wait)
+        self.priority = priority
         self.session_header, self.token = session_header, token
         self.routes = Routes(cheap_paths)
         self.quiet, self.verbose = quiet, verbose
@@ -167,8 +175,9 @@ class Proxy:
         dialect = proxied.dialect = dialects.of(proxied.path)
         try:
             asked = proxied.asked = class_and_wait.read(
-                request.headers, default_priority=self.gate.priority,
-                max_priority=self.options.max_priority, max_wait=self.options.wait)
+                request.headers, default_priority=self.options.priority,
+                max_priority=self.options.max_priority, default_wait=self.options.wait,
+                max_wait=self.options.max_wait)
         except class_and_wait.Malformed as error:
             return self._refused(dialect, error)
         applied = asked.headers()
@@ -266,7 +275,7 @@ class Proxy:
         before the lane is asked (the caps said, so the client sees what it may ask)."""
         body = dialects.error_answer(dialect, 400, "invalid_lanelock_header", str(error),
                                      error.header)
-        caps = class_and_wait.caps(self.options.max_priority, self.options.wait)
+        caps = class_and_wait.caps(self.options.max_priority, self.options.max_wait)
         return _answer(400, body, {**caps, **NO_RETRY})
 
     # -- the turn's end ------------------------------------------------------------------------
@@ -337,8 +346,10 @@ class Proxy:
         self.say.note(why.sentence((f"every fallback failed ({said})" if failed else
                                     f"no fallback for {proxied.method} {proxied.path[:200]}")
                                    + f": {dialect.busy_status}"))
+        capped = "".join(f"; {sentence}" for sentence in proxied.asked.capped)
         status, payload = dialects.busy_answer(dialect, why.reason,
-                                               why.words + (f"; {failed}" if failed else ""))
+                                               why.words + (f"; {failed}" if failed else "")
+                                               + capped)
         retry = 1 if turn.crowded else await self.retry_after.seconds(turn.holder, turn.priority)
         return _answer(status, payload, {STATE: BUSY, REASON: why.reason, **applied,
                                          "Retry-After": str(retry)})

@@ -1,0 +1,89 @@
+"""What a new user met at the proxy: its wait is a default, not a cap (--wait for requests that do
+not ask, --max-wait for those that do), a capped header is said in the answer's body, and the
+proxy reads its own settings (proxy_wait, proxy_max_wait, proxy_priority), never `run`'s."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from conftest import is_waiting, wait_for
+from support.engine import Engine
+from support.proxy import CHAT, Proxy, chat_body, lock_path, request
+
+pytest.importorskip("aiohttp")
+
+
+def told(headers) -> tuple:
+    return tuple(headers.get(name) for name in ("X-Lanelock-State", "X-Lanelock-Priority",
+                                                "X-Lanelock-Wait", "X-Lanelock-Max-Wait"))
+
+
+def test_a_client_may_ask_to_wait_under_the_default_max_wait(procs, holder, lock_dir):
+    """A proxy started with no --wait: a request that asks nothing is answered busy at once (wait
+    0), and a cron client's X-Lanelock-Wait: 30 waits -- the default --max-wait (60) allows it --
+    and is answered by the engine once the holder lets go."""
+    engine = Engine(procs, delay=0.01)
+    proxy = Proxy(procs, engine.backend, "--no-witness")
+    busy = holder("-b", engine.backend, "-s", "chat")
+    status, headers, _ = request(proxy.port, "POST", CHAT, chat_body())
+    assert (status, *told(headers)) == (503, "busy", "normal", "0", "60")
+    answers = []
+    cron = threading.Thread(target=lambda: answers.append(
+        request(proxy.port, "POST", CHAT, chat_body(), {"X-Lanelock-Wait": "30"})))
+    cron.start()
+    try:
+        lock = lock_path(lock_dir, engine)
+        wait_for(lambda: is_waiting(lock, proxy.proc.pid), "the cron request waiting for the lane")
+    finally:
+        assert busy.release() == 0
+        cron.join(60)
+    ((status, headers, _),) = answers
+    assert (status, *told(headers)) == (200, "held", "normal", "30", "60")
+
+
+def test_a_capped_wait_is_said_in_the_busy_answers_body(procs, holder):
+    """--max-wait 0.2: a request asking 30 s waits 0.2 s, and the 503's body (what an SDK shows
+    its user) says the header was capped and by what, not only a response header."""
+    engine = Engine(procs, delay=0.01)
+    proxy = Proxy(procs, engine.backend, "--no-witness", "--max-wait", "0.2",
+                  "--max-priority", "normal")
+    busy = holder("-b", engine.backend)
+    status, headers, body = request(proxy.port, "POST", CHAT, chat_body(),
+                                    {"X-Lanelock-Wait": "30", "X-Lanelock-Priority": "interactive"})
+    assert (status, *told(headers)) == (503, "busy", "normal", "0.2", "0.2")
+    message = json.loads(body)["error"]["message"]
+    assert "X-Lanelock-Wait: 30 was capped to 0.2 s (the proxy's --max-wait)" in message, message
+    assert "X-Lanelock-Priority: interactive was capped to normal" in message, message
+    assert busy.release() == 0
+
+
+def test_the_default_wait_is_within_the_cap_it_raises(procs, holder):
+    """--wait 0.3 with --max-wait 0.1: the proxy's own default is never refused by its own cap
+    (the cap in force is 0.3), and a header may ask that much."""
+    engine = Engine(procs, delay=0.01)
+    proxy = Proxy(procs, engine.backend, "--no-witness", "--wait", "0.3", "--max-wait", "0.1")
+    busy = holder("-b", engine.backend)
+    status, headers, _ = request(proxy.port, "POST", CHAT, chat_body())
+    assert (status, *told(headers)) == (503, "busy", "normal", "0.3", "0.3")
+    assert busy.release() == 0
+
+
+def test_the_proxy_reads_its_own_settings_not_runs(procs, holder, config_files):
+    """The user config's `wait` and `priority` are `run`'s: the proxy does not take them as its
+    defaults; proxy_wait, proxy_max_wait and proxy_priority are the proxy's."""
+    _, user = config_files
+    user.write_text('wait = 3\npriority = "batch"\n')
+    engine = Engine(procs, delay=0.01)
+    busy = holder("-b", engine.backend)
+    plain = Proxy(procs, engine.backend, "--no-witness")
+    status, headers, _ = request(plain.port, "POST", CHAT, chat_body())
+    assert (status, *told(headers)) == (503, "busy", "normal", "0", "60")
+    user.write_text('wait = 3\npriority = "batch"\nproxy_wait = 0.2\nproxy_max_wait = 0.5\n'
+                    'proxy_priority = "interactive"\n')
+    configured = Proxy(procs, engine.backend, "--no-witness")
+    status, headers, _ = request(configured.port, "POST", CHAT, chat_body())
+    assert (status, *told(headers)) == (503, "busy", "interactive", "0.2", "0.5")
+    assert busy.release() == 0
