@@ -230,6 +230,7 @@ def wait(store, handle, timeout: float | None, cancel, rank: int) -> bool:
     local = handle.local
     local.handle.asker = handle.asker   # who waits, for the host queue's entry (`status`)
     deadline = None if timeout is None else time.monotonic() + timeout
+    _load_driver_meanwhile()
     while True:
         # a waiter that is not its host's first holds no connection
         if not wait_first(local, _left(deadline), cancel, rank,
@@ -339,6 +340,27 @@ class _Either:
                 return False
             time.sleep(0.05 if left is None else min(0.05, left))
         return True
+
+
+def _load_driver_meanwhile() -> None:
+    """psycopg costs about 140 ms of CPU to import: a waiter loads it while it waits here, so it
+    connects at once when it comes first -- inside a queue of short turns that import was the
+    whole hand-off. (A thread: the wait must not be joined late for it.)"""
+    import sys
+
+    if "psycopg" in sys.modules:
+        return
+
+    def load() -> None:
+        from ...errors import GateUnavailable
+        from .session import driver
+
+        try:
+            driver()
+        except GateUnavailable:
+            pass   # no driver: said when the turn connects
+
+    threading.Thread(target=load, name="lanelock-driver", daemon=True).start()
 
 
 class _AsideWatch(threading.Thread):
