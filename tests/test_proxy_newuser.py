@@ -1,17 +1,22 @@
 """What a new user met at the proxy: its wait is a default, not a cap (--wait for requests that do
 not ask, --max-wait for those that do), a capped header is said in the answer's body, and the
-proxy reads its own settings (proxy_wait, proxy_max_wait, proxy_priority), never `run`'s."""
+proxy reads its own settings (proxy_wait, proxy_max_wait, proxy_priority), never `run`'s; a
+request that names no session is named after its client process, so two agents are two
+sessions."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
 
-from conftest import is_waiting, wait_for
+from conftest import TIMEOUT, is_waiting, wait_for
 from support.engine import Engine
-from support.proxy import CHAT, Proxy, chat_body, lock_path, request
+from support.proxy import CHAT, Proxy, chat_body, history, lock_path, request
 
 pytest.importorskip("aiohttp")
 
@@ -87,3 +92,50 @@ def test_the_proxy_reads_its_own_settings_not_runs(procs, holder, config_files):
     status, headers, _ = request(configured.port, "POST", CHAT, chat_body())
     assert (status, *told(headers)) == (503, "busy", "interactive", "0.2", "0.5")
     assert busy.release() == 0
+
+
+# An agent: a process of its own that sends one chat request naming no session (no header, no
+# `user` field), then prints its pid, the status and the state the proxy answered.
+AGENT = """
+import http.client, json, os, sys
+conn = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=60)
+conn.request("POST", "/v1/chat/completions", sys.argv[2], {"Content-Type": "application/json"})
+answer = conn.getresponse()
+answer.read()
+print(json.dumps([os.getpid(), answer.status, answer.headers.get("X-Lanelock-State")]))
+"""
+
+
+def agent(port, env=None) -> tuple:
+    done = subprocess.run([sys.executable, "-c", AGENT, str(port), chat_body().decode()],
+                          capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**os.environ, **(env or {})})
+    assert done.returncode == 0, done.stderr
+    return tuple(json.loads(done.stdout))
+
+
+def test_two_agents_that_name_no_session_are_two_sessions(procs, lanelock):
+    """Two agent processes on loopback that send no session: each is named user@NAME/PID after
+    its process, so the first one's --linger keeps the lane from the second (busy, 503) -- they
+    were both "127.0.0.1", one session, and the second took the lane inside the first's linger."""
+    engine = Engine(procs, delay=0.01)
+    proxy = Proxy(procs, engine.backend, "--no-witness", "--linger", "60")
+    first, status, state = agent(proxy.port)
+    assert (status, state) == (200, "held")
+    second, status, state = agent(proxy.port)
+    assert (status, state) == (503, "busy")
+    sessions = [event.get("session") for event in history(lanelock, engine.backend)]
+    assert any(session and session.endswith(f"/{first}") and "@" in session
+               for session in sessions), sessions
+    assert any(session and session.endswith(f"/{second}") for session in sessions), sessions
+
+
+def test_a_client_inside_a_turn_is_named_by_its_session(procs, lanelock):
+    """A client whose environment carries a lanelock session (a turn's command is handed
+    LANELOCK_SESSION) is that session at the proxy too."""
+    engine = Engine(procs, delay=0.01)
+    proxy = Proxy(procs, engine.backend, "--no-witness")
+    _, status, state = agent(proxy.port, env={"LANELOCK_SESSION": "nightly-digest"})
+    assert (status, state) == (200, "held")
+    sessions = [event.get("session") for event in history(lanelock, engine.backend)]
+    assert "nightly-digest" in sessions, sessions

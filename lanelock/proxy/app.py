@@ -181,11 +181,12 @@ class Proxy:
         except class_and_wait.Malformed as error:
             return self._refused(dialect, error)
         applied = asked.headers()
-        session = proxied.session = request.headers.get(self.options.session_header) or \
-            dialect.session_of(proxied.fields) or proxied.remote
+        client = ClientProcess(request, self.gate.lock_path)
+        session = proxied.session = (
+            request.headers.get(self.options.session_header) or dialect.session_of(proxied.fields)
+            or await _client_session(client) or proxied.remote)
         model = proxied.model = dialect.model_of(proxied.fields)
         reused = self.linger.take(session)
-        client = ClientProcess(request, self.gate.lock_path)
         path = proxied.path[:200]
 
         def new_turn(wait):
@@ -415,6 +416,16 @@ def _per_kind(value) -> dict:
         else:
             result[None] = item
     return result
+
+
+async def _client_session(client) -> str | None:
+    """The session of the client's process (client_process.py), off the event loop; None when
+    no thread can be had (out of descriptors, even to import the pool: the gate then says
+    crowded) -- the request is named by its address."""
+    try:
+        return await asyncio.to_thread(client.session)
+    except (OSError, RuntimeError):
+        return None
 
 
 async def _take(turn, new_turn, wait: float | None):

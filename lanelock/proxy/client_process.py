@@ -7,6 +7,13 @@ address is the request's peer and whose remote address is the proxy's; /proc/net
 its inode, and the process holding socket:[inode] among its descriptors is the client. Both files
 list this network namespace's sockets, which is where a loopback client lives.
 
+A request that names no session (no session header, no `user` field) is named after its client
+process (session()): the LANELOCK_SESSION of its environment when it runs inside a turn (a turn
+hands its command its session with its tokens, gate.py), else user@NAME/PID -- so two agents on
+one machine are two sessions (linger keeps the lane for one, not for both; status, history and -v
+tell them apart). That lookup is made for every such request; a client that is not on loopback,
+or cannot be found, is named by its address.
+
 Where the client cannot be read -- another user's process, for a proxy that is not root -- no
 owner is found and the request is outside every turn. A request that sent turn.headers is judged
 by those tokens, and may come from the holder itself (handover.py).
@@ -26,7 +33,7 @@ class ClientProcess:
     lane): the gate's askers (handover.py), with the tokens the request sent in turn.headers'
     header if it sent any, else those of the process's environment."""
 
-    __slots__ = ("peer", "local", "sent", "lock_path", "pids")
+    __slots__ = ("peer", "local", "sent", "lock_path", "pids", "_looked")
 
     def __init__(self, request, lock_path: str):
         transport = request.transport
@@ -34,7 +41,24 @@ class ClientProcess:
         self.local = transport.get_extra_info("sockname") if transport is not None else None
         self.sent = request.headers.get(HEADER)
         self.lock_path = lock_path
-        self.pids: list[int] = []   # found by askers(), when the gate asked
+        self.pids: list[int] = []   # found by session() or askers(), whichever came first
+        self._looked = False
+
+    def _owners(self) -> list[int]:
+        if not self._looked:
+            self.pids, self._looked = owners(self.peer, self.local), True
+        return self.pids
+
+    def session(self) -> str | None:
+        """The session of a loopback client's process (module doc), None when there is none to
+        find (not loopback, gone, unreadable)."""
+        try:
+            if not _loopback(self.peer) or not isinstance(self.local, tuple):
+                return None
+            pids = self._owners()
+            return session_of(min(pids)) if pids else None
+        except OSError:   # /proc unreadable now (out of descriptors): named by its address
+            return None
 
     def askers(self) -> list[Asker | None]:
         try:
@@ -45,8 +69,7 @@ class ClientProcess:
     def _askers(self) -> list[Asker | None]:
         if not isinstance(self.peer, tuple) or not isinstance(self.local, tuple):
             return []   # not a TCP client (a Unix socket): outside every turn
-        self.pids = owners(self.peer, self.local)
-        found = [process(pid, self.sent) for pid in self.pids]
+        found = [process(pid, self.sent) for pid in self._owners()]
         # Asking the store reads /proc/locks, milliseconds during which every flock() on the
         # machine waits: not for a client that was handed no turn and has not even opened the
         # lane's lock -- it can be neither part of the holding turn nor its holder, and is
@@ -60,6 +83,47 @@ class ClientProcess:
     def holds(self, holder: dict | None) -> bool:
         """Is the client the process that holds the lane (as the gate's deflection found it)?"""
         return isinstance(holder, dict) and holder.get("pid") in self.pids
+
+
+def session_of(pid: int) -> str | None:
+    """LANELOCK_SESSION from pid's environment (as it was at exec), else user@NAME/PID; None
+    when the process is gone."""
+    from ..proc import files_uid, name
+
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            raw = handle.read(1 << 20)
+    except OSError:
+        raw = b""   # another user's, for a proxy that is not root: its name and pid still
+    for entry in raw.split(b"\0"):
+        if entry.startswith(b"LANELOCK_SESSION="):
+            value = entry[len(b"LANELOCK_SESSION="):].decode("utf-8", "replace").strip()
+            if value:
+                return value
+    called, uid = name(pid), files_uid(pid)
+    if called is None or uid is None:
+        return None
+    return f"{_user(uid)}@{called}/{pid}"
+
+
+def _user(uid: int) -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, ImportError):
+        return str(uid)
+
+
+def _loopback(peer) -> bool:
+    if not isinstance(peer, tuple):
+        return False
+    try:
+        address = ipaddress.ip_address(str(peer[0]).split("%")[0])
+    except (ValueError, IndexError):
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
 
 
 def owners(peer, local) -> list[int]:
