@@ -76,6 +76,8 @@ def run_turn(gate: Gate, argv: list[str], options: Options, say: Say) -> int:
         say.error(f"cannot start {argv[0]}: {_resources(error)}; nothing ran")
         return exitcodes.RESOURCES
     runner.hold_sigchld()   # before the turn starts a thread; the parked child has its mask
+    if gate.store.takes_lanes_away:   # loaded while the turn waits, not on its hand-off (~3 ms)
+        from .. import lanewatch  # noqa: F401
     with parked:
         turn = gate.turn(session=options.session, model=options.model, argv=argv,
                          wait=options.wait, command_pid=parked.pid,

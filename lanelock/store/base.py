@@ -112,6 +112,9 @@ class LockHandle:
 
 class LaneStore(ABC):
     kind = "?"
+    # Can the store take a lane away from a living holder (a server ending its session)? Then
+    # its holders are watched (lanewatch.py), and `run` loads the watch while it waits.
+    takes_lanes_away = False
     # True when taking a free lane may block on the network (an asyncio turn then takes it in a
     # thread); False when it is a few local system calls (it is then tried on the event loop, and
     # the store must implement wait_lock_async).

@@ -96,6 +96,7 @@ class PgHandle(LockHandle):
 
 class PgStore(LaneStore):
     kind = "postgresql"
+    takes_lanes_away = True   # the server can end a holder's session
     _queue_warned = False   # the one warning of a queue that cannot be used, per process
     _unreachable = False    # this process found the server unreachable (event_handle: no retry)
 
