@@ -139,3 +139,77 @@ def test_a_client_inside_a_turn_is_named_by_its_session(procs, lanelock):
     assert (status, state) == (200, "held")
     sessions = [event.get("session") for event in history(lanelock, engine.backend)]
     assert "nightly-digest" in sessions, sessions
+
+
+# An engine that sends a stream's last event, [DONE], then waits before its chunked terminator
+# -- what a loaded machine does between two writes of llama-server. An SDK closes the stream at
+# [DONE] (openai: response.close()), before the proxy has read the engine's end.
+LATE_END_ENGINE = r"""
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        events = [{"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                   "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]}
+                  for word in ("one ", "two ")]
+        events.append({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                       "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+        for data in [f"data: {json.dumps(event)}\n\n".encode() for event in events] + [
+                b"data: [DONE]\n\n"]:
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+        time.sleep(1.5)
+        try:
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except OSError:
+            pass
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+SDK_STREAM = """
+import json, sys
+import openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0)
+raw = client.chat.completions.with_raw_response.create(
+    model="m", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=3)
+reasons = [choice.finish_reason for chunk in raw.parse() for choice in chunk.choices]
+print(json.dumps(reasons), flush=True)
+"""
+
+
+def test_a_stream_the_client_read_to_its_end_is_not_journaled_as_cut(procs, lanelock):
+    """The openai SDK reads a stream to [DONE] and closes it; an engine whose chunked terminator
+    comes later (a loaded machine) left the proxy reading the engine's end when the client hung
+    up: the answer, complete, was journaled "the client hung up mid-answer" and -v said "client
+    gone". A stream relayed to its terminal event is whole."""
+    pytest.importorskip("openai")
+    from conftest import read_line
+
+    engine = procs.start([sys.executable, "-c", LATE_END_ENGINE], stdout=subprocess.PIPE)
+    port = int(read_line(engine.stdout))
+    proxy = Proxy(procs, f"127.0.0.1:{port}", "--no-witness", "-v")
+    done = subprocess.run([sys.executable, "-c", SDK_STREAM, proxy.url + "/v1"],
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)[-1] == "length"
+    (released,) = wait_for(lambda: [event for event in history(lanelock, f"127.0.0.1:{port}")
+                                    if event.get("event") == "released"] or None,
+                           "the turn's end journaled")
+    assert "hung up" not in str(released.get("ended")), released
+    proxy.stop()
+    assert "client gone" not in proxy.log() and " 200 held " in proxy.log(), proxy.log()

@@ -103,6 +103,7 @@ async def relay(session, proxied, url: str, body: bytes, headers: dict, extra: d
         if "Content-Length" not in response.headers:
             response.enable_chunked_encoding()
         side = "client"
+        tail = b""   # the last bytes relayed: has the stream's terminal event gone by?
         try:
             await response.prepare(request)
             while True:
@@ -112,8 +113,20 @@ async def relay(session, proxied, url: str, body: bytes, headers: dict, extra: d
                     break
                 side = "client"
                 await response.write(chunk)
+                tail = (tail + chunk)[-TAIL:]
             await response.write_eof()
+        except asyncio.CancelledError:
+            # The client hung up (the handler is cancelled) -- an SDK closes a stream at its
+            # terminal event, often before the engine's own end (its chunked terminator, a
+            # separate write: later on a loaded machine) has reached the proxy. Relayed to that
+            # event, the answer is whole.
+            proxied.done = whole(tail)
+            raise
         except (ClientError, OSError):
+            if whole(tail):   # the same, seen as a reset rather than a cancellation
+                proxied.done = True
+                request.transport and request.transport.close()
+                return response
             # The engine failed mid-answer, or the client went away (aiohttp's reset error is
             # both; the side that was being read or written says which), or the lane was lost
             # (lost.Cut): what was relayed stands; close the client's side.
@@ -124,6 +137,19 @@ async def relay(session, proxied, url: str, body: bytes, headers: dict, extra: d
         return response
     finally:
         await context.__aexit__(None, None, None)
+
+
+TAIL = 512   # bytes kept of a relayed answer's end: more than a terminal event takes
+
+
+def whole(tail: bytes) -> bool:
+    """Does a relayed stream end with its dialect's terminal event? OpenAI's `data: [DONE]`,
+    Anthropic's message_stop, Ollama's and llama.cpp's last line ("done": true, "stop": true)."""
+    import re
+
+    last = tail.rstrip().rsplit(b"\n\n", 1)[-1].rsplit(b"\n", 1)[-1]
+    return last == b"data: [DONE]" or b'"message_stop"' in last or \
+        re.search(rb'"(done|stop)"\s*:\s*true', last) is not None
 
 
 def unreachable_words(error: BaseException) -> str:
