@@ -144,8 +144,8 @@ def set_value(key: str, text: str, *, system: bool, check, lenient=None) -> str:
     """Validate and write one setting; the file is left untouched on any error. Returns the path.
 
     The file is edited, not rewritten: its comments, spacing, quoting and order stay, and only the
-    line of KEY changes or is added (people write these files by hand, and a rewrite lost every
-    comment -- issue 23 item 12)."""
+    line of KEY changes or is added (people write these files by hand: a rewrite would lose
+    every comment)."""
     if key == "lock_dir" and not system:
         raise ConfigError("lock_dir can only be set in the system file (--system): a per-user "
                           "lock root would split the gate")

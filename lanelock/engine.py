@@ -1,6 +1,6 @@
 """What the engine says it is computing: one look at its own account, for the witness and `status`.
 
-Only requests that cost the engine nothing (PITFALLS 25): plain GETs of its account endpoints,
+Only requests that cost the engine nothing: plain GETs of its account endpoints,
 never a generation, never a redirect followed, never `/upstream/MODEL/...` for a model llama-swap
 does not list as running (that would LOAD it).
 

@@ -123,7 +123,7 @@ def split_backend(text: str) -> tuple[str, int, str]:
 def origin(backend: str) -> str:
     """scheme://HOST:PORT to connect to for a backend, HOST as the lane reads it: every spelling
     the lane accepts (127.1, 0177.0.0.1, 2130706433, http://127.1:PORT/v1) reaches the address it
-    means, not a string a client library refuses (issue 24). BackendError when malformed."""
+    means, not a string a client library refuses. BackendError when malformed."""
     host, port, spelled = split_backend(backend)
     scheme = spelled.split("://", 1)[0].lower() if "://" in spelled else "http"
     return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
@@ -195,7 +195,7 @@ def _check_host(host: str, text: str) -> str:
 def _address(host: str):
     """The IPv4/IPv6 address a host string spells (IPv4-mapped unwrapped), else None. IPv4 is
     read as inet_aton(3) reads it -- what curl, Python's socket and glibc connect to -- so
-    127.1, 0x7f.1, 0177.0.0.1 and 2130706433 are all 127.0.0.1 (PITFALLS 15)."""
+    127.1, 0x7f.1, 0177.0.0.1 and 2130706433 are all 127.0.0.1: one lane, one gate."""
     import ipaddress
 
     try:

@@ -75,8 +75,8 @@ def consequence(error: GateUnavailable) -> str:
 
 def creation_problem(root: Root) -> str | None:
     """Why a turn could not create a lane's lock file under the root (it would fail open), found
-    without creating anything; None when it could. (issue 23: a read-only, full or misplaced root
-    was reported "free" while every turn there ran ungated.)
+    without creating anything; None when it could. A read-only, full or misplaced root must never
+    read as "free": every turn there would run ungated.
 
     What exists must open as a turn opens it (open_root: no symlink, a trusted directory). What
     does not must be creatable: the root (mkdir makes only its last component) in its parent, a
@@ -165,8 +165,8 @@ def _make_root(path: str) -> None:
 
 
 def _check_trust(root: Root, st: os.stat_result) -> None:
-    """Refuse a root in which someone else could remove, replace or lock out our lock files
-    (PITFALLS 28): removing a lock file under its holder splits the lane in two, a chmod switches
+    """Refuse a root in which someone else could remove, replace or lock out our lock files:
+    removing a lock file under its holder splits the lane in two, a chmod switches
     the gate off for everyone. So: never one writable by group or others without the sticky bit,
     whoever owns it; and never a default root owned by another unprivileged user, who may do all
     of that in it sticky or not (a "root squat": made first after boot). Another root is not

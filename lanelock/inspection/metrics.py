@@ -82,7 +82,7 @@ class LaneCollector:
         queued = GaugeMetricFamily("lanelock_lane_queued",
                                    "turns waiting in the lane's queue, by the class they count "
                                    "as now (aging included)", labels=["lane", "class"])
-        # Whether the gate can be taken at all (issue 23): 0 means turns run ungated (fail open),
+        # Whether the gate can be taken at all: 0 means turns run ungated (fail open),
         # for the lane, or for any lane with no lock yet (a root that is not there cannot list
         # its lanes: only the store-wide gauge can say it is broken).
         gate = GaugeMetricFamily("lanelock_gate_available",

@@ -28,7 +28,7 @@ A turn is its command's whole process tree, as one process group:
   the shell sees the job stopped; continued (fg) it gives the terminal back to the command's
   group if its own has it again and continues the group (bg: the group continues without the
   terminal; a background command that reads the terminal stops the job again). A hangup
-  reaches the session leader alone (PITFALLS 14): a wrapper that is one forwards it to the group
+  reaches the session leader alone: a wrapper that is one forwards it to the group
   like any signal.
 - The child never inherits the lock fd (O_CLOEXEC), so nothing it leaves behind can hold the lock
   itself; only the group keeps the lane.

@@ -5,7 +5,7 @@ read, the same way -- blanks separate words, '…' is literal, "…" lets a back
 \\, a bare backslash escapes any character -- and one thing shlex cannot: bash's ANSI-C quoting
 $'…'. That is what bash's `printf %q` writes for any text with a newline, a tab or another control
 character, so README's recipe `--fallback "llm $(printf %q "$PROMPT")"` hands us $'…' for most real
-prompts; shlex read $'a\\nb' as "$a\\nb" and failed on $'it\\'s' (issue 23 item 7).
+prompts, and shlex reads $'a\\nb' as "$a\\nb" and fails on $'it\\'s'.
 
 Nothing is expanded ($VAR, globs, ~): the text is the words. A word is assembled as bytes and
 decoded as argv is (os.fsdecode), so $'\\377' -- a byte that is not UTF-8, which `printf %q` writes
