@@ -264,8 +264,8 @@ def test_verbose_says_200_for_a_stream_read_to_its_end(procs):
                                "--data-binary", chat_body(stream=True).decode(), proxy.url + CHAT],
                               capture_output=True, timeout=TIMEOUT)
         assert done.returncode == 0 and b"data: [DONE]" in done.stdout
-    proxy.until(lambda log: log.count("proxy: POST") == 5, "five request lines")
-    lines = [line for line in proxy.stderr().splitlines() if "proxy: POST" in line]
+    proxy.until(lambda log: log.count("] POST ") == 5, "five request lines")
+    lines = [line for line in proxy.stderr().splitlines() if "] POST " in line]   # [session]
     assert all(" 200 held " in line for line in lines), lines
 
 

@@ -213,3 +213,23 @@ def test_a_stream_the_client_read_to_its_end_is_not_journaled_as_cut(procs, lane
     assert "hung up" not in str(released.get("ended")), released
     proxy.stop()
     assert "client gone" not in proxy.log() and " 200 held " in proxy.log(), proxy.log()
+
+
+def test_the_verbose_line_names_the_session_and_the_fallback_that_answered(procs, holder):
+    """-v named neither who asked nor where a deflected request went: now the session leads the
+    line and a deflected one says which fallback answered it."""
+    engine = Engine(procs, delay=0.01)
+    cloud = Engine(procs, delay=0.01, name="cloud")
+    proxy = Proxy(procs, engine.backend, "--no-witness", "-v", "--fallback", cloud.url + "/v1")
+    status, _, _ = request(proxy.port, "POST", CHAT, chat_body(), {"X-Lanelock-Session": "chat-1"})
+    assert status == 200
+    busy = holder("-b", engine.backend)
+    status, headers, _ = request(proxy.port, "POST", CHAT, chat_body(),
+                                 {"X-Lanelock-Session": "cron-2"})
+    assert (status, headers["X-Lanelock-State"]) == (200, "deflected")
+    assert busy.release() == 0
+    proxy.until(lambda log: log.count("proxy: [") == 2, "two request lines")
+    lines = [line for line in proxy.stderr().splitlines() if "proxy: [" in line]
+    assert "proxy: [chat-1] POST /v1/chat/completions 200 held (" in lines[0], lines
+    assert f"proxy: [cron-2] POST /v1/chat/completions 200 deflected by fallback 1 {cloud.url}/v1 (" \
+        in lines[1], lines

@@ -333,8 +333,8 @@ def test_retry_after_counts_holds_not_the_time_requests_waited(procs, holder):
     status, headers, _ = request(proxy.port, "POST", CHAT, chat_body(), {"X-Lanelock-Wait": "0"})
     assert (status, headers["Retry-After"]) == (503, "1")
     assert second.release() == 0
-    proxy.until(lambda log: log.count("proxy: POST") == 9, "nine request lines")
-    lines = [line for line in proxy.stderr().splitlines() if "proxy: POST" in line]
+    proxy.until(lambda log: log.count("] POST ") == 9, "nine request lines")
+    lines = [line for line in proxy.stderr().splitlines() if "] POST " in line]   # [session]
     times = [re.search(r" 200 held \(waited (\d+\.\d+)s, held (\d+\.\d+)s\)$", line)
              for line in lines[:8]]
     assert all(times), lines

@@ -179,6 +179,7 @@ class Chain:
                 response = await self._url(upstream, proxied, fallback, index, why, failures,
                                            answer_headers)
             if response is not None:
+                proxied.fallback = f"fallback {index} {fallback.text}"   # the -v line says it
                 return response, failures
         return None, failures
 

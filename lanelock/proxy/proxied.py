@@ -30,7 +30,7 @@ class Proxied:
     headers, the connection); every other field is lanelock's."""
 
     __slots__ = ("http", "target", "path", "body", "fields", "dialect", "model", "session",
-                 "asked", "turn", "state", "status", "done", "cut", "timing")
+                 "asked", "turn", "state", "status", "done", "cut", "timing", "fallback")
 
     def __init__(self, http):
         self.http = http
@@ -48,6 +48,7 @@ class Proxied:
         self.done = False                      # relayed to its last byte
         self.cut: str | None = None            # why the relayed answer stopped short (CUT)
         self.timing: Timing | None = None      # a gated request's wait and hold
+        self.fallback: str | None = None       # the fallback that answered ("fallback 1 URL")
 
     @property
     def method(self) -> str:
@@ -71,7 +72,8 @@ class Proxied:
         return CUT["client"] if self.status is not None else GONE_BEFORE
 
     def log_line(self, response, started: float) -> str:
-        """The -v line: method, target, status, state, time."""
+        """The -v line: [session] (a gated request's), method, target, status, state, the
+        fallback that answered, time."""
         state = response.headers.get(STATE, "-") if response is not None else self.state or "-"
         # A stream relayed to its last byte is an answer even if the client hung up before the
         # handler returned (curl closes right after [DONE]).
@@ -80,7 +82,9 @@ class Proxied:
         # A gated request's wait and hold apart: a long time in the queue is the others'
         # holds, not this one's.
         took = f"{time.monotonic() - started:.3f}s" if self.timing is None else str(self.timing)
-        return f"proxy: {self.method} {self.target[:200]} {status} {state} {took}"
+        session = f"[{self.session[:200]}] " if self.session else ""
+        by = f" by {self.fallback}" if self.fallback else ""
+        return f"proxy: {session}{self.method} {self.target[:200]} {status} {state}{by} {took}"
 
 
 class Timing:
