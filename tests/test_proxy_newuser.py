@@ -233,3 +233,17 @@ def test_the_verbose_line_names_the_session_and_the_fallback_that_answered(procs
     assert "proxy: [chat-1] POST /v1/chat/completions 200 held (" in lines[0], lines
     assert f"proxy: [cron-2] POST /v1/chat/completions 200 deflected by fallback 1 {cloud.url}/v1 (" \
         in lines[1], lines
+
+
+def test_a_url_fallback_on_this_machine_is_said_ungated_with_the_gated_spelling(procs):
+    """A URL fallback that is another local server was used ungated without a word: the proxy
+    says so once, at start, naming the @HOST:PORT that would gate it; a remote one is not said."""
+    engine = Engine(procs, delay=0.01)
+    other = Engine(procs, delay=0.01, name="other")
+    proxy = Proxy(procs, engine.backend, "--no-witness", "--fallback", other.url + "/v1",
+                  "--fallback", "https://api.example.com/v1")
+    proxy.stop()
+    said = proxy.log()
+    assert (f"fallback 1 {other.url}/v1 is a server of this machine, used ungated; "
+            f"--fallback @{other.backend} would gate it on its own lane") in said, said
+    assert said.count("is a server of this machine") == 1, said

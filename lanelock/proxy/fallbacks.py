@@ -67,6 +67,33 @@ class Fallback:
         return self.url + path
 
 
+def local_hint(fallback: Fallback, index: int) -> str | None:
+    """Said once, at start, of a URL fallback that is a server of this machine: it is used
+    ungated -- beside whatever runs on it -- while @HOST:PORT would gate it on its own lane."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    if fallback.url is None:
+        return None
+    try:
+        parts = urlsplit(fallback.url)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return None
+    if host is None:
+        return None
+    try:
+        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        local = False
+    if not local:
+        return None
+    where = f"[{host}]" if ":" in host else host
+    port = port or (443 if parts.scheme == "https" else 80)
+    return (f"fallback {index} {fallback.url} is a server of this machine, used ungated; "
+            f"--fallback @{where}:{port} would gate it on its own lane")
+
+
 def parse_fallback(text: str) -> Fallback:
     """A Fallback, or ValueError with the reason (a usage error)."""
     fallback = Fallback(text)

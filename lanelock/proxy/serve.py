@@ -65,7 +65,12 @@ def build(gate, options, say, listen: str, token_env: str | None, fallback_key_e
     if keys:
         options.fallback_key = keys
     from ..lanes import origin
+    from .fallbacks import local_hint
 
+    for index, fallback in enumerate(options.fallbacks, 1):
+        hint = local_hint(fallback, index)
+        if hint:
+            say.note(hint)
     # The engine's origin (request paths are appended to it), its host as the lane reads it.
     return Proxy(gate, options, say, origin(gate.lane.given)), host, port
 
