@@ -51,7 +51,7 @@ def _text(value) -> str | None:
 
 
 def relative_root(shown: str, value: str) -> str:
-    """Why a relative lock root is refused (issue 23: LANELOCK_DIR=locks was one gate per working
+    """Why a relative lock root is refused (LANELOCK_DIR=locks would be one gate per working
     directory, each turn alone in its own)."""
     why = f"{shown} is relative: the lock root must be an absolute path (one gate for every " \
           "working directory)"
