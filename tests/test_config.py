@@ -320,7 +320,8 @@ BAD_VALUES = {   # setting: (the file's bad value as TOML, the environment's bad
     "on_lost": ('"kill"', None),
     "journal_max_bytes": ("1", None), "chains": ("3", None), "proxy_listen": ('"x"', None),
     "proxy_linger": ("-1", None), "proxy_session_header": ('"a b"', None),
-    "proxy_cheap_paths": ("3", None),
+    "proxy_cheap_paths": ("3", None), "proxy_wait": ('"soon"', None),
+    "proxy_max_wait": ('"later"', None), "proxy_priority": ('"bogus"', None),
 }
 
 
