@@ -70,7 +70,8 @@ def test_a_minute_of_five_local_turns_and_one_deflection_reads_local(lanelock, h
     minute = _minute(turns[0]["ts"]) % 60
     # On a terminal (rich, NO_COLOR)...
     child = procs.spawn(pexpect.spawn(sys.executable, ["-m", "lanelock", "history"],
-                                      env=environ({"NO_COLOR": "1"}), timeout=30,
+                                      env=environ({"NO_COLOR": "1", "COLUMNS": "240",
+                                                   "LINES": "60"}), timeout=30,
                                       dimensions=(60, 240), encoding="utf-8"))
     child.expect(pexpect.EOF)
     shown = re.sub(r"\x1b\[[0-9;]*m", "", child.before)
