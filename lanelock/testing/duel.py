@@ -110,7 +110,8 @@ class Duel:
                     return reason
             d = self._spawn("D", self._d_argv(write_fd), self._session_env(workdir, "D"), workdir,
                             (write_fd,))
-            self._until_waiting(d)
+            if not self._until_waiting(d):
+                return self._fail_on("D", d, "the waiting turn was never seen waiting for the lane")
             os.write(go_write, b"go\n")
             os.close(go_write)
             go_write = -1
@@ -291,8 +292,10 @@ class Duel:
             err = b""
         proc.stderr_text = (err or b"").decode("utf-8", "replace")
 
-    def _until_waiting(self, proc: subprocess.Popen) -> None:
-        """Until D blocks in flock on the lane (seen in /proc/locks), so the hand-off is real."""
+    def _until_waiting(self, proc: subprocess.Popen) -> bool:
+        """Until D waits for the lane -- blocked in flock (seen in /proc/locks), or in the lane's
+        queue (a PostgreSQL waiter sleeps on its host's queue and holds nothing in the server) --
+        so the hand-off is real. False: never seen within PHASE_TIMEOUT (or D ended first)."""
         from ..errors import GateUnavailable
 
         deadline = time.monotonic() + PHASE_TIMEOUT
@@ -300,10 +303,11 @@ class Duel:
             try:
                 (facts,) = self.gate.store.survey(self.gate.lane)
             except GateUnavailable:
-                return
-            if facts.kernel_source == "probe" or facts.waiters:
-                return
+                return True   # the store cannot be read: D's own report says how it went
+            if facts.kernel_source == "probe" or facts.waiters or facts.queue:
+                return True
             time.sleep(0.005)
+        return False
 
     def _handoff_ms(self, a_pid: int, d_pid: int) -> float | None:
         """A's release to D's acquire, from both turns' journal lines (one monotonic clock)."""
