@@ -19,6 +19,7 @@ import fcntl
 import io
 import os
 import select
+import json
 import re
 import shutil
 import signal
@@ -854,3 +855,14 @@ def postgres():
     server = pg_server.Server().start()
     yield server
     server.stop()
+
+
+# -- history ---------------------------------------------------------------------------------------
+TIMELINE = re.compile(r"^\S+ \d\d:00 \S+  [#~x.!]{60}$")   # one hour of `history` piped
+
+
+def history_json(lanelock, *args) -> dict:
+    """`lanelock history --json ARGS`, parsed: it must succeed, with no traceback."""
+    done = lanelock("history", "--json", *args)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done
+    return json.loads(done.stdout)

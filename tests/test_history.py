@@ -11,17 +11,15 @@ import json
 import os
 import random
 import re
-import select
 import signal
 import subprocess
 import sys
-import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 
-from conftest import LANE, LANELOCK, STEM, TIMEOUT, ExitWatch, wait_for
+from conftest import LANE, LANELOCK, STEM, TIMELINE, TIMEOUT, ExitWatch, history_json, wait_for
 from lanelock import locks
 
 BUSY = 75
@@ -38,13 +36,6 @@ def journal_lines(path: Path) -> list[dict]:
     raw = path.read_bytes()
     assert raw == b"" or raw.endswith(b"\n"), "the journal ends in a partial line"
     return [json.loads(line) for line in raw.decode("utf-8").split("\n")[:-1]]
-
-
-def history_json(lanelock, *args) -> dict:
-    done = lanelock("history", "--json", *args)
-    assert done.returncode == 0, done.stderr
-    assert "Traceback" not in done.stderr
-    return json.loads(done.stdout)
 
 
 def turn(lanelock, *command: str, expect: int = 0) -> subprocess.CompletedProcess:
@@ -490,9 +481,6 @@ def plain_rows(lanelock, *args) -> list[list[str]]:
 
 
 # A piped timeline's hour: its label, then one ASCII cell per minute (the legend is indented).
-TIMELINE = re.compile(r"^\S+ \d\d:00 \S+  [#~x.!]{60}$")
-
-
 def test_history_tells_busy_from_deflected_as_the_metrics_do(lanelock, holder, lock_dir):
     """A turn sent away with nothing to run is busy, one whose fallback ran deflected, as the
     metrics count them: 100 plain 503s once read as a 97% deflection rate. A turn whose every

@@ -14,8 +14,7 @@ import time
 
 import pexpect
 
-from conftest import environ, wait_for
-from test_history import TIMELINE, history_json
+from conftest import TIMELINE, environ, history_json, wait_for
 
 BUSY = 75
 

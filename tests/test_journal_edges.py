@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LANE, LANELOCK, STEM, TIMEOUT, environ
+from conftest import LANE, LANELOCK, STEM, TIMEOUT, environ, history_json
 
 PAGE = 4096
 
@@ -28,12 +28,6 @@ def raw(procs, *args, env=None) -> subprocess.CompletedProcess:
                        stderr=subprocess.PIPE)
     out, err = proc.communicate(timeout=TIMEOUT)
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
-
-
-def history_json(lanelock) -> dict:
-    done = lanelock("history", "--json")
-    assert done.returncode == 0 and "Traceback" not in done.stderr, done
-    return json.loads(done.stdout)
 
 
 def local_turns_counted(lanelock) -> float:
