@@ -33,8 +33,8 @@ The abstract methods:
   events(lane, since)              the journal, oldest first
 and, with defaults a store may improve, what a witness (witness.py) needs: holding(lane), asked
 several times a second, and claim_witness(lane), so that one witness counts a lane's engine.
-The tests hold every store to it (tests/test_store_contract.py), tests/contract_store.py included:
-a store of about a hundred lines made of these twelve alone.
+The tests hold every store to it (tests/test_store_contract.py), tests/support/contract_store.py
+included: a store of about a hundred lines made of these twelve alone.
 """
 
 from __future__ import annotations
@@ -162,8 +162,8 @@ class LaneStore(ABC):
         store that orders its waiters does not write the order: it gives store/order.py a medium
         (an order.Line: where entries live, one reading of who is ahead and the next step, how
         to wait on one) and returns order.wait(line, timeout, cancel) -- the flock store, the
-        PostgreSQL store, and tests/contract_store.py's OrderedContractStore do. A store that
-        keeps no order takes the kernel's or the server's."""
+        PostgreSQL store, and tests/support/contract_store.py's OrderedContractStore do. A store
+        that keeps no order takes the kernel's or the server's."""
 
     async def wait_lock_async(self, handle, timeout: float | None, rank: int = 1) -> bool:
         """wait_lock for an asyncio task, costing no thread while it waits. Only a store whose
