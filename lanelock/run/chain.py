@@ -22,7 +22,7 @@ class ChainError(ValueError):
     """A malformed entry: a usage error."""
 
 
-class Entry:
+class Fallback:
     """One fallback (a plain class: `typing` costs a turn with fallbacks milliseconds)."""
 
     __slots__ = ("argv", "backend")
@@ -32,10 +32,11 @@ class Entry:
         self.backend = backend
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Entry) and (self.argv, self.backend) == (other.argv, other.backend)
+        return isinstance(other, Fallback) and \
+            (self.argv, self.backend) == (other.argv, other.backend)
 
     def __repr__(self) -> str:
-        return f"Entry({self.argv!r}, {self.backend!r})"
+        return f"Fallback({self.argv!r}, {self.backend!r})"
 
     @property
     def text(self) -> str:
@@ -43,7 +44,7 @@ class Entry:
         return f"@{self.backend} {line}" if self.backend else line
 
 
-def parse(text: str) -> Entry:
+def parse(text: str) -> Fallback:
     """A --fallback string, split as bash splits words (no shell is run)."""
     argv = _split(text, f"--fallback {text!r}")
     backend = None
@@ -54,10 +55,10 @@ def parse(text: str) -> Entry:
         _check_backend(backend, text)
     if not argv:
         raise ChainError(f"--fallback {text!r}: no command")
-    return Entry(tuple(argv), backend)
+    return Fallback(tuple(argv), backend)
 
 
-def from_config(name: str, chains: dict | None) -> list[Entry]:
+def from_config(name: str, chains: dict | None) -> list[Fallback]:
     """The named chain of the config ([[chains.NAME]] with command and optional backend)."""
     if not chains or name not in chains:
         known = ", ".join(sorted(chains or {})) or "none defined"
@@ -70,7 +71,7 @@ def from_config(name: str, chains: dict | None) -> list[Entry]:
             raise ChainError(f"chain {name!r}: an entry has no command")
         if item.get("backend"):
             _check_backend(item["backend"], f"chain {name!r}")
-        entries.append(Entry(argv, item.get("backend")))
+        entries.append(Fallback(argv, item.get("backend")))
     return entries
 
 

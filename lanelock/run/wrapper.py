@@ -24,13 +24,13 @@ UNTRUSTED = GateUntrusted.reason
 TYPE_CHECKING = False   # typing.TYPE_CHECKING without importing typing (milliseconds per turn)
 if TYPE_CHECKING:
     from .args import Request
-    from .chain import Entry
+    from .chain import Fallback
 
 
 class Options:
     """How one `lanelock run` behaves, resolved (a plain class: the run path avoids dataclasses)."""
 
-    def __init__(self, request: Request, settings: Settings, fallbacks: list[Entry]):
+    def __init__(self, request: Request, settings: Settings, fallbacks: list[Fallback]):
         # Without a label, the turn is named for whoever started `lanelock run` (facts.py): this
         # process is only the wrapper.
         self.session = request.session or settings.get("session") or default_session(os.getppid())
@@ -238,7 +238,7 @@ def _sent_away(gate: Gate, turn: Turn, who: str, then: str) -> str:
     return busy_sentence(who, then)
 
 
-def _fallback_gate(primary: Gate, entry: Entry, options: Options) -> tuple[Turn | None, str | None]:
+def _fallback_gate(primary: Gate, entry: Fallback, options: Options) -> tuple[Turn | None, str | None]:
     """(turn held on the entry's own lane or None, reason to skip or None): fallback_lane.py's
     rule, the proxy's too."""
     if entry.backend is None:
