@@ -46,7 +46,8 @@ def turn(lanelock, *command: str, expect: int = 0) -> subprocess.CompletedProces
 
 # -- concurrent appends ------------------------------------------------------------------------------
 @pytest.mark.parametrize("processes, turns", [
-    (8, 25),                                              # 200 turns: ~30 s on two busy cores
+    (4, 10),                                              # 40 turns: the default tier
+    pytest.param(8, 25, marks=pytest.mark.slow),          # 200 turns: ~30 s on two busy cores
     pytest.param(8, 50, marks=pytest.mark.slow),          # the 400: ~65 s there
 ])
 def test_concurrent_turns_leave_exactly_the_right_journal_lines(lanelock, procs, lock_dir, tmp_path,

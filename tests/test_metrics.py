@@ -431,6 +431,7 @@ def test_the_waiters_gauge_counts_the_turns_status_counts(lanelock, holder, proc
 
 
 # -- 3. counters never go backwards ---------------------------------------------------------------
+@pytest.mark.slow   # a soak: turns across several journal rotations
 def test_counters_never_go_backwards_across_journal_rotations(lanelock, holder, lock_dir,
                                                               config_files):
     config_files[1].write_text("journal_max_bytes = 4096\n")   # a rotation every ~9 turns

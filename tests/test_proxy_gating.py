@@ -269,6 +269,7 @@ def test_verbose_says_200_for_a_stream_read_to_its_end(procs):
     assert all(" 200 held " in line for line in lines), lines
 
 
+@pytest.mark.slow   # a stress: 200 waiting requests
 def test_two_hundred_waiting_requests_cost_a_bounded_number_of_threads(procs, holder):
     """Issue 24: every waiting request cost a thread (202 threads for 200). Now the wait costs
     none: the proxy stays at <= 24 threads however many wait, and all are served one at a time

@@ -133,6 +133,7 @@ def test_a_direct_generation_is_unseen_within_two_intervals_and_timed_within_one
         "never-used"
 
 
+@pytest.mark.slow   # a soak: thirty turns through three paths
 def test_thirty_gated_turns_from_run_the_api_and_the_proxy_are_never_unseen(procs, lanelock, tmp_path):
     engine = StandIn(procs, tmp_path, delay=0.15)
     watch = Watch(procs, engine.backend)
