@@ -194,6 +194,12 @@ async def serve(proxy, host: str, port: int, say) -> int:
     runner = web.AppRunner(make_app(proxy), handler_cancellation=True, access_log=None,
                            shutdown_timeout=CANCEL / 2)
     await runner.setup()
+    # Handled from before the proxy says anything: a SIGTERM as soon as it is listening (or its
+    # witness has spoken) ends it as every later one does, not by the signal's default action.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signo in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signo, stop.set)
     listener = proxy.listener = Listener(runner.server, host, port, cap=cap,
                                          header_timeout=options.header_timeout,
                                          incidents=proxy.incidents)
@@ -213,10 +219,6 @@ async def serve(proxy, host: str, port: int, say) -> int:
         say.warn(f"at most {cap} connections at once, not {options.max_connections}: the "
                  f"file descriptor limit is {soft} (raise it: LimitNOFILE=, ulimit -Hn)")
     witness = _witness(proxy, say)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signo in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signo, stop.set)
     await stop.wait()
     say.note("proxy stopping: no new connections; letting answers in flight finish")
     try:
