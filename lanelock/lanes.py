@@ -218,16 +218,17 @@ def inet_aton(text: str) -> int | None:
     for part in parts:
         if not part or not part[0].isdigit():
             return None
-        try:
-            if part[:2].lower() == "0x":
-                value = int(part[2:], 16)   # "0x" alone: int() refuses, as inet_aton does
-            elif part[0] == "0" and len(part) > 1:
-                value = int(part[1:], 8)
-            else:
-                value = int(part, 10)
-        except ValueError:
+        # The digits are checked here, not left to int(), which also takes a second "0x" prefix
+        # ("0x0x0553"), underscores and signs that inet_aton(3) refuses; "0x" alone is refused.
+        if part[:2].lower() == "0x":
+            digits, base, allowed = part[2:], 16, "0123456789abcdefABCDEF"
+        elif part[0] == "0" and len(part) > 1:
+            digits, base, allowed = part[1:], 8, "01234567"
+        else:
+            digits, base, allowed = part, 10, "0123456789"
+        if not digits or any(char not in allowed for char in digits):
             return None
-        values.append(value)
+        values.append(int(digits, base))
     last_bits = 8 * (5 - len(values))
     if any(value > 255 for value in values[:-1]) or values[-1] >= 1 << last_bits:
         return None
