@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import LANELOCK, TIMEOUT, Server, read_all, read_line
+from conftest import LANELOCK, TIMEOUT, Server, answer, read_all, read_line
 
 LISTENING = re.compile(r"proxy listening on http://127\.0\.0\.1:(\d+) for (\S+) \(lane ([^)]+)\)")
 CHAT = "/v1/chat/completions"
@@ -139,12 +139,7 @@ def raw_request(port, method: str, target: str, body: bytes = b"{}", headers=Non
                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
                      f"{head}Connection: close\r\n\r\n".encode() + body)
         data = read_all(sock)
-    head, _, rest = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    fields = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        fields[name.strip().lower()] = value.strip()
+    status, fields, rest = answer(data)
     if fields.get("transfer-encoding") == "chunked":
         out, rest_ = b"", rest
         while rest_:
@@ -154,7 +149,7 @@ def raw_request(port, method: str, target: str, body: bytes = b"{}", headers=Non
                 break
             out, rest_ = out + rest_[:length], rest_[length + 2:]
         rest = out
-    return int(lines[0].split()[1]), fields, rest
+    return status, fields, rest
 
 
 # -- the lane, asked of lanelock ----------------------------------------------------------------
