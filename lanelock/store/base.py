@@ -139,6 +139,21 @@ class LaneStore(ABC):
         `status --all`): sentences. Default: nothing known."""
         return []
 
+    # -- values kept with the lanes ---------------------------------------------------------------
+    def kept(self, name: str):
+        """The value kept under name for every process of every host that uses this store (a
+        lane's seat count: "seats/LANE"; the model map: "models/BACKEND"), or None when none was
+        set. GateUnavailable when it cannot be read (or is not to be believed). Default: a
+        store that keeps none."""
+        return None
+
+    def keep(self, name: str, value) -> None:
+        """Keep value under name (None: forget it) for every process that reads this store.
+        GateUnavailable when it cannot be written. Default: a store that keeps none."""
+        from ..errors import GateUnavailable
+
+        raise GateUnavailable(f"the {self.kind} store keeps no values with its lanes")
+
     # -- the lock -----------------------------------------------------------------------------------
     @abstractmethod
     def open(self, lane, *, create: bool = True) -> LockHandle:

@@ -116,6 +116,36 @@ class FlockStore(LaneStore):
                 "detail": (f"flock(2) under {self.root.path}: a holder's lane frees the moment "
                            "its process ends, even on kill -9")}
 
+    # -- values kept with the lanes (kept.py) --------------------------------------------------------
+    def kept(self, name: str):
+        from . import kept
+
+        try:
+            dir_fd = open_root(self.root, create=False)
+        except FileNotFoundError:
+            return None
+        try:
+            return kept.read(dir_fd).get(name)
+        except kept.Untrusted as why:
+            raise GateUnavailable(f"{self.path(kept.NAME)}: {why}") from None
+        except OSError as error:
+            raise GateUnavailable(f"cannot read {self.path(kept.NAME)}: "
+                                  f"{error.strerror or error}") from None
+        finally:
+            os.close(dir_fd)
+
+    def keep(self, name: str, value) -> None:
+        from . import kept
+
+        dir_fd = open_root(self.root, create=True)
+        try:
+            kept.write(dir_fd, name, value)
+        except OSError as error:
+            raise GateUnavailable(f"cannot keep {name} in {self.path(kept.NAME)}: "
+                                  f"{error.strerror or error}") from None
+        finally:
+            os.close(dir_fd)
+
     def open(self, lane, *, create: bool = True) -> Handle:
         """A handle on the lane's lock file. Raises GateUnavailable; with create=False a missing
         root or lock file gives a handle that does not exist (nobody can hold it)."""
