@@ -10,16 +10,20 @@ seconds; with "stream": true it streams --tokens server-sent events (OpenAI chun
 [DONE]) one every --token-interval seconds, and stops when the client hangs up, as llama-server
 does. The server records how many generations were in flight at once: GET /stats gives
 {"max_in_flight", "total", "in_flight", "hangups", "paths"}, and besides them "generations" (the
-last 200: {"id", "path", "started", "ended", "decoded"}, wall-clock seconds, "ended" null while
-in flight, "decoded" the tokens it decoded),
+last 200: {"id", "path", "started", "ended", "decoded", "slot", "id_slot"}, wall-clock seconds,
+"ended" null while in flight, "decoded" the tokens it decoded, "slot" the slot that served it
+(null: it was never given one), "id_slot" the slot its request named, or null),
 "account_gets" (how many GETs reached the engine's account endpoints below) and "loads" (models a
 llama-swap stand-in was asked to load). POST /stats/reset clears them. Loopback only, by design.
 
 The engine's own account of its work
 ------------------------------------
-Every generation in flight takes one of --parallel slots while one is free; the ones beyond are
-queued (the stand-in still serves them at once, for its contention record, but its account shows
-them waiting, as an engine that queues them would). Each has a task id (counting up, shared with
+Every generation in flight takes one of --parallel slots while one is free (the first free one);
+the ones beyond are queued (the stand-in still serves them at once, for its contention record, but
+its account shows them waiting, as an engine that queues them would). A request whose body names
+a slot ("id_slot": N, 0 <= N < --parallel; any other value lets the engine choose, as
+llama-server does) takes that slot, and while it is busy waits for it, as llama-server defers it;
+a slot freed goes to the first queued request that named it or named none. Each has a task id (counting up, shared with
 llama-server's own account requests, as there), a start and a count of decoded tokens (a stream's
 events sent so far). --kind says in which engine's words the account is given:
 
@@ -34,7 +38,11 @@ events sent so far). --kind says in which engine's words the account is given:
                     task_prev) and context, with n_decoded 0 and n_remain -1: only
                     is_processing tells a busy slot (as a real llama-server answered: 165
                     context tokens after a 38-token prompt and 128 generated).
-                    ?fail_on_no_slot=1 answers 503 when none is idle. --no-slots: 501
+                    ?fail_on_no_slot=1 answers 503 when none is idle. GET /props: the
+                    fields of llama-server's that matter here, "total_slots" its --parallel,
+                    "default_generation_settings" {"params", "n_ctx"}, "model_alias",
+                    "endpoint_slots", "endpoint_metrics", "build_info". POST /completion's
+                    answer says "id_slot", the slot that served it. --no-slots: 501
                     {"error": {"code": 501, "message": ..., "type": "not_supported_error"}}. GET /metrics only with --metrics (else 501 the same
                     way): Prometheus text, llamacpp:prompt_tokens_total, ...,
                     llamacpp:requests_processing and llamacpp:requests_deferred (gauges).
@@ -54,11 +62,13 @@ events sent so far). --kind says in which engine's words the account is given:
   vllm              GET /metrics: vllm:num_requests_running and vllm:num_requests_waiting
                     {model_name="NAME",engine="0"} (vLLM V1's labels), with
                     vllm:kv_cache_usage_perc and the token counters; /slots: 404 {"detail": "Not
-                    Found"}.
+                    Found"}; /server_info 404 too (vLLM serves it only with
+                    VLLM_SERVER_DEV_MODE=1).
   sglang            GET /metrics: sglang:num_running_reqs and sglang:num_queue_reqs
                     {model_name="NAME",engine_type="unified",tp_rank="0",pp_rank="0"}, with
-                    sglang:token_usage, sglang:gen_throughput and the token counters; /slots: 404
-                    {"detail": "Not Found"}.
+                    sglang:token_usage, sglang:gen_throughput and the token counters; GET
+                    /server_info and /get_server_info: its server arguments with
+                    "max_running_requests" = --parallel; /slots: 404 {"detail": "Not Found"}.
   ollama            GET /api/ps: {"models": [{"name", "model", "size", "digest", "details",
                     "expires_at", "size_vram", "context_length"}]}: the loaded model, nothing of
                     the work in flight. GET /: "Ollama is running". /slots, /metrics: 404 "404 page
@@ -73,7 +83,8 @@ events sent so far). --kind says in which engine's words the account is given:
 llama-swap, vLLM, SGLang and Ollama do not run here: those kinds are their documented shapes (from
 their source and documentation), served by this stand-in, not the real servers; only llama.cpp's
 can be checked against a real llama-server (scripts/real-backend). --slow SECONDS makes every
-account GET (/slots, /metrics, /running, /upstream/..., /api/ps) wait that long before it answers.
+account GET (/slots, /props, /metrics, /running, /upstream/..., /api/ps, /server_info) wait that
+long before it answers.
 GET /health stays {"status": "ok"} for every kind.
 """
 
@@ -97,9 +108,10 @@ class Generation:
     """One generation as the engine's account sees it."""
 
     __slots__ = ("id", "path", "started", "ended", "t0", "stream", "n_predict", "events",
-                 "final", "slot")
+                 "final", "slot", "wanted")
 
-    def __init__(self, task_id: int, path: str, stream: bool, n_predict: int):
+    def __init__(self, task_id: int, path: str, stream: bool, n_predict: int,
+                 wanted: int | None = None):
         self.id = task_id
         self.path = path
         self.started = time.time()
@@ -110,6 +122,7 @@ class Generation:
         self.events = 0                # a stream's events sent so far
         self.final: int | None = None  # the decoded count, frozen when it ends
         self.slot: int | None = None   # None: queued (deferred)
+        self.wanted = wanted           # the slot its request named (id_slot), None: any
 
     def decoded(self, delay: float) -> int:
         """Tokens decoded so far: a stream's events sent; a plain answer 3 over its delay."""
@@ -123,7 +136,8 @@ class Generation:
 
     def record(self) -> dict:
         return {"id": self.id, "path": self.path, "started": self.started, "ended": self.ended,
-                "decoded": self.final if self.final is not None else self.events}
+                "decoded": self.final if self.final is not None else self.events,
+                "slot": self.slot, "id_slot": self.wanted}
 
 
 PROMPT_TOKENS = 12     # what every request's prompt counts in the account
@@ -132,6 +146,7 @@ PROMPT_TOKENS = 12     # what every request's prompt counts in the account
 class Counter:
     def __init__(self, parallel: int = 1):
         self.lock = threading.Lock()
+        self.seated = threading.Condition(self.lock)   # a queued generation got its slot
         self.in_flight = self.max_in_flight = self.total = 0
         self.hangups = 0          # generations the client abandoned mid-way
         self.paths: list[str] = []   # the paths generations were asked on, in order
@@ -167,17 +182,37 @@ class Counter:
             self.last_task += 1
             return self.last_task
 
-    def begin(self, path: str, stream: bool = False, n_predict: int = -1) -> Generation:
-        """A generation arrives (after enter()): a free slot, or the queue."""
+    def begin(self, path: str, stream: bool = False, n_predict: int = -1,
+              id_slot=None) -> Generation:
+        """A generation arrives (after enter()): the slot it names (id_slot, as llama-server
+        reads it: an int in range, anything else lets the engine choose) if free, else the
+        first free slot, else the queue."""
         with self.lock:
             self.last_task += 1
-            generation = Generation(self.last_task, path, stream, n_predict)
+            wanted = id_slot if isinstance(id_slot, int) and not isinstance(id_slot, bool) \
+                and 0 <= id_slot < self.parallel else None
+            generation = Generation(self.last_task, path, stream, n_predict, wanted)
             self.generations.append(generation)
-            if None in self.slots:
+            if wanted is not None:
+                if self.slots[wanted] is None:
+                    self._seat(generation, wanted)
+                else:
+                    self.waiting.append(generation)
+            elif None in self.slots:
                 self._seat(generation, self.slots.index(None))
             else:
                 self.waiting.append(generation)
             return generation
+
+    def wait_seated(self, generation: Generation, timeout: float = 600.0) -> bool:
+        """Until a generation pinned to a busy slot has it, as llama-server defers a request
+        whose id_slot is busy until that slot is free (a real llama-server started the second
+        of two requests naming slot 0 when the first ended). Unpinned queued generations are
+        served at once (the contention record), their account still showing them deferred."""
+        with self.lock:
+            if generation.wanted is None:
+                return True
+            return self.seated.wait_for(lambda: generation.slot is not None, timeout)
 
     def _seat(self, generation: Generation, slot: int) -> None:
         generation.slot = slot
@@ -199,8 +234,13 @@ class Counter:
                 return
             self.slots[slot] = None
             self.previous[slot] = generation
-            if self.waiting:
-                self._seat(self.waiting.popleft(), slot)
+            # The first in the queue that may take this slot: any, or one that named it.
+            for waiter in self.waiting:
+                if waiter.wanted in (None, slot):
+                    self.waiting.remove(waiter)
+                    self._seat(waiter, slot)
+                    self.seated.notify_all()
+                    break
 
     def account_get(self) -> None:
         with self.lock:
@@ -258,7 +298,8 @@ KINDS = ("llama.cpp", "llama.cpp-legacy", "llama-swap", "vllm", "sglang", "ollam
          "odd", "redirect", "plain")
 
 # The engine's account of its work: the GETs a witness asks (and /upstream/...).
-ACCOUNT = ("/slots", "/metrics", "/running", "/api/ps")
+ACCOUNT = ("/slots", "/metrics", "/running", "/api/ps", "/props", "/server_info",
+           "/get_server_info")
 
 N_CTX = 4096
 ELSEWHERE = "http://127.0.0.1:1/elsewhere"
@@ -432,6 +473,29 @@ def ollama_ps(name: str) -> dict:
         "expires_at": expires.isoformat(), "size_vram": size, "context_length": N_CTX}]}
 
 
+def llama_props(name: str, parallel: int, slots: bool, metrics: bool) -> dict:
+    """GET /props as llama-server gives it (the fields that matter; a real one has more):
+    total_slots is its --parallel, n_ctx each slot's context."""
+    params = slot_params(Generation(-1, "", False, -1))
+    return {"default_generation_settings": {"params": params, "n_ctx": N_CTX},
+            "total_slots": parallel, "model_alias": name, "model_path": f"{name}.gguf",
+            "modalities": {"vision": False, "video": False, "audio": False},
+            "endpoint_slots": slots, "endpoint_props": False, "endpoint_metrics": metrics,
+            "chat_template": "{% for message in messages %}{{ message['content'] }}{% endfor %}",
+            "bos_token": "<s>", "eos_token": "</s>", "build_info": "b0-stand-in",
+            "is_sleeping": False}
+
+
+def sglang_server_info(name: str, parallel: int) -> dict:
+    """GET /server_info (and the deprecated /get_server_info) as SGLang gives it: its server
+    arguments, resolved, with the scheduler's figures and internal states (a few of many)."""
+    return {"model_path": name, "served_model_name": name, "max_running_requests": parallel,
+            "max_total_tokens": None, "context_length": N_CTX, "schedule_policy": "fcfs",
+            "max_total_num_tokens": N_CTX * parallel, "max_req_input_len": N_CTX - 1,
+            "internal_states": [{"last_gen_throughput": 0.0, "memory_usage": {}}],
+            "version": "0.5.23", "frontend": "python"}
+
+
 def llama_swap_running(name: str, port: int) -> dict:
     """GET /running as llama-swap gives it (listRunningProcessesHandler: ready processes)."""
     return {"running": [{"model": name, "state": "ready",
@@ -516,7 +580,9 @@ def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in", token
             if kind == "llama-swap":
                 return self._llama_swap(path, query)
             if kind in ("vllm", "sglang"):
-                if path != "/metrics":
+                if kind == "sglang" and path in ("/server_info", "/get_server_info"):
+                    return self._send(200, sglang_server_info(name, counter.parallel))
+                if path != "/metrics":   # vLLM's /server_info: only with VLLM_SERVER_DEV_MODE=1
                     return self._send(404, FASTAPI_404)
                 account = counter.account(delay)
                 text = (vllm_metrics if kind == "vllm" else sglang_metrics)(account, name)
@@ -545,6 +611,9 @@ def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in", token
                 counter.task_id()
                 return self._send(200, llama_metrics(counter.account(delay)),
                                   "text/plain; version=0.0.4")
+            if path == "/props":
+                return self._send(200, llama_props(name, counter.parallel, slots, metrics),
+                                  JSON_UTF8)
             if path in ("/health", "/v1/health"):
                 return self._send(200, {"status": "ok"}, JSON_UTF8)
             if path in ("/v1/models", "/models"):
@@ -642,8 +711,10 @@ def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in", token
             stream = bool(request.get("stream"))
             count = request.get("max_tokens") or request.get("n_predict")
             generation = counter.begin(path, stream,
-                                       count if isinstance(count, int) and count > 0 else -1)
+                                       count if isinstance(count, int) and count > 0 else -1,
+                                       request.get("id_slot"))
             try:
+                counter.wait_seated(generation)
                 if stream:
                     return self._stream(path, request, generation)
                 finished = self._generate(delay)
@@ -655,8 +726,9 @@ def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in", token
                 return None
             text = f"answer from {name}"
             usage = {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}
-            if path == "/completion":   # llama.cpp's native shape
-                return self._send(200, {"content": text, "stop": True, "model": name})
+            if path == "/completion":   # llama.cpp's native shape, with the slot that served it
+                return self._send(200, {"content": text, "stop": True, "model": name,
+                                        "id_slot": generation.slot})
             if path in ("/v1/completions", "/completions"):
                 return self._send(200, {"object": "text_completion", "model": name, "usage": usage,
                                         "choices": [{"index": 0, "text": text,
