@@ -51,6 +51,30 @@ def slot_count(url: str, timeout: float = engine_account.TIMEOUT, model: str | N
         raise CannotTell(str(error)) from None   # down, too slow, a redirect
 
 
+def auto_count(place) -> int:
+    """`lanelock seats auto`: the slot count of the engine a lane's backend names, as a seat
+    count. GateUnavailable (exit 69), in one line, when the engine cannot tell or says more than
+    a lane can seat; the lane's kept count is then left as it was."""
+    from .errors import GateUnavailable
+    from .seat_count import MOST
+    from .witness import engine_url
+
+    lane = place.lane
+    url = engine_url(lane)
+    if url is None:
+        raise GateUnavailable(f"cannot tell the seats of {lane.name} from its engine: it is on "
+                              "another machine; set a count")
+    try:
+        count = slot_count(url, model=lane.model)
+    except CannotTell as error:
+        raise GateUnavailable(f"cannot tell the seats of {lane.name} from its engine: "
+                              f"{error}") from None
+    if count > MOST:
+        raise GateUnavailable(f"the engine of {lane.name} serves {count} at once, more than the "
+                              f"{MOST} seats a lane has; set a count")
+    return count
+
+
 def _ask(asker: "_Asker", model: str | None) -> int:
     status, running = asker.json("/running")
     if status == 200 and isinstance(running, dict) and isinstance(running.get("running"), list):
