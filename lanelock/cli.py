@@ -105,7 +105,7 @@ def run_options(function):
 
 
 def make_gate(backend, lock_dir, model, key_by, gate=None, grace=None, warn=None, store=None,
-              settings=None, reading=False):
+              settings=None, reading=False, **place):
     """The Gate of the lane the flags name; reading: only its Place (place.py), for a command
     that reads the lane and takes no turn."""
     from .errors import UsageProblem
@@ -116,7 +116,7 @@ def make_gate(backend, lock_dir, model, key_by, gate=None, grace=None, warn=None
     else:
         from .gate import Gate as Kind
     try:
-        kwargs = {"warn": warn} if warn else {}
+        kwargs = {"warn": warn, **place} if warn else place
         return Kind(backend, model=model, key_by=key_by, lock_dir=lock_dir, gate=gate,
                     grace=grace, store=store, settings=settings, **kwargs)
     except (BackendError, UsageProblem) as error:
@@ -225,7 +225,12 @@ def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
         except KeyboardInterrupt:
             return exitcodes.OK
     results = fetch()
+    from .models_command import add_to_status, status_lines
+
+    shown = add_to_status(gate.store, results)
     render.status(results, json_, notes=notes, none=no_lanes(gate))
+    if shown and not json_:
+        sys.stdout.write(status_lines(shown))
     ungated = broken or (gate.gated or all_lanes) and any(
         result["gate"] == "unavailable" for result in results)
     return exitcodes.GATE_UNAVAILABLE if ungated else exitcodes.OK
@@ -259,6 +264,46 @@ def _other_keyings(place) -> list[str]:
     listed = ", ".join(f"{lane['lane']} ({lane['state']})" for lane in others)
     return [f"the same backend has lanes keyed another way (--key-by), each its own gate that "
             f"does not exclude this one: {listed}"]
+
+
+@cli.command(context_settings=CONTEXT)
+@lane_options
+@click.option("--json", "json_", is_flag=True, help="Print the count as JSON.")
+@click.argument("count", required=False)
+def seats(backend, lock_dir, model, key_by, store, json_, count):
+    """How many turns may hold the lane at once: print it, or set it to COUNT (1-256, or auto:
+    the engine's own slot count). Kept with the lane, so every process reads the same one."""
+    from . import seat_count
+    from .errors import GateUnavailable, UsageProblem
+    from .inspection import render
+
+    try:
+        wanted = None if count is None else seat_count.parse(count)
+    except UsageProblem as error:
+        raise click.UsageError(str(error)) from None
+    place = strict_place(backend, lock_dir, model, key_by, store=store)
+    if not place.gated:
+        raise click.UsageError(f"{place.lane.name} is not a local lane: its turns are never "
+                               "gated, it has no seats")
+    try:
+        if wanted is None:
+            result = {"lane": place.lane.name, "seats": seat_count.read(place)}
+        else:
+            if wanted == "auto":
+                from .engine_slots import auto_count
+
+                wanted = auto_count(place)   # GateUnavailable: the engine cannot tell
+            result = seat_count.set_count(place, wanted)
+    except GateUnavailable as error:
+        render.fail(str(error))
+        return exitcodes.GATE_UNAVAILABLE
+    if json_:
+        render.emit_json(result)
+    elif count is None:
+        click.echo(result["seats"])
+    else:
+        click.echo(seat_count.words(result))
+    return exitcodes.OK
 
 
 @cli.command(context_settings=CONTEXT)
@@ -413,6 +458,7 @@ def watch(backend, lock_dir, model, key_by, store, engine, interval, quiet):
 @click.option("--token-env", metavar="VAR", default=None,
               help="Require 'Authorization: Bearer $VAR' on every request (needed to listen "
                    "beyond loopback).")
+@setting_option("key_by")
 @setting_option("store")
 @setting_option("lock_dir")
 @click.option("--no-witness", "no_witness", is_flag=True,
@@ -437,7 +483,7 @@ def watch(backend, lock_dir, model, key_by, store, engine, interval, quiet):
 def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fallback_timeout,
           fallback_pass_auth, proxy_wait, proxy_max_wait, proxy_priority, max_priority,
           proxy_linger, proxy_session_header,
-          token_env, store, lock_dir, no_witness, engine, witness_interval, max_connections, header_timeout,
+          token_env, key_by, store, lock_dir, no_witness, engine, witness_interval, max_connections, header_timeout,
           idle_timeout, quiet, verbose):
     """Serve the lane to HTTP clients: a loopback proxy that holds the lane per generation request.
 
@@ -460,11 +506,15 @@ def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fa
 
     say = Say(quiet)
     settings = Settings({"backend": backend, "store": store, "lock_dir": lock_dir or None,
+                         "key_by": key_by,
                          "proxy_wait": proxy_wait, "proxy_max_wait": proxy_max_wait,
                          "proxy_priority": proxy_priority, "proxy_listen": proxy_listen,
                          "proxy_linger": proxy_linger,
                          "proxy_session_header": proxy_session_header})
-    gate = strict_gate(None, None, None, None, settings=settings, warn=say.warn)
+    # With lanes keyed by model, each request's own model keys its lane (proxy/per_lane.py):
+    # a proxy started with no model of its own is no mistake, and says nothing of it.
+    gate = strict_gate(None, None, None, None, settings=settings, warn=say.warn,
+                       no_model_said=True)
     try:
         entries = [parse_fallback(text) for text in fallbacks]
     except ValueError as error:
@@ -492,6 +542,34 @@ def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fa
     except UsageProblem as error:
         raise click.UsageError(str(error)) from None
     return asyncio.run(serve(app, host, port, say))
+
+
+@cli.command(context_settings=CONTEXT)
+@setting_option("store")
+@setting_option("lock_dir")
+@setting_option("backend")
+@click.option("--json", "json_", is_flag=True, help="Print the map as JSON.")
+@click.argument("words", nargs=-1, metavar="[share LANE MODEL... | unshare MODEL...]")
+def models(backend, lock_dir, store, json_, words):
+    """Which models of the backend share a lane, with lanes keyed by model (--key-by model).
+
+    Models that swap on one GPU share a lane; models on two GPUs do not. `share LANE MODEL...`
+    puts models on the lane BACKEND#LANE, `unshare MODEL...` gives each its own again. Kept with
+    the lanes: every process, HOME and user reads the same map. Exit 0; 2 on a usage error; 69
+    when the store cannot keep or read it.
+    """
+    from .errors import GateUnavailable, UsageProblem
+    from .models_command import command
+    from .say import error
+
+    place = strict_place(backend, lock_dir, None, None, store=store, no_model_said=True)
+    try:
+        return command(place, list(words), json_)
+    except UsageProblem as problem:
+        raise click.UsageError(str(problem)) from None
+    except GateUnavailable as problem:
+        error(str(problem))
+        return exitcodes.GATE_UNAVAILABLE
 
 
 @cli.group(context_settings=CONTEXT)

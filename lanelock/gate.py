@@ -52,23 +52,27 @@ class Gate(Place):
     def __init__(self, backend: str | None = None, *, model: str | None = None,
                  key_by: str | None = None, lock_dir: str | None = None, gate: bool | None = None,
                  grace: float | None = None, store: str | None = None, warn=say.warn,
-                 settings: Settings | None = None, lane_store=None, priority: str | None = None):
+                 settings: Settings | None = None, lane_store=None, priority: str | None = None,
+                 no_model_said: bool = False):
         check_arguments({"priority": priority})
         super().__init__(backend, model=model, key_by=key_by, lock_dir=lock_dir, gate=gate,
                          grace=grace, store=store, warn=warn, settings=settings,
-                         lane_store=lane_store)
+                         lane_store=lane_store, no_model_said=no_model_said)
         self.grace = float(self.settings.get("grace"))
         self.priority = class_named(priority) or self.settings.get("priority")
         self.journal_max_bytes = self.settings.get("journal_max_bytes")
 
-    def sibling(self, backend: str, model: str | None = None) -> "Gate":
+    def sibling(self, backend: str, model: str | None = None,
+                no_model_said: bool = False) -> "Gate":
         """The gate of another backend's lane (a fallback engine), read with this gate's settings:
         the same files, lock root and store, so both lanes live side by side. BackendError or
         UsageProblem for a malformed backend."""
         flags = self.settings.flags
         return Gate(settings=self.settings.derive(
-            backend=backend, model=model, lock_dir=flags.get("lock_dir"), store=flags.get("store")),
-            warn=self.warn, lane_store=self._own_store, priority=self.priority)
+            backend=backend, model=model, lock_dir=flags.get("lock_dir"), store=flags.get("store"),
+            key_by=flags.get("key_by")),
+            warn=self.warn, lane_store=self._own_store, priority=self.priority,
+            no_model_said=no_model_said)
 
     def turn(self, *, session: str | None = None, model: str | None = None,
              argv: list[str] | None = None, wait: float | None = 0.0,
@@ -173,6 +177,12 @@ class Turn:
         return self.record.fence
 
     @property
+    def seat(self) -> int | None:
+        """The lane's seat this held turn holds (1..the lane's seat count; LANELOCK_SEAT), or
+        None when it holds none (deflected, ungated, nested in another turn)."""
+        return self.record.seat if self.state == HELD and not self.nested else None
+
+    @property
     def ungated(self) -> float:
         """Seconds this held turn's lane was lost before it took it back."""
         return self.record.ungated
@@ -204,6 +214,8 @@ class Turn:
         if self.state == HELD and self.token is not None:
             env[handover.VARIABLE] = handover.with_token(inherited, self.token)
             env["LANELOCK_HELD"] = self.lock_path   # which lock, for the command's own use
+            if self.record.seat is not None:   # which seat: the engine's slot, when pinned
+                env["LANELOCK_SEAT"] = str(self.record.seat)
             if self.fence is not None:   # for a tool that refuses a stale holder's requests
                 env["LANELOCK_FENCE"] = str(self.fence)
         elif inherited:

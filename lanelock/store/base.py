@@ -97,14 +97,20 @@ class LockHandle:
                  it: a thread entering a turn it already holds must not lock twice)
       caveat  -- a warning about this store the turn says once (a root on NFS), or None
 
+      seats   -- the lane's seat count as read when opened: up to that many turns hold the
+                 lane at once (1: the lane's one lock, as ever)
+      seat    -- the seat (1..seats) the handle is on: the one it holds once locked
+
     and one the gate sets after open(): asker, {session, hostname} of the turn, for a store that
-    shows its waiters (`status`'s queue). close() frees whatever the handle holds (release()
-    calls it)."""
+    shows its waiters (`status`'s queue) and picks a session's seat. close() frees whatever the
+    handle holds (release() calls it)."""
 
     exists = True
     ident: tuple = ()
     caveat: str | None = None
     asker: dict | None = None
+    seats = 1
+    seat = 1
 
     def close(self) -> None:
         pass
@@ -146,6 +152,11 @@ class LaneStore(ABC):
         set. GateUnavailable when it cannot be read (or is not to be believed). Default: a
         store that keeps none."""
         return None
+
+    def seat_count(self, lane) -> int:
+        """The lane's seat count, as a turn reads it (1 when none is kept or it cannot be
+        read: one seat can only make a turn wait, never run beside one too many)."""
+        return 1
 
     def keep(self, name: str, value) -> None:
         """Keep value under name (None: forget it) for every process that reads this store.

@@ -45,6 +45,8 @@ class TurnRecord:
         self.ungated = 0.0     # seconds the lane was lost before the turn took it back
         self.lost_at: float | None = None   # time.time() the lane was lost, while not back
         self.lost_for_good = False   # the store ended the session itself: never taken back
+        self.seat: int | None = None   # the seat held (1..seats), once held
+        self.seats = 1                 # the lane's seat count when it was taken
         self._argv_fields: dict | None = None
         self._unjournaled: tuple = ()   # a held turn's events the journal had no room for
 
@@ -56,11 +58,18 @@ class TurnRecord:
             lane=self.gate.lane, session=self.session, model=self.model, argv=self._argv_fields,
             acquired_at=self.acquired_at, acquired_monotonic=self.started, turn=self.token,
             stopped_at=self.stopped_at, labels=self.labels, command=self.command)
+        if self.seated:   # which of the lane's seats (a one-seat lane's records stay as ever)
+            record.update(seat=self.seat, seats=self.seats)
         if self.ungated:   # the lane was lost (a store restart) and taken back: for how long
             record["ungated_seconds"] = round(self.ungated, 3)
         if self.took_over is not None:   # from a turn that never let go: it may run on
             record["took_over"] = self.took_over
         return record
+
+    @property
+    def seated(self) -> bool:
+        """Held on a lane of more than one seat (or a seat past one: a count made smaller)."""
+        return self.seat is not None and (self.seats > 1 or self.seat > 1)
 
     def write(self, handle) -> None:
         """The holder record as it stands now."""
@@ -78,6 +87,7 @@ class TurnRecord:
                 "monotonic": round(time.monotonic(), 6),
                 "lane": self.gate.lane.name, "pid": os.getpid(), "session": self.session,
                 "model": self.model, **({"turn": self.token} if self.token else {}),
+                **({"seat": self.seat, "seats": self.seats} if self.seated else {}),
                 **self.labels, **extra}
 
     def log(self, handle, held: bool, *events: dict) -> None:
@@ -124,6 +134,7 @@ class TurnRecord:
         let go. The record is written before the caller runs anything: whoever sees the command
         running must also find who runs it."""
         self.took_over = taken_from(getattr(handle, "unreleased", None), self.token)
+        self.seat, self.seats = handle.seat, handle.seats
         self.write(handle)
         self.fence = getattr(handle, "fence", None)
         # Who holds, precisely enough for `history` to tell a live turn from a killed one.

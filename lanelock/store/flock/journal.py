@@ -133,7 +133,8 @@ def _cut(value, limit: int):
 
 def open_for_append(dir_fd: int, name: str, max_bytes: int) -> int:
     """A descriptor for a holder's events, rotating first when the journal is past max_bytes.
-    Only a holder calls this, so only one process ever rotates at a time."""
+    Only the holder of a lane's seat 1 calls it with a limit, so only one process ever rotates
+    at a time."""
     fd = _open(dir_fd, name)
     if os.fstat(fd).st_size < max_bytes:
         return fd

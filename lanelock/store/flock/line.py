@@ -32,12 +32,16 @@ class FlockLine(Line):
 
     # -- the lane's own lock ---------------------------------------------------------------------------
     def lock(self, timeout: float | None, cancel=None) -> bool:
+        if self.handle.seated:   # any of the lane's seats
+            return self.store.wait_seat(self.handle, timeout, cancel)
         try:   # a zero timeout: one try without blocking (waiting.wait)
             return waiting.wait(self.handle, timeout, cancel)
         except OSError as error:
             return self.store.contended(self.handle, error)
 
     async def lock_async(self, timeout: float | None) -> bool:
+        if self.handle.seated:
+            return await self.store.wait_seat_async(self.handle, timeout)
         if timeout is not None and timeout <= 0:
             return self.store.try_lane_lock(self.handle)
         try:

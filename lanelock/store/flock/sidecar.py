@@ -112,7 +112,8 @@ def _replace(dir_fd: int, name: str, data: bytes) -> Written:
     if st is not None and not stat.S_ISREG(st.st_mode):
         kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
         raise SidecarError(errno.EPERM, f"{name} is {kind}; not writing through it")
-    temp = f".{name}.{os.getpid()}.tmp"
+    folder, _, base = name.rpartition("/")   # a seat's record lives in the seats folder
+    temp = f"{folder}/.{base}.{os.getpid()}.tmp" if folder else f".{name}.{os.getpid()}.tmp"
     try:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FLAGS, 0o600, dir_fd=dir_fd)
     except FileExistsError:

@@ -25,7 +25,7 @@ from ...errors import GateCrowded, GateUnavailable, RecordNotWritten, crowded
 from ...paths import UNGATED, Root, creation_problem, open_root
 from ...priority import CLASSES, DEFAULT_AGING, DEFAULT_RANK
 from .. import order, outlived
-from . import interrupt, journal, queue, sidecar, waiting
+from . import interrupt, journal, queue, seats, sidecar, waiting
 from .line import FlockLine
 from ..base import LaneStore, LockHandle
 
@@ -35,7 +35,8 @@ _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a planted FI
 
 class Handle(LockHandle):
     __slots__ = ("dir_fd", "fd", "name", "st", "caveat", "stem", "journal_fd", "record", "locked",
-                 "queue", "asker", "outlived", "refused", "split")
+                 "queue", "asker", "outlived", "refused", "split", "seat", "seats", "past",
+                 "lane_st")
 
     def __init__(self, dir_fd: int, fd: int | None, name: str, st: os.stat_result | None,
                  caveat: str | None = None, stem: str = ""):
@@ -50,6 +51,11 @@ class Handle(LockHandle):
         self.outlived = None   # a killed turn's command, still running (outlived.Command)
         self.refused: str | None = None   # why a file planted at the lock's name is not locked
         self.split: tuple | None = None   # (pid, inode): a live holder of the removed lock file
+        # The seat the handle is on (its lock file: name), the lane's count read at open(), the
+        # seats past it whose files exist (held ones count against it: seats.py), and seat 1's
+        # lock file (the lane's identity, whichever seat is held).
+        self.seat, self.seats, self.past = 1, 1, ()
+        self.lane_st: os.stat_result | None = None
 
     @property
     def exists(self) -> bool:
@@ -57,8 +63,19 @@ class Handle(LockHandle):
 
     @property
     def ident(self) -> tuple:
-        # The inode, which every spelling of the lane shares.
-        return ("flock", self.st.st_dev, self.st.st_ino) if self.st is not None else ()
+        # Seat 1's inode, which every spelling of the lane shares, whichever seat is held.
+        st = self.lane_st or self.st
+        return ("flock", st.st_dev, st.st_ino) if st is not None else ()
+
+    @property
+    def seated(self) -> bool:
+        """More than the lane's one lock to think of: seats, or seats past the count."""
+        return self.seats > 1 or bool(self.past)
+
+    @property
+    def record_name(self) -> str:
+        """The holder record of the seat the handle is on."""
+        return seats.record_name(self.name)
 
     def close(self) -> None:
         # The lock's descriptor first: closing it lets the next turn in; the rest can follow.
@@ -89,6 +106,7 @@ class FlockStore(LaneStore):
         self.journal_max_bytes = journal_max_bytes or journal.DEFAULT_MAX_BYTES
         self.aging = priority_aging
         self._caveat_checked: str | None = None
+        self._seats_warned = False
         self._queue_warned = False
         # The signal that calls an abandoned kernel wait off (interrupt.py) can be handled only
         # if installed from the main thread: a gate is usually built there, its turns may wait
@@ -164,6 +182,8 @@ class FlockStore(LaneStore):
                 self._caveat_checked = self.root.path
                 handle.caveat = network_caveat(self.root.path, os.fstat(dir_fd))
             self._open_file(handle, create)
+            handle.lane_st = handle.st
+            self._count_seats(handle, lane)
         except GateUnavailable:
             handle.close()
             raise
@@ -172,6 +192,162 @@ class FlockStore(LaneStore):
             kind = GateCrowded if crowded(error) else GateUnavailable
             raise kind(f"cannot open {self.path(handle.name)}: {error.strerror}") from None
         return handle
+
+    # -- seats (seats.py): up to the lane's count of turns hold it at once ------------------------------
+    def _count_seats(self, handle: Handle, lane) -> None:
+        """The lane's seat count and the seats past it that exist, read as the turn opens the
+        lane. A count that cannot be read or believed is said once and taken as 1: fewer seats
+        can only make a turn wait longer, never run beside one too many."""
+        from . import kept
+
+        try:
+            values = kept.read(handle.dir_fd)
+        except (kept.Untrusted, OSError) as why:
+            if not self._seats_warned:
+                self._seats_warned = True
+                self.warn(f"{self.path(kept.NAME)}: {getattr(why, 'strerror', None) or why}; "
+                          "taking every lane as one seat")
+            values = {}
+        if not values:   # nothing was ever kept: no seats, no folder to look in
+            return
+        raw = values.get(seats.key(lane.name))
+        count = seats.count_of(raw)
+        if raw is not None and count is None and not self._seats_warned:
+            self._seats_warned = True
+            self.warn(f"{self.path(kept.NAME)}: {raw!r} is not a seat count; taking "
+                      f"{lane.name} as one seat")
+        handle.seats = count or 1
+        handle.past = tuple(seat for seat in seats.made(handle.dir_fd, lane.stem)
+                            if seat > handle.seats)
+
+    def seat_count(self, lane) -> int:
+        """The lane's seat count as a turn reads it (1 when none is kept)."""
+        try:
+            return seats.count_of(self.kept(seats.key(lane.name))) or 1
+        except GateUnavailable:
+            return 1
+
+    def _on_seat(self, handle: Handle, seat: int) -> None:
+        """Point the handle at the seat's lock file (opened, not locked)."""
+        if handle.seat == seat and (handle.fd is not None or handle.refused):
+            return
+        if handle.fd is not None:
+            os.close(handle.fd)
+        handle.fd, handle.st, handle.refused, handle.split = None, None, None, None
+        handle.seat, handle.name = seat, seats.lock_name(handle.stem, seat)
+        if seat > 1:
+            seats.make_folder(handle.dir_fd, handle.stem)
+        try:
+            self._open_file(handle, create=True)
+        except GateUnavailable:
+            raise
+        except OSError as error:
+            kind = GateCrowded if crowded(error) else GateUnavailable
+            raise kind(f"cannot open {self.path(handle.name)}: {error.strerror}") from None
+
+    def _too_many(self, handle: Handle) -> bool:
+        """Holding a seat, would this turn make more holders than the count? Only while seats
+        past the count are still held (a count made smaller under its holders)."""
+        past = [seat for seat in handle.past if seats.held(handle.dir_fd, handle.stem, seat)]
+        if not past:
+            return False
+        others = [seat for seat in range(1, handle.seats + 1)
+                  if seat != handle.seat and seats.held(handle.dir_fd, handle.stem, seat)]
+        return len(past) + len(others) + 1 > handle.seats
+
+    def _try_seats(self, handle: Handle) -> bool | None:
+        """One try of every seat, in the turn's order (seats.preference): True with the handle on
+        the seat taken (checked: really the seat's file), False when every one is held, None
+        when one was free but as many as the count hold (seats past it)."""
+        session = (handle.asker or {}).get("session")
+        for seat in seats.preference(handle.dir_fd, handle.stem, handle.seats, session):
+            self._on_seat(handle, seat)
+            for _ in range(order.AGAIN_TRIES):
+                ours = self.checked(handle, self.try_lane_lock(handle))
+                if ours is not None:
+                    break
+            else:
+                raise self.keeps_being_replaced(handle)
+            if ours:
+                if self._too_many(handle):
+                    self.hand_on(handle)
+                    return None
+                return True
+        return False
+
+    def wait_seat(self, handle: Handle, timeout: float | None, cancel=None) -> bool:
+        """Block until one of the lane's seats is this turn's (True, the handle on it: the caller
+        checks it, as a single lock's wait), timeout passes or cancel is set (False). Each look
+        tries every seat, then waits in the kernel on the seats that were held -- whichever
+        frees first wakes it."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            busy = self._seat_round(handle)
+            if busy is True:
+                return True
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            if not busy:
+                continue
+            opened = self._seat_files(handle, busy)
+            got = None
+            try:
+                got = waiting.wait_any(opened, left, cancel)
+            finally:
+                self._seat_waited(opened, got)
+            if got is None:
+                return False
+
+    async def wait_seat_async(self, handle: Handle, timeout: float | None) -> bool:
+        """wait_seat for an asyncio task (no thread of its own while it waits)."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            busy = self._seat_round(handle)
+            if busy is True:
+                return True
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            if not busy:
+                continue
+            opened = self._seat_files(handle, busy)
+            got = None
+            try:
+                got = await waiting.wait_any_async(opened, left)
+            finally:
+                self._seat_waited(opened, got)
+            if got is None:
+                return False
+
+    def _seat_round(self, handle: Handle):
+        """One look of a seat wait: True (a seat is the turn's), else the seats to wait on --
+        every one when all are held; when too many hold (seats past the count), the ones that
+        hold (a free seat would wake the wait at once, for nothing)."""
+        tried = self._try_seats(handle)
+        if tried:
+            return True
+        if tried is False:
+            return list(range(1, handle.seats + 1))
+        return [seat for seat in (*range(1, handle.seats + 1), *handle.past)
+                if seats.held(handle.dir_fd, handle.stem, seat)]
+
+    @staticmethod
+    def _seat_waited(opened: list, got: int | None) -> None:
+        """After a seat wait: a seat freed is let go again (the next look takes a seat in the
+        turn's order: a seat past the count is never taken, the freed one may be another
+        session's), and every file closed."""
+        if got is not None:
+            fcntl.flock(opened[got].fd, fcntl.LOCK_UN)
+        for seat_file in opened:
+            seat_file.close()
+
+    def _seat_files(self, handle: Handle, numbers: list) -> list:
+        return [_SeatFile(handle.dir_fd, seats.lock_name(handle.stem, seat)) for seat in numbers]
 
     def _open_file(self, handle: Handle, create: bool) -> None:
         """Open (or create) the lock file. Something planted at its name that cannot be locked
@@ -202,6 +378,9 @@ class FlockStore(LaneStore):
     # the new one is locked instead; a live turn still holding an old inode (its file replaced
     # under it) keeps the lane: we let go and say busy.
     def try_lock(self, handle: Handle, rank: int = DEFAULT_RANK) -> bool:
+        if handle.seated:
+            return bool(self._try_seats(handle)) and \
+                order.keep_free_lane(FlockLine(self, handle), rank)
         for _ in range(order.AGAIN_TRIES):
             ours = self.checked(handle, self.try_lane_lock(handle))
             if ours is not None:
@@ -312,7 +491,7 @@ class FlockStore(LaneStore):
             return False
         if self._current(handle):
             # The record, read only when its turn never released (the usual hand-off skips it).
-            record, _ = sidecar.read(self.names(handle.stem)["sidecar"], dir_fd=handle.dir_fd,
+            record, _ = sidecar.read(handle.record_name, dir_fd=handle.dir_fd,
                                      live_only=True)
             if self._orphan_holds(handle, record) or self._split_found(handle, record):
                 fcntl.flock(handle.fd, fcntl.LOCK_UN)
@@ -356,7 +535,7 @@ class FlockStore(LaneStore):
         from ...facts import boot_id, hostname
 
         try:
-            written = sidecar.write(handle.dir_fd, self.names(handle.stem)["sidecar"], {
+            written = sidecar.write(handle.dir_fd, handle.record_name, {
                 "schema": sidecar.SCHEMA, "pid": pid, "start_ticks": ticks, "boot_id": boot_id(),
                 "hostname": hostname(), "lock_inode": inode, "session": "?",
                 "argv": (proc.command_words(pid) or [])[:64],
@@ -429,7 +608,7 @@ class FlockStore(LaneStore):
         # status compares the inode with the file at the path: a replaced lock file is two gates.
         record = {**record, "lock_inode": handle.st.st_ino if handle.st else None}
         try:
-            handle.record = sidecar.write(handle.dir_fd, self.names(handle.stem)["sidecar"], record)
+            handle.record = sidecar.write(handle.dir_fd, handle.record_name, record)
         except OSError as error:
             raise RecordNotWritten(error.strerror or str(error)) from None
 
@@ -447,11 +626,13 @@ class FlockStore(LaneStore):
             return
         name = self.names(handle.stem)["journal"]
         if handle.locked and handle.journal_fd is None:
-            # A holder's first events: rotate if due (only a holder rotates, so two never race),
-            # and keep the descriptor for the turn's later events.
+            # A holder's first events: rotate if due (only seat 1's holder rotates, so two never
+            # race: two renames would put an empty journal over the old one), and keep the
+            # descriptor for the turn's later events.
             try:
-                handle.journal_fd = journal.open_for_append(handle.dir_fd, name,
-                                                            self.journal_max_bytes)
+                handle.journal_fd = journal.open_for_append(
+                    handle.dir_fd, name,
+                    self.journal_max_bytes if handle.seat == 1 else float("inf"))
             except OSError:
                 handle.journal_fd = None   # the append below reports the problem
         try:
@@ -585,3 +766,16 @@ def _unreadable(dir_fd: int, name: str) -> str:
     return f"is mode {stat.S_IMODE(st.st_mode):04o} of uid {st.st_uid}: other users cannot lock it"
 
 
+class _SeatFile:
+    """A seat's lock file opened to wait on (waiting.wait_any), never created here: a seat a
+    turn waits on exists (it was held)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, dir_fd: int, name: str):
+        self.fd = os.open(name, os.O_RDONLY | _OPEN, dir_fd=dir_fd)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

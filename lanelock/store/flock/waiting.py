@@ -332,3 +332,65 @@ class _Waiter:
             del type(self)._all[self.key]
         os.close(self.spare)
         self.left.set()
+
+
+# -- any of several locks (a lane's seats) ---------------------------------------------------------
+def wait_any(seats: list, timeout: float | None, cancel=None) -> int | None:
+    """Block up to timeout seconds (None: for ever) for an exclusive flock on any one of seats
+    (objects with .fd, each on a lock file of its own): the index of the one got, its lock now in
+    seats[i].fd; None when timeout passed or cancel (an Event) was set. A lock got beside it at
+    the same moment is let go at once. One _Waiter per file, as for a single lock: the kernel
+    wakes whichever seat frees first, nothing polls."""
+    import threading
+
+    event = cancel if cancel is not None else threading.Event()
+    slots = [_Slot(event) for _ in seats]
+    waiters = [_Waiter.join(seat, slot) for seat, slot in zip(seats, slots)]
+    event.wait(timeout)
+    return _claim_any(waiters, slots, seats)
+
+
+async def wait_any_async(seats: list, timeout: float | None) -> int | None:
+    """wait_any for an asyncio task: the waiter threads wake it through the event loop."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    woken = loop.create_future()
+    event = _LoopEvent(loop, woken)
+    slots = [_Slot(event) for _ in seats]
+    waiters = [_Waiter.join(seat, slot) for seat, slot in zip(seats, slots)]
+    try:
+        await asyncio.wait_for(asyncio.shield(woken), timeout)
+    except asyncio.TimeoutError:
+        pass
+    except asyncio.CancelledError:
+        got = _claim_any(waiters, slots, seats, call_off=False)
+        if got is not None:   # nobody will use it: the caller is gone
+            fcntl.flock(seats[got].fd, fcntl.LOCK_UN)
+        for waiter in waiters:
+            await _call_off(waiter)
+        raise
+    got = _claim_any(waiters, slots, seats, call_off=False)
+    for waiter in waiters:
+        await _call_off(waiter)
+    return got
+
+
+def _claim_any(waiters, slots, seats, call_off: bool = True) -> int | None:
+    got, failed = None, None
+    for index, (waiter, slot, seat) in enumerate(zip(waiters, slots, seats)):
+        try:
+            mine = _claim(waiter, slot, seat)
+        except OSError as error:
+            failed = error
+            continue
+        if not mine:
+            if call_off:
+                waiter.call_off()
+        elif got is None:
+            got = index
+        else:   # two seats freed at once: one is enough, the other is the next turn's
+            fcntl.flock(seat.fd, fcntl.LOCK_UN)
+    if got is None and failed is not None:
+        raise failed
+    return got

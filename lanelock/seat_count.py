@@ -1,0 +1,60 @@
+"""`lanelock seats`: a lane's seat count -- how many turns may hold it at once -- read or set.
+
+The count is the lane's, kept with it by its store (store.keep: the flock store's
+ROOT/kept.json, the PostgreSQL store's table), never a flag of one turn or a setting of one
+user: a cron turn under `env -i`, every HOME and every host read the same value, or there would
+be two gates. A smaller count evicts nobody: new turns wait until fewer hold.
+"""
+
+from __future__ import annotations
+
+from .errors import GateUnavailable, UsageProblem
+
+MOST = 256   # as the stores check it (store/flock/seats.py)
+
+
+def key(lane_name: str) -> str:
+    """The count's name among the values kept with the lanes."""
+    return "seats/" + lane_name
+
+
+def parse(text: str) -> int | str:
+    """A count from the command line: 1..MOST, or 'auto' (the engine's own slot count).
+    UsageProblem for anything else."""
+    spelled = text.strip().lower()
+    if spelled == "auto":
+        return "auto"
+    if spelled.isascii() and spelled.isdigit() and 1 <= int(spelled) <= MOST:
+        return int(spelled)
+    raise UsageProblem(f"seats must be a whole number from 1 to {MOST} or 'auto', not {text!r}")
+
+
+def read(place) -> int:
+    """The lane's count as every turn reads it (GateUnavailable when the store cannot say)."""
+    value = place.store.kept(key(place.lane.name))
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MOST:
+        raise GateUnavailable(f"the kept seat count of {place.lane.name} is {value!r}, not a "
+                              "count: turns take it as 1; set it again")
+    return value
+
+
+def set_count(place, count: int) -> dict:
+    """Keep the lane's count: {lane, seats, was}. GateUnavailable when it cannot be kept."""
+    try:
+        was = read(place)
+    except GateUnavailable:
+        was = None
+    place.store.keep(key(place.lane.name), None if count == 1 else count)
+    return {"lane": place.lane.name, "seats": count, "was": was}
+
+
+def words(result: dict) -> str:
+    count, was = result["seats"], result.get("was")
+    said = f"{result['lane']}: {count} seat{'s' if count != 1 else ''}"
+    if was is not None and was != count:
+        said += f" (was {was})"
+        if count < was:
+            said += "; turns holding now keep their seats, new turns wait until fewer hold"
+    return said
