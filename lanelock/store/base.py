@@ -51,7 +51,7 @@ class LaneFacts:
                  "error", "held", "holders", "waiters", "record", "record_problem", "record_absent",
                  "matches", "queue",
                  "replaced", "store_stale", "alive", "reused", "collision", "stopped", "bound",
-                 "ending", "ending_pgid", "ending_pids")
+                 "ending", "ending_pgid", "ending_pids", "seats", "seat", "other_seats")
 
     def __init__(self, lane: str, lock_path: str, sidecar_path: str | None = None):
         self.lane = lane
@@ -85,6 +85,13 @@ class LaneFacts:
         # The turns waiting, in the order they will get the lane: {position, class,
         # effective_class, pid, session, host, waited}; [] for a store that keeps no order.
         self.queue: list[dict] = []
+        # Seats: the lane's count (up to that many turns hold it at once), the seat these facts
+        # describe (the lane's own facts are seat 1's), and the facts of each other seat --
+        # 2..seats, and any seat past the count still held (a count made smaller under its
+        # holders) -- each a LaneFacts of its own, judged as seat 1's are. [] on a one-seat lane.
+        self.seats = 1
+        self.seat = 1
+        self.other_seats: list["LaneFacts"] = []
 
 
 class LockHandle:
