@@ -6,6 +6,7 @@ after building). Import the fixture by name:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -51,3 +52,41 @@ def slots_busy(url: str) -> int | None:
     except OSError:
         return None
     return sum(1 for slot in slots if slot.get("is_processing"))
+
+
+def require_built() -> None:
+    """Skip (or fail under LANELOCK_REQUIRE_REAL=1) when scripts/real-backend has no build."""
+    paths = json.loads(subprocess.run(SCRIPT + ["paths"], capture_output=True, text=True,
+                                      check=True).stdout)
+    if not (paths["server_ready"] and paths["model_ready"]):
+        if os.environ.get("LANELOCK_REQUIRE_REAL"):
+            pytest.fail(f"real backend missing: {paths}")
+        pytest.skip("no real backend built: run scripts/real-backend build && scripts/real-backend model")
+
+
+@contextlib.contextmanager
+def llama_server(parallel: int = 2, *, threads: int = 1, metrics: bool = False,
+                 cache_ram: int | None = None, ctx: int = 4096):
+    """A real llama-server with --parallel N slots (each of ctx / N tokens) on a free loopback
+    port, healthy: yields its URL, and stops it after. metrics: --metrics (GET /metrics);
+    cache_ram: --cache-ram MiB (None: llama-server's default, 8 GiB; 0: off)."""
+    require_built()
+    port = free_port()
+    argv = SCRIPT + ["start", "--port", str(port), "--parallel", str(parallel),
+                     "--threads", str(threads), "--ctx", str(ctx)]
+    if metrics:
+        argv.append("--metrics")
+    if cache_ram is not None:
+        argv += ["--cache-ram", str(cache_ram)]
+    pid = int(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        subprocess.run(SCRIPT + ["stop", str(pid)], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def two_slots():
+    """One real llama-server --parallel 2 --metrics for a test module: its URL."""
+    with llama_server(2, metrics=True) as url:
+        yield url
