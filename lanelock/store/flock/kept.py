@@ -30,14 +30,14 @@ class Untrusted(Exception):
     """The file is there but not to be believed (words for people)."""
 
 
-def read(dir_fd: int) -> dict:
-    """Every kept value ({} when none was ever set). Untrusted for a file of another user;
-    OSError when it cannot be read."""
+def read(dir_fd: int) -> dict | None:
+    """Every kept value; None when none was ever set (no file). Untrusted for a file of another
+    user; OSError when it cannot be read."""
     try:
         fd = os.open(NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
                      dir_fd=dir_fd)
     except FileNotFoundError:
-        return {}
+        return None
     try:
         st = os.fstat(fd)
         why = _distrust(st, os.fstat(dir_fd))
@@ -68,7 +68,7 @@ def write(dir_fd: int, name: str, value) -> None:
     try:
         fcntl.flock(guard, fcntl.LOCK_EX)
         try:
-            values = read(dir_fd)
+            values = read(dir_fd) or {}
         except (Untrusted, OSError):
             values = {}   # replaced whole below: a bad or planted file is not kept
         if value is None:

@@ -143,7 +143,7 @@ class FlockStore(LaneStore):
         except FileNotFoundError:
             return None
         try:
-            return kept.read(dir_fd).get(name)
+            return (kept.read(dir_fd) or {}).get(name)
         except kept.Untrusted as why:
             raise GateUnavailable(f"{self.path(kept.NAME)}: {why}") from None
         except OSError as error:
@@ -208,7 +208,7 @@ class FlockStore(LaneStore):
                 self.warn(f"{self.path(kept.NAME)}: {getattr(why, 'strerror', None) or why}; "
                           "taking every lane as one seat")
             values = {}
-        if not values:   # nothing was ever kept: no seats, no folder to look in
+        if values is None:   # nothing was ever kept: no seats, no folder to look in
             return
         raw = values.get(seats.key(lane.name))
         count = seats.count_of(raw)
