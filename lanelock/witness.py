@@ -1,14 +1,16 @@
 """The witness: the engine's own account of what it computes, held against the lane, sample by
 sample. lanelock vouches only for the clients that use it; the engine knows every generation.
 
-Each sample reads the engine first (engine.py: one GET), then the lane (store.holding: the holder
-record, no /proc/locks). Read in that order, a turn that starts between the two readings can
+Each sample reads the engine first (engine.py: one GET), then the lane (store.seats_holding: how
+many seats are held, from the holder records, no /proc/locks). Read in that order, a turn that starts between the two readings can
 never be taken for an unseen generation; one that ends between them is "outlived" (below).
 
 Verdicts, per sample:
-  covered    the engine generates and a turn holds the lane (as many slots as turns holding)
+  covered    the engine generates and a turn holds the lane: each held seat covers one slot
+             generating (a lane of N seats: up to N turns hold it at once)
   unseen     the engine generates with no turn holding the lane, or more slots generate than
-             turns hold it (an engine with --parallel 2): something reaches it without lanelock
+             seats are held (an engine with --parallel 2 behind one seat): something reaches it
+             without lanelock
   held idle  a turn holds the lane and the engine computes nothing (tool calls, a client
              thinking): worth knowing, never an error
   outlived   a generation goes on after its turn released (a client hung up, the engine ending
@@ -110,29 +112,31 @@ class Verdicts:
         self._was_held = False
         self._last: float | None = None
 
-    def excess(self, account, held: bool, released_ago: float | None) -> int:
-        """Slots generating beyond the turns that may account for them. Within the grace after
-        a release, the released turn's generation may go on (outlived). Where the engine names
-        its tasks (llama.cpp's id_task) and the witness saw the turn's own: only those outlive
-        it, so a generation that begins after they ended is unseen at once; otherwise (a
-        /metrics count, a turn too short to be sampled) one generation may be the turn's."""
-        generating = account.generating
-        if held:
-            return max(0, generating - 1)
+    def excess(self, account, held: int, released_ago: float | None) -> int:
+        """Slots generating beyond the turns that may account for them: each held seat covers
+        one generation. Within the grace after a release, the released turn's generation may go
+        on (outlived). Where the engine names its tasks (llama.cpp's id_task) and the witness
+        saw the turn's own: on a free lane only those outlive it, so a generation that begins
+        after they ended is unseen at once; otherwise (a /metrics count, a turn too short to be
+        sampled, other seats still held: whose task is whose cannot be told) one generation more
+        may be the released turn's."""
+        generating, held = account.generating, int(held or 0)
         if released_ago is None or released_ago > self.grace:
-            return generating
-        if self.turn_tasks and len(account.tasks) == generating:
+            return max(0, generating - held)
+        if not held and self.turn_tasks and len(account.tasks) == generating:
             return sum(1 for task in account.tasks if task not in self.turn_tasks)
-        return max(0, generating - 1)
+        return max(0, generating - held - 1)
 
-    def observe(self, now: float, wall: float, account, held: bool,
+    def observe(self, now: float, wall: float, account, held: int,
                 released_ago: float | None) -> list[tuple[str, object]]:
         """[(what, incident)]: ("started", it) when an unseen incident begins, ("ended", it) when
-        it is over. Held idle time accumulates in self.idle."""
+        it is over. held: how many seats turns hold (a bool is 0 or 1). Held idle time
+        accumulates in self.idle."""
         step = 0.0 if self._last is None else min(now - self._last, 2 * self.interval + 1.0)
         self._last = now
         generating = account.generating
         self.generating = generating
+        seated, held = int(held or 0), bool(held)
         if held and generating == 0:
             self.idle += step
         if held and not self._was_held:
@@ -144,13 +148,13 @@ class Verdicts:
             # long hold (a lingering session, a batch job's turn: thousands). Never emptied
             # during the hold: the turn's own tasks were seen.
             self.turn_tasks = set(account.tasks)
-        excess = self.excess(account, held, released_ago)
+        excess = self.excess(account, seated, released_ago)
         self.verdict = ("unseen" if excess else "covered" if generating and held else
                         "outlived" if generating else "held-idle" if held else "idle")
         found = []
         if excess:
             if self.incident is None:
-                self.incident = Incident(now, wall, account, 1 if held else 0)
+                self.incident = Incident(now, wall, account, seated)
                 found.append(("started", self.incident))
             else:
                 self.incident.sample(now, account)
@@ -186,7 +190,8 @@ def _lane_side(incident: Incident, extra: str = "") -> str:
     inside = "; ".join(filter(None, [f"{incident.slots} slots generating, "
                                      f"{_plural(incident.turns, 'turn')} {holds} the lane",
                                      extra]))
-    return f"beside the turn that held the lane ({inside})"
+    turn = "the turn that" if incident.turns == 1 else "the turns that"
+    return f"beside {turn} held the lane ({inside})"
 
 
 def first_seen(lane: str, incident: Incident) -> str:
@@ -317,7 +322,10 @@ class Witness:
         now, wall = time.monotonic(), time.time()
         try:
             held, released_ago = self._holding()
-            if not held and self.verdicts.excess(account, held, released_ago):
+            # Asked of the lock itself before an incident begins, and on a free lane while it
+            # goes on (a plain flock(1) holder may come): never every sample of a held one.
+            if (not held or self.verdicts.incident is None) \
+                    and self.verdicts.excess(account, held, released_ago):
                 held, released_ago = self._confirm(held, released_ago)
         except GateUnavailable as error:
             self._failing(str(error), "the lane's store")
@@ -326,7 +334,7 @@ class Witness:
         if not self._remembered:   # which engine this lane's witness watches, for `status`
             self._remembered = True
             self._count()
-        for what, incident in self.verdicts.observe(now, wall, account, bool(held), released_ago):
+        for what, incident in self.verdicts.observe(now, wall, account, held or 0, released_ago):
             if what == "started":
                 self._count(witness={"unseen": 1})
                 self.tell(first_seen(self.place.lane.name, incident))
@@ -393,18 +401,21 @@ class Witness:
         return self._handle
 
     def _holding(self) -> tuple:
+        """(seats held, None when the store cannot tell; seconds since a seat's last release)."""
         try:
-            return self.place.store.holding(self.place.lane, self._open())
+            return self.place.store.seats_holding(self.place.lane, self._open())
         except GateUnavailable:
             self._drop_handle()
             raise
 
     def _confirm(self, held, released_ago) -> tuple:
         """Before calling a generation unseen: the lock's own truth (/proc/locks, pg_locks), read
-        only now -- a holder that writes no record is a turn too."""
+        only now -- a holder that writes no record is a turn too, on any seat."""
         facts = self.place.store.survey(self.place.lane, self._open())[0]
-        if facts.held or facts.ending is not None:
-            return True, None
+        seated = sum(1 for seat in (facts, *facts.other_seats)
+                     if seat.held or seat.ending is not None)
+        if seated > (held or 0):
+            return seated, None
         return held, released_ago
 
     def _drop_handle(self) -> None:

@@ -302,6 +302,24 @@ class LaneStore(ABC):
         held = None if facts.held is None else bool(facts.held) or facts.ending is not None
         return held, released_ago(facts.record) if not facts.held else None
 
+    def seats_holding(self, lane, handle=None) -> tuple:
+        """(how many of the lane's seats turns hold now, None when the store cannot tell;
+        seconds since the latest release of a seat not held now, or None), for a witness: each
+        held seat covers one generation of the engine. Cheap as holding() is (asked several
+        times a second). A seat past the count still held counts: its turn is real. Raises
+        GateUnavailable when the store cannot be read. Default: survey(), every seat's facts."""
+        from ..holder import released_ago
+
+        facts = self.survey(lane, handle)[0]
+        every = [facts, *facts.other_seats]
+        if all(seat.held is None for seat in every):
+            return None, None
+        held = sum(1 for seat in every if seat.held or seat.ending is not None)
+        agos = [released_ago(seat.record) for seat in every
+                if not seat.held and seat.ending is None]
+        agos = [ago for ago in agos if ago is not None]
+        return held, min(agos) if agos else None
+
     def claim_witness(self, lane, who: str | None = None) -> tuple:
         """(a claim, None) when this process may witness the lane's engine -- the claim lasts
         until claim.close() or this process's end, like a lock --, or (None, who) while another

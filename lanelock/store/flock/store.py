@@ -672,6 +672,31 @@ class FlockStore(LaneStore):
 
         return survey.holding(self.path(self.names(lane.stem)["sidecar"]))
 
+    def seats_holding(self, lane, handle=None) -> tuple:
+        """Each seat's record read as holding() reads seat 1's (never /proc/locks): seat 1 and
+        every seat whose lock file exists, past the count too (a turn still on it is real)."""
+        from . import survey
+
+        held, ago = survey.holding(self.path(self.names(lane.stem)["sidecar"]))
+        count, agos = int(bool(held)), [ago]
+        try:
+            dir_fd = os.open(self.root.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return count, ago   # no root yet: no seat files either
+        try:
+            others = seats.made(dir_fd, lane.stem)
+        except OSError:
+            others = []
+        finally:
+            os.close(dir_fd)
+        for seat in others:
+            record = seats.record_name(seats.lock_name(lane.stem, seat))
+            held, ago = survey.holding(self.path(record))
+            count += bool(held)
+            agos.append(None if held else ago)
+        agos = [ago for ago in agos if ago is not None]
+        return count, min(agos) if agos else None
+
     def claim_witness(self, lane, who: str | None = None) -> tuple:
         """A flock on STEM.witness beside the lock (never removed, like the lock): the kernel lets
         go of it when the witness ends, and a witness standing by takes over."""
