@@ -64,7 +64,8 @@ class Place:
     def __init__(self, backend: str | None = None, *, model: str | None = None,
                  key_by: str | None = None, lock_dir: str | None = None, gate: bool | None = None,
                  grace: float | None = None, store: str | None = None, warn=say.warn,
-                 settings: Settings | None = None, lane_store=None):
+                 settings: Settings | None = None, lane_store=None,
+                 no_model_said: bool = False):
         self.warn = warn
         if settings is None:
             check_arguments({"backend": backend, "model": model, "key_by": key_by,
@@ -78,8 +79,13 @@ class Place:
         self.config, self.config_error = settings.config, settings.config_error
         self.model = settings.get("model")
         backend, source = settings.lookup("backend")
+        # Lanes keyed by model (key_by), and whether this place's lane is a model's: a turn
+        # that names no model takes the backend's lane -- a setting never stops a command.
+        self.key_by = settings.get("key_by")
+        by_model = self.key_by == "model" and bool((self.model or "").strip())
         try:
-            self.lane = lanes.lane_for(backend, model=self.model, key_by=settings.get("key_by"))
+            self.lane = lanes.lane_for(backend, model=self.model,
+                                       key_by="model" if by_model else "backend")
         except lanes.BackendError as error:   # say where a backend nobody typed came from
             if source in ("flag", "default"):
                 raise
@@ -87,7 +93,13 @@ class Place:
         dsn, source = settings.lookup("store")
         if dsn and store_problem(dsn):
             raise UsageProblem(f"{'--store' if source == 'flag' else source}: {store_problem(dsn)}")
-        for message in settings.warnings():   # a bad value passed over: said once, not per gate
+        messages = settings.warnings()
+        if self.key_by == "model" and not by_model and not no_model_said:
+            source = settings.lookup("key_by")[1]
+            messages.append(f"{'--key-by model' if source == 'flag' else source}: lanes keyed "
+                            "by model, but no model is named (--model NAME or LANELOCK_MODEL): "
+                            f"the backend's lane {self.lane.name} is used")
+        for message in messages:   # a bad value passed over: said once, not per gate
             if message not in _SAID:
                 _SAID.add(message)
                 warn(message)
@@ -97,9 +109,31 @@ class Place:
         self._own_store = lane_store
         self.store = lane_store if lane_store is not None else for_settings(settings, self.root)
         self.store.warn = warn   # what a store says but never decides on (a count not added)
+        if by_model:
+            self.lane = self._mapped(self.lane)
         self.lane = self.store.qualify(self.lane)
         self.paths = self.store.where(self.lane)
         self._store_detail = self.paths.pop("detail")
+
+    def _mapped(self, lane):
+        """A model's lane as the model map (models.py) keys it: a shared lane's, else its own.
+        Read here, where every turn's lane is computed, so `run` and the proxy agree; a map
+        that cannot be read leaves the model on its own lane, said once."""
+        from . import models
+
+        backend = lanes.Lane(lane.host, lane.port, lane.scope, None, lane.given)
+        try:
+            mapping = models.read(self.store, self.store.qualify(backend))
+        except (GateUnavailable, ValueError) as error:
+            message = f"the model map of {backend.name} is not used: {error}"
+            if message not in _SAID:
+                _SAID.add(message)
+                self.warn(message)
+            return lane
+        named = models.lane_model(mapping, lane.model)
+        if named == lane.model:
+            return lane
+        return lanes.Lane(lane.host, lane.port, lane.scope, named, lane.given)
 
     def warn_with(self, warn) -> None:
         """Say this gate's warnings with warn from now on, and those of the sibling gates made

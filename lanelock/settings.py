@@ -211,7 +211,7 @@ TABLE = (
             metavar="LABEL", shown="user@tty; without a terminal user@PROGRAM/PID of the turn's starter, or user@cron",
             help="Session label (default user@tty; without a terminal user@PROGRAM/PID of the "
                  "program that started the turn, or user@cron)."),
-    Setting("key_by", flags=("--key-by",), kind="key-by", default="backend",
+    Setting("key_by", flags=("--key-by",), env="LANELOCK_KEY_BY", kind="key-by", default="backend",
             check=_choice("backend", "model"),
             help="Key the lane on the backend or on backend+model."),
     Setting("store", flags=("--store",), env="LANELOCK_STORE", kind="store", check=store_problem,

@@ -313,13 +313,14 @@ def test_a_retired_setting_is_ignored_with_a_note_never_an_ungated_turn(config_f
 # is, so no value is safe in place of a bad one: they refuse, with one line.
 BAD_VALUES = {   # setting: (the file's bad value as TOML, the environment's bad text or None)
     "backend": ('"bogus::"', "bogus::"), "lock_dir": ('"locks"', "locks"),
-    "model": ("3", "m" * 5000), "session": ("4", "s" * 5000), "key_by": ('"host"', None),
+    "model": ("3", "m" * 5000), "session": ("4", "s" * 5000), "key_by": ('"host"', "host"),
     "store": ('"mysql://x"', "mysql://x"), "gate": ('"maybe"', None), "wait": ('"soon"', None),
     "busy_exit_code": ("300", None), "priority": ('"bogus"', "bogus"),
     "priority_aging": ('"abc"', "abc"), "grace": ("-1", None), "kill_after": ("-3", None),
     "on_lost": ('"kill"', None),
     "journal_max_bytes": ("1", None), "chains": ("3", None), "proxy_listen": ('"x"', None),
     "proxy_linger": ("-1", None), "proxy_session_header": ('"a b"', None),
+    "proxy_pin_slots": ('"yes"', None),
     "proxy_cheap_paths": ("3", None), "proxy_wait": ('"soon"', None),
     "proxy_max_wait": ('"later"', None), "proxy_priority": ('"bogus"', None),
 }

@@ -317,10 +317,12 @@ def test_url_credentials_never_reach_the_sidecar_or_journal(lanelock, lock_dir):
 
 
 # -- --key-by model ---------------------------------------------------------------------------------
-def test_key_by_model_needs_a_model(lanelock, tmp_path):
-    marker = tmp_path / "ran"
-    assert_usage_error(lanelock("run", "--key-by", "model", "--", *MARKER_COMMAND, marker), marker)
-    assert_usage_error(lanelock("where", "--key-by", "model"), marker)
+def test_key_by_model_without_a_model_is_the_backend_lane(lanelock):
+    """A setting never stops a command: no model, the backend's lane (test_model_lanes.py)."""
+    result = lanelock("where", "--key-by", "model", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["lane"] == "localhost:8080"
+    assert "no model is named" in result.stderr
 
 
 def test_key_by_model_takes_the_model_from_the_environment(lanelock):

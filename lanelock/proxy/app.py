@@ -29,15 +29,14 @@ from ..handover import HEADER
 from ..holder import words as holder_words
 from ..priority import DEFAULT_CLASS
 from . import class_and_wait, dialects
-from .fallbacks import REASON_DOWN, Chain, Why
+from .fallbacks import REASON_DOWN, Why
 from .listener import HEADER_TIMEOUT, IDLE_TIMEOUT, MAX_CONNECTIONS
 from .logs import Incidents
-from .linger import Linger
 from .lost import REASON_LOST, Cut, LaneLost, ProxyWords, unwatch
 from .client_process import ClientProcess
+from .per_lane import Lanes
 from .proxied import CUT, REASON, STATE, Timing
 from .relay import Unreachable, error_response, relay, request_headers
-from .retry import RetryAfter
 from .routes import Routes
 from .traffic import PROXIED, InFlight
 
@@ -98,14 +97,14 @@ class Proxy:
     def __init__(self, gate: Gate, options: ProxyOptions, say, backend_url: str):
         self.gate, self.options, self.say = gate, options, say
         self.backend_url = backend_url.rstrip("/")
-        self.linger = Linger(options.linger)
         self.failing = False          # inside a fail-open incident: one warning per incident
-        self.retry_after = RetryAfter(gate)   # knows this proxy's recent holds
-        self.chain = Chain(gate, options, say)
         self.in_flight = InFlight()   # counted by the middleware (traffic.py)
         self.waiting = 0              # requests taking the lane now (most of them waiting for it)
         self.ungated = 0              # ungated generation requests (no lane file records them)
         gate.warn_with(self._gate_warning)
+        # Each lane's gate, linger, Retry-After and fallback chain (per_lane.py): the backend's
+        # lane, and with lanes keyed by model one per model the requests name.
+        self.lanes = Lanes(gate, options, say)
         self.witness = None           # the engine's witness (witness.py), when it runs
         self.listener = None          # the listening socket's accept loop (listener.py)
         self.incidents = Incidents(say)   # trouble said once per incident (logs.py)
@@ -181,16 +180,18 @@ class Proxy:
         except class_and_wait.Malformed as error:
             return self._refused(dialect, error)
         applied = asked.headers()
-        client = ClientProcess(request, self.gate.lock_path)
+        model = proxied.model = dialect.model_of(proxied.fields)
+        lane = proxied.lane = self.lanes.of(model, proxied.path)
+        gate = lane.gate
+        client = ClientProcess(request, gate.lock_path)
         session = proxied.session = (
             request.headers.get(self.options.session_header) or dialect.session_of(proxied.fields)
             or await _client_session(client) or proxied.remote)
-        model = proxied.model = dialect.model_of(proxied.fields)
-        reused = self.linger.take(session)
+        reused = lane.linger.take(session)
         path = proxied.path[:200]
 
         def new_turn(wait):
-            return self.gate.turn(
+            return gate.turn(
                 session=session[:200], model=model and model[:200],
                 argv=[proxied.method, path], wait=wait,
                 labels={"via": "proxy", "client": proxied.remote, "path": path},
@@ -221,8 +222,8 @@ class Proxy:
             await _abandoned(turn)
             raise asyncio.CancelledError   # a cancelled wait: the client is gone
         finally:
-            await self._end(turn, session, proxied.status, reused, timing.held_until_now(),
-                            proxied.ended())
+            await self._end(lane, turn, session, proxied.status, reused,
+                            timing.held_until_now(), proxied.ended())
 
     async def _held(self, upstream, proxied, reused, applied) -> web.StreamResponse:
         """The lane is this request's (or it goes ungated): relayed to the engine, watched for a
@@ -280,18 +281,19 @@ class Proxy:
         return _answer(400, body, {**caps, **NO_RETRY})
 
     # -- the turn's end ------------------------------------------------------------------------
-    async def _end(self, turn, session, status, reused, held_seconds, ended=None) -> None:
-        """A held turn whose request is over: counted for Retry-After, then kept for the
-        session (linger.py) or released with how its answer ended."""
+    async def _end(self, lane, turn, session, status, reused, held_seconds,
+                   ended=None) -> None:
+        """A held turn whose request is over: counted for its lane's Retry-After, then kept for
+        the session (linger.py) or released with how its answer ended."""
         if turn.state != HELD:
             return
         if not turn.nested:
-            self.retry_after.held(held_seconds)
-        if not self.linger.keep(turn, session, reused):
+            lane.retry_after.held(held_seconds)
+        if not lane.linger.keep(turn, session, reused):
             await asyncturn.release(turn, status, ended)
 
     async def close(self) -> None:
-        await self.linger.close()
+        await self.lanes.close()
 
     # -- forwarding ---------------------------------------------------------------------------
     async def _forward(self, upstream, proxied) -> web.StreamResponse:
@@ -313,10 +315,10 @@ class Proxy:
         turn = proxied.turn
         state = turn.state
         proxied.status = 502
-        self.linger.forget(reused)
+        proxied.lane.linger.forget(reused)
         await asyncturn.release(turn, 502)
         why = Why.down(f"the local engine at {self.backend_url} did not answer: {error}")
-        response, failures = await self.chain.walk(upstream, proxied, why, applied)
+        response, failures = await proxied.lane.chain.walk(upstream, proxied, why, applied)
         if response is not None:
             return response
         failed, said = failures.texts()
@@ -338,7 +340,7 @@ class Proxy:
             return self._holds_itself(dialect, turn.holder, client, applied)
         why = (Why.crowded(turn.crowded, turn.reason) if turn.crowded
                else Why.busy(holder_words(turn.holder)))
-        response, failures = await self.chain.walk(upstream, proxied, why, applied)
+        response, failures = await proxied.lane.chain.walk(upstream, proxied, why, applied)
         if response is not None:
             await asyncturn.settle(turn, "deflected")
             return response
@@ -351,7 +353,8 @@ class Proxy:
         status, payload = dialects.busy_answer(dialect, why.reason,
                                                why.words + (f"; {failed}" if failed else "")
                                                + capped)
-        retry = 1 if turn.crowded else await self.retry_after.seconds(turn.holder, turn.priority)
+        retry = 1 if turn.crowded else await proxied.lane.retry_after.seconds(turn.holder,
+                                                                              turn.priority)
         return _answer(status, payload, {STATE: BUSY, REASON: why.reason, **applied,
                                          "Retry-After": str(retry)})
 
@@ -376,7 +379,9 @@ class Proxy:
     async def _status(self) -> web.Response:
         from ..inspection.status import statuses
 
-        lanes = await asyncio.to_thread(statuses, self.gate.store, self.gate.lane, True)
+        gates = [lane.gate for lane in self.lanes]
+        lanes = await asyncio.to_thread(
+            lambda: [found for gate in gates for found in statuses(gate.store, gate.lane, True)])
         here = {"in_flight": self.in_flight.count - 1,   # less this one
                 "taking_the_lane": self.waiting}
         if self.witness is not None:   # the witness now: what it saw last, or why it cannot

@@ -30,7 +30,8 @@ class Proxied:
     headers, the connection); every other field is lanelock's."""
 
     __slots__ = ("http", "target", "path", "body", "fields", "dialect", "model", "session",
-                 "asked", "turn", "state", "status", "done", "cut", "timing", "fallback")
+                 "asked", "turn", "state", "status", "done", "cut", "timing", "fallback",
+                 "lane")
 
     def __init__(self, http):
         self.http = http
@@ -49,6 +50,7 @@ class Proxied:
         self.cut: str | None = None            # why the relayed answer stopped short (CUT)
         self.timing: Timing | None = None      # a gated request's wait and hold
         self.fallback: str | None = None       # the fallback that answered ("fallback 1 URL")
+        self.lane = None                       # per_lane.Lane of a gated request: its lane's
 
     @property
     def method(self) -> str:
