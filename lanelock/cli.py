@@ -75,6 +75,9 @@ def setting_option(name: str):
         kwargs["shell_complete"] = complete_backend
     if kind == "gate":
         return click.option("--gate/--no-gate", "gate", **kwargs)
+    if kind == "switch":   # --NAME/--no-NAME; None: the setting's own value
+        flag = setting.flags[0]
+        return click.option(f"{flag}/--no-{flag[2:]}", name, **kwargs)
     return click.option(*setting.flags, name, **kwargs)
 
 
@@ -455,6 +458,7 @@ def watch(backend, lock_dir, model, key_by, store, engine, interval, quiet):
               help="The highest class a request's X-Lanelock-Priority header may claim.")
 @setting_option("proxy_linger")
 @setting_option("proxy_session_header")
+@setting_option("proxy_pin_slots")
 @click.option("--token-env", metavar="VAR", default=None,
               help="Require 'Authorization: Bearer $VAR' on every request (needed to listen "
                    "beyond loopback).")
@@ -482,7 +486,7 @@ def watch(backend, lock_dir, model, key_by, store, engine, interval, quiet):
 @click.option("--verbose", "-v", is_flag=True, help="One line per request.")
 def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fallback_timeout,
           fallback_pass_auth, proxy_wait, proxy_max_wait, proxy_priority, max_priority,
-          proxy_linger, proxy_session_header,
+          proxy_linger, proxy_session_header, proxy_pin_slots,
           token_env, key_by, store, lock_dir, no_witness, engine, witness_interval, max_connections, header_timeout,
           idle_timeout, quiet, verbose):
     """Serve the lane to HTTP clients: a loopback proxy that holds the lane per generation request.
@@ -510,7 +514,8 @@ def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fa
                          "proxy_wait": proxy_wait, "proxy_max_wait": proxy_max_wait,
                          "proxy_priority": proxy_priority, "proxy_listen": proxy_listen,
                          "proxy_linger": proxy_linger,
-                         "proxy_session_header": proxy_session_header})
+                         "proxy_session_header": proxy_session_header,
+                         "proxy_pin_slots": proxy_pin_slots})
     # With lanes keyed by model, each request's own model keys its lane (proxy/per_lane.py):
     # a proxy started with no model of its own is no mistake, and says nothing of it.
     gate = strict_gate(None, None, None, None, settings=settings, warn=say.warn,
@@ -534,6 +539,7 @@ def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fa
                            max_priority=max_priority, fallback_pass_auth=fallback_pass_auth,
                            max_connections=max_connections, header_timeout=header_timeout,
                            idle_timeout=idle_timeout,
+                           pin_slots=bool(settings.get("proxy_pin_slots")),
                            witness=None if no_witness or not gate.gated else (
                                _engine_url(gate, engine), witness_interval))
     try:

@@ -179,6 +179,10 @@ def _cheap_paths(value) -> str | None:
 from .priority import CLASSES, DEFAULT_AGING, DEFAULT_CLASS, class_named  # noqa: E402 - a leaf
 
 
+def _switch(value) -> str | None:
+    return None if isinstance(value, bool) else "true or false"
+
+
 def _class(value) -> str | None:
     return None if class_named(value) else " or ".join(repr(name) for name in CLASSES)
 
@@ -268,6 +272,11 @@ TABLE = (
     Setting("proxy_linger", flags=("--linger",), kind="seconds", default=0, check=_seconds,
             read=_seconds_read, metavar="SECONDS",
             help="Keep the lane this long after a request for the same session's next one."),
+    Setting("proxy_pin_slots", flags=("--pin-slots",), kind="switch", default=False,
+            check=_switch,
+            help="Send a llama.cpp engine (and llama-swap's) id_slot = the seat - 1 in each held "
+                 "completion request that names none, so a session back on its seat finds its "
+                 "slot's cache; other engines' requests go as they came."),
     Setting("proxy_session_header", flags=("--session-header",), default="X-Lanelock-Session",
             check=_header_name, metavar="NAME", help="Request header that names the session."),
     Setting("proxy_cheap_paths", check=_cheap_paths,

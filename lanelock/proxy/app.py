@@ -28,14 +28,14 @@ from ..gate import CANCELLED, DEFLECTED, FAIL_OPEN, HELD, REASON_BUSY, UNGATED, 
 from ..handover import HEADER
 from ..holder import words as holder_words
 from ..priority import DEFAULT_CLASS
-from . import class_and_wait, dialects
+from . import class_and_wait, dialects, pinning
 from .fallbacks import REASON_DOWN, Why
 from .listener import HEADER_TIMEOUT, IDLE_TIMEOUT, MAX_CONNECTIONS
 from .logs import Incidents
 from .lost import REASON_LOST, Cut, LaneLost, ProxyWords, unwatch
 from .client_process import ClientProcess
 from .per_lane import Lanes
-from .proxied import CUT, REASON, STATE, Timing
+from .proxied import CUT, REASON, SEAT, STATE, Timing
 from .relay import Unreachable, error_response, relay, request_headers
 from .routes import Routes
 from .traffic import PROXIED, InFlight
@@ -61,7 +61,7 @@ class ProxyOptions:
                  quiet=False, verbose=False, max_body=32 << 20, fallback_timeout=60.0,
                  max_priority="interactive", witness=None, fallback_pass_auth=False,
                  max_connections=MAX_CONNECTIONS, header_timeout=HEADER_TIMEOUT,
-                 idle_timeout=IDLE_TIMEOUT):
+                 idle_timeout=IDLE_TIMEOUT, pin_slots=False):
         self.fallbacks = list(fallbacks)
         # fallback_model and fallback_key: {kind or None (every kind): value}
         self.fallback_model = _per_kind(fallback_model)
@@ -85,6 +85,7 @@ class ProxyOptions:
         self.max_body = max_body
         self.max_priority = max_priority   # the highest class a request's header may claim
         self.witness = witness   # (engine URL, interval) to witness the engine, or None
+        self.pin_slots = pin_slots   # a llama.cpp engine's slot is the seat (pinning.py)
 
     def own_credentials(self) -> tuple:
         """Request headers never sent on to a local engine: the proxy's own token's."""
@@ -108,6 +109,7 @@ class Proxy:
         self.witness = None           # the engine's witness (witness.py), when it runs
         self.listener = None          # the listening socket's accept loop (listener.py)
         self.incidents = Incidents(say)   # trouble said once per incident (logs.py)
+        self.pinning = pinning.Pinning(self.backend_url, say) if options.pin_slots else None
 
     # -- warnings ------------------------------------------------------------------------------
     def _gate_warning(self, message: str) -> None:
@@ -236,10 +238,12 @@ class Proxy:
         forwarded = request_headers(proxied.http,
                                     drop=(*self.options.own_credentials(), FENCE.lower()),
                                     set_=fence)
+        seat = {SEAT: str(turn.seat)} if turn.seat is not None else {}
+        body = await self._pinned(proxied, turn.seat)
         watch, cut = self._watch(turn, proxied)
         try:
             return await relay(upstream, proxied, self.backend_url + proxied.target,
-                               proxied.body, forwarded, {STATE: turn.state, **fence, **applied},
+                               body, forwarded, {STATE: turn.state, **seat, **fence, **applied},
                                cut=cut)
         except Unreachable as error:
             await unwatch(watch)
@@ -249,6 +253,15 @@ class Proxy:
             return self._lost(proxied, applied)
         finally:
             await unwatch(watch)   # before the turn's release (_end)
+
+    async def _pinned(self, proxied, seat: int | None) -> bytes:
+        """The body to send the engine: with --pin-slots, a held seat's request to llama.cpp
+        names the seat's slot (pinning.py); every other request's as it came."""
+        if self.pinning is None or seat is None or not pinning.pinned_path(proxied.path):
+            return proxied.body
+        if not await self.pinning.pins(self.witness):
+            return proxied.body
+        return pinning.with_slot(proxied.body, proxied.fields, seat - 1) or proxied.body
 
     def _watch(self, turn, proxied) -> tuple:
         """(the lane watch, its cut) of a request that holds a lane its store can take away

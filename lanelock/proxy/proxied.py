@@ -18,6 +18,7 @@ from ..gate import HELD
 
 STATE = "X-Lanelock-State"
 REASON = "X-Lanelock-Reason"
+SEAT = "X-Lanelock-Seat"     # the seat a held request holds (1 on a lane of one seat)
 
 # How an answer that did not reach its end ended (the turn's release says it: never "cleanly").
 CUT = {"engine": "the engine cut the answer", "client": "the client hung up mid-answer",

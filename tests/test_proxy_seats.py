@@ -1,0 +1,189 @@
+"""`lanelock proxy` on a lane of seats (`lanelock seats -b B 2`): up to N requests generate at once,
+each its own turn on its own seat; the (N+1)th is busy, or waits for the first seat freed. With
+--pin-slots a llama.cpp engine is sent `id_slot` = the seat - 1 in each gated request that names
+none, so a seat is the engine's slot and a returning session finds its own.
+
+Real processes: the stand-in engine with two slots (its GET /slots and /stats are the engine's
+account of what it computes and which id_slot each request named), the proxy, the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import pytest
+
+from conftest import TIMEOUT, wait_for
+from support.proxy import CHAT, Proxy, chat_body, open_stream, read_until, request
+from support.standin_kind import Served
+
+pytest.importorskip("aiohttp")
+SEAT = "X-Lanelock-Seat"
+
+
+def two_seats(procs, tmp_path, lanelock, *engine_args):
+    """A llama.cpp stand-in with two slots whose lane has two seats; streams of 40 tokens 0.1 s
+    apart (4 s: long enough to be seen generating, short enough to be hung up on)."""
+    engine = Served(procs, tmp_path, "--kind", "llama.cpp", "--parallel", "2", "--tokens", "40",
+                    "--token-interval", "0.1", *engine_args)
+    done = lanelock("seats", "-b", engine.backend, "2")
+    assert done.returncode == 0, done.stderr
+    return engine
+
+
+def ask(port, session, stream=False, **fields):
+    return request(port, "POST", CHAT, chat_body(stream=stream, **fields),
+                   headers={"X-Lanelock-Session": session})
+
+
+def ask_done(proxy, session, **fields):
+    """ask(), returning once the proxy is through with the request (its -v line, written after
+    the turn was released or kept): the client has its answer a moment before that."""
+    before = proxy.log().count(f"[{session}] POST")
+    answered = ask(proxy.port, session, **fields)
+    proxy.until(lambda log: log.count(f"[{session}] POST") > before, f"{session}'s -v line")
+    return answered
+
+
+def streaming(port, session, **fields) -> tuple[socket.socket, bytes]:
+    """A streaming request of session, read up to its first event: it holds a seat now."""
+    sock = open_stream(port, chat_body(stream=True, **fields),
+                       headers={"X-Lanelock-Session": session})
+    head = read_until(sock, b"data:")
+    assert b" 200 " in head.split(b"\r\n", 1)[0], head
+    return sock, head
+
+
+def header(head: bytes, name: str) -> str | None:
+    for line in head.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        key, _, value = line.decode().partition(":")
+        if key.strip().lower() == name.lower():
+            return value.strip()
+    return None
+
+
+def asked_slots(engine) -> list:
+    """The id_slot each generation's request named (None: none), oldest first."""
+    return [generation["id_slot"] for generation in engine.stats()["generations"]]
+
+
+def test_two_seats_forward_two_streams_at_once_and_the_third_is_busy(procs, tmp_path, lanelock):
+    engine = two_seats(procs, tmp_path, lanelock)
+    proxy = Proxy(procs, engine.backend)
+    first, head1 = streaming(proxy.port, "one")
+    second, head2 = streaming(proxy.port, "two")
+    # The engine's own account: both generate at once, each on a slot of its own.
+    assert [slot["is_processing"] for slot in engine.get("/slots")] == [True, True]
+    assert sorted([header(head1, SEAT), header(head2, SEAT)]) == ["1", "2"]
+    status, headers, body = ask(proxy.port, "three")
+    assert status == 503
+    assert headers["X-Lanelock-State"] == "busy"
+    assert headers[SEAT] is None
+    message = json.loads(body)["error"]["message"]
+    assert "session one" in message or "session two" in message, message
+    first.close()
+    second.close()
+    assert engine.stats()["max_in_flight"] == 2
+
+
+def taking_the_lane(proxy) -> int:
+    return json.loads(request(proxy.port, "GET", "/lanelock/status")[2])["proxy"][
+        "taking_the_lane"]
+
+
+def test_with_wait_the_freed_seats_go_in_class_order(procs, tmp_path, lanelock):
+    engine = two_seats(procs, tmp_path, lanelock)
+    proxy = Proxy(procs, engine.backend, "--wait", "30")
+    first, _ = streaming(proxy.port, "one")
+    second, _ = streaming(proxy.port, "two")
+    answered = []
+
+    def waiter(session, priority):
+        status, headers, _ = request(proxy.port, "POST", CHAT, chat_body(), headers={
+            "X-Lanelock-Session": session, "X-Lanelock-Priority": priority})
+        answered.append((session, status, headers["X-Lanelock-State"], headers[SEAT]))
+
+    threads = []
+    for count, (session, priority) in enumerate((("batch", "batch"),
+                                                 ("chat", "interactive")), 1):
+        threads.append(threading.Thread(target=waiter, args=(session, priority)))
+        threads[-1].start()
+        wait_for(lambda: taking_the_lane(proxy) == count, "the request waiting")
+    second.close()   # one seat freed: the interactive request, though it came second
+    threads[1].join(TIMEOUT)
+    assert answered == [("chat", 200, "held", answered[0][3])]
+    assert answered[0][3] in ("1", "2")
+    first.close()
+    threads[0].join(TIMEOUT)
+    assert [item[:3] for item in answered] == [("chat", 200, "held"), ("batch", 200, "held")]
+    assert engine.stats()["max_in_flight"] == 2
+
+
+def test_lingering_turns_of_two_sessions_keep_a_seat_each(procs, tmp_path, lanelock):
+    engine = two_seats(procs, tmp_path, lanelock)
+    proxy = Proxy(procs, engine.backend, "--linger", "30", "-v")
+    seats = {}
+    for session in ("one", "two"):
+        status, headers, _ = ask_done(proxy, session)
+        assert (status, headers["X-Lanelock-State"]) == (200, "held")
+        seats[session] = headers[SEAT]
+    assert sorted(seats.values()) == ["1", "2"]
+    # Both linger, each on its seat: each session comes back to its own turn.
+    for session in ("one", "two", "one"):
+        status, headers, _ = ask_done(proxy, session)
+        assert (status, headers["X-Lanelock-State"], headers[SEAT]) == \
+            (200, "held", seats[session])
+    # A third session finds both seats kept for theirs.
+    status, headers, _ = ask(proxy.port, "three")
+    assert status == 503
+
+
+def test_pin_slots_sends_each_seat_as_its_slot_and_a_session_gets_its_own_back(
+        procs, tmp_path, lanelock):
+    engine = two_seats(procs, tmp_path, lanelock)
+    proxy = Proxy(procs, engine.backend, "--pin-slots", "-v")
+    first, head1 = streaming(proxy.port, "one")
+    second, head2 = streaming(proxy.port, "two")
+    seat = {"one": int(header(head1, SEAT)), "two": int(header(head2, SEAT))}
+    assert asked_slots(engine) == [seat["one"] - 1, seat["two"] - 1]
+    assert sorted(seat.values()) == [1, 2]
+    first.close()
+    second.close()
+    proxy.until(lambda log: "[one] POST" in log and "[two] POST" in log, "both streams' ends")
+    # Each session back, one at a time: its own seat again, so its own slot (and its cache).
+    for session in ("two", "one", "two"):
+        status, headers, _ = ask_done(proxy, session)
+        assert (status, headers[SEAT]) == (200, str(seat[session]))
+        assert asked_slots(engine)[-1] == seat[session] - 1
+
+
+def test_pin_slots_leaves_a_request_naming_its_own_slot_alone(procs, tmp_path, lanelock):
+    engine = two_seats(procs, tmp_path, lanelock)
+    proxy = Proxy(procs, engine.backend, "--pin-slots", "-v")
+    status, headers, _ = ask_done(proxy, "one", id_slot=1)
+    assert (status, headers[SEAT]) == (200, "1")   # seat 1 would have been slot 0
+    status, headers, _ = ask_done(proxy, "one")
+    assert (status, headers[SEAT]) == (200, "1")
+    assert asked_slots(engine) == [1, 0]
+
+
+def test_pin_slots_is_off_by_default_and_touches_no_other_engine(procs, tmp_path, lanelock):
+    engine = two_seats(procs, tmp_path, lanelock)
+    proxy = Proxy(procs, engine.backend)
+    assert ask(proxy.port, "one")[0] == 200
+    vllm = Served(procs, tmp_path, "--kind", "vllm", "--parallel", "2")
+    assert lanelock("seats", "-b", vllm.backend, "2").returncode == 0
+    pinned = Proxy(procs, vllm.backend, "--pin-slots")
+    assert ask(pinned.port, "one")[0] == 200
+    assert asked_slots(engine) == [None]
+    assert asked_slots(vllm) == [None]
+
+
+def test_one_seat_says_seat_1_and_pins_slot_0(procs, tmp_path, lanelock):
+    engine = Served(procs, tmp_path, "--kind", "llama.cpp", "--parallel", "2")
+    proxy = Proxy(procs, engine.backend, "--pin-slots")
+    status, headers, _ = ask(proxy.port, "one")
+    assert (status, headers[SEAT]) == (200, "1")
+    assert asked_slots(engine) == [0]
