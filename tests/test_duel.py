@@ -76,7 +76,31 @@ def test_duel_witness_sees_a_direct_request_and_not_a_gated_turn(lanelock, tmp_p
     assert "while no turn held the lane" in report["witness"]["unseen_reported"]
     assert report["witness"]["gated_reported"] == []
     names = {path.name.partition(".")[0] for path in (tmp_path / "root").iterdir()}
-    assert names == {"localhost-8080~lanelock-duel"}   # the witness's lane: the duel's work dir
+    # the witness's lane: the duel's work dir; the seats step's lane: its own, its count set back
+    assert names == {"localhost-8080~lanelock-duel", "localhost-8080~lanelock-duel-seats", "kept",
+                     ""}
+    assert json.loads((tmp_path / "root" / "kept.json").read_text()) == {}
+
+
+def test_duel_seats_two_turns_hold_together_and_the_third_deflects_naming_both(
+        lanelock, tmp_path, monkeypatch):
+    """The seats step, on a lane of its own with two seats: S1 and S2 hold at once on seats 1
+    and 2, S3 deflects and its line names both holders; the count is set back to 1 after."""
+    monkeypatch.setenv("LANELOCK_DIR", str(tmp_path / "root"))
+    done = lanelock("duel", "--json", "--hold", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    steps = {step["step"]: step for step in report["steps"]}
+    assert steps["seats: two hold"]["ok"] and steps["seats: S3 deflects"]["ok"], steps
+    seats = report["seats"]
+    assert seats["lane"] == "localhost:8080#lanelock-duel-seats"
+    assert sorted(seats["seats"].values()) == ["1", "2"]   # two seats, whichever came first
+    assert "2 of 2 seats: " in seats["deflection"], seats
+    assert "session duel-S1" in seats["deflection"] and "session duel-S2" in seats["deflection"]
+    backend = ["-b", "localhost:8080", "--key-by", "model", "--model", "lanelock-duel-seats"]
+    assert lanelock("seats", *backend).stdout == "1\n"
+    assert lanelock("probe", *backend).returncode == 0
+    assert leftover_duelists(str(tmp_path / "root")) == []
 
 
 def test_duel_human_report_ends_with_pass(lanelock, tmp_path, monkeypatch):

@@ -6,7 +6,8 @@ Real, separate processes, each started through `lanelock run` exactly as a user 
   C  a cron-like turn (env -i, minimal PATH, no XDG variables, another HOME and cwd): must deflect;
   D  a turn that waits (--wait) while A holds: must get the lane the moment A lets go.
 Then the witness (duel_witness.py): a request straight to an engine is reported unseen, a gated
-turn is not.
+turn is not. Then seats (duel_seats.py): on a lane of two seats two turns hold at once, the third
+deflects naming both.
 Every turn reports the lock path its own process computed; any difference is "two gates".
 Nothing is left running, even on Ctrl-C: every turn runs in its own session and is killed by group.
 """
@@ -33,7 +34,6 @@ MINIMAL_PATH = "/usr/bin:/bin"
 # root -- so it proves the root every process computes without writing turns, deflections and
 # counts into the history and metrics of the lane the user's sessions share (nor waiting for it).
 LANE_MODEL = "lanelock-duel"
-KEY = ["--key-by", "model", "--model", LANE_MODEL]
 
 
 @dataclass
@@ -142,12 +142,18 @@ class Duel:
                         os.close(fd)
                     except OSError:
                         pass
-        return self._compare(result) or self._witness(workdir, result)
+        return (self._compare(result) or self._witness(workdir, result)
+                or self._seats(workdir, result))
 
     def _witness(self, workdir: str, result: dict) -> str | None:
         from .duel_witness import witness_step
 
         return witness_step(self, workdir, result)
+
+    def _seats(self, workdir: str, result: dict) -> str | None:
+        from .duel_seats import seats_step
+
+        return seats_step(self, workdir, result)
 
     def _deflector(self, role, user, workdir, write_fd, reports, result) -> str | None:
         env = self._cron_env(workdir, role) if role == "C" else self._session_env(workdir, role)
@@ -192,8 +198,9 @@ class Duel:
         return None
 
     # -- command lines and environments ------------------------------------------------------------
-    def _base(self, role: str) -> list[str]:
-        argv = [sys.executable, "-m", "lanelock", "run", "--session", f"duel-{role}", *KEY]
+    def _base(self, role: str, model: str = LANE_MODEL) -> list[str]:
+        argv = [sys.executable, "-m", "lanelock", "run", "--session", f"duel-{role}",
+                "--key-by", "model", "--model", model]
         if self.gate.lane.given:
             argv += ["--backend", self.gate.lane.given]
         if self.lock_dir:

@@ -21,7 +21,7 @@ def report(fd: int, event: str, role: str, **extra) -> None:
     line = {"event": event, "role": role, "pid": os.getpid(), "t": time.monotonic(),
             "state": os.environ.get("LANELOCK_STATE"),
             "lock_path": os.environ.get("LANELOCK_LOCK_PATH"),
-            "lane": os.environ.get("LANELOCK_LANE"),
+            "lane": os.environ.get("LANELOCK_LANE"), "seat": os.environ.get("LANELOCK_SEAT"),
             "reason": os.environ.get("LANELOCK_FAILOVER_REASON"),
             "home": os.environ.get("HOME"), "uid": os.getuid(), "cwd": os.getcwd(), **extra}
     # One write() under PIPE_BUF: lines from several turns never interleave.
