@@ -259,9 +259,10 @@ class Proxy:
         names the seat's slot (pinning.py); every other request's as it came."""
         if self.pinning is None or seat is None or not pinning.pinned_path(proxied.path):
             return proxied.body
-        if not await self.pinning.pins(self.witness):
+        slot = await self.pinning.slot_of(seat, self.witness)
+        if slot is None:
             return proxied.body
-        return pinning.with_slot(proxied.body, proxied.fields, seat - 1) or proxied.body
+        return pinning.with_slot(proxied.body, proxied.fields, slot) or proxied.body
 
     def _watch(self, turn, proxied) -> tuple:
         """(the lane watch, its cut) of a request that holds a lane its store can take away

@@ -10,8 +10,12 @@ own (any value, -1 included) is the client's choice and left alone.
 
 Only llama.cpp reads it, and llama-swap hands the body to the llama-server of the model it
 names; every other engine's requests are sent as they came. The engine's kind is the witness's
-when it runs, else asked once (engine.py: GETs that cost the engine nothing); one that cannot be
-told is asked again after a pause, and its requests meanwhile go unpinned.
+is asked once (engine.py: GETs that cost the engine nothing), else the witness's when it knows
+it; one that cannot be told is asked again after a pause, its requests meanwhile unpinned.
+
+A seat past the engine's slots is never pinned: llama-server defers a task whose id_slot names
+no slot until that slot frees, which is never -- the request would hang. llama.cpp's slot count
+is asked once with its kind (engine_slots.py); llama-swap's differs per model and is not asked.
 
 The body keeps every byte the client sent: the field is spliced in after the object's opening
 brace, never by serialising the object again.
@@ -50,21 +54,33 @@ def with_slot(body: bytes, fields: dict, slot: int) -> bytes | None:
 
 
 class Pinning:
-    """The engine's kind, as far as pinning needs it."""
+    """What pinning needs to know of the engine: its kind, and llama.cpp's slot count."""
 
     def __init__(self, url: str, say):
         self.url, self.say = url, say
         self.kind: str | None = None
+        self.slots: int | None = None   # llama.cpp's slot count (None: not known)
         self._asked_at = float("-inf")
         self._asking: asyncio.Future | None = None
         self._said = False
+        self._past_said: set = set()
 
-    async def pins(self, witness) -> bool:
-        """Does the engine read id_slot? (the witness's kind when it knows one)"""
-        known = getattr(getattr(witness, "engine", None), "kind", None) or self.kind
-        if known is None and time.monotonic() - self._asked_at >= ASK_AGAIN:
-            known = await self._ask()
-        return known in KINDS
+    async def slot_of(self, seat: int, witness) -> int | None:
+        """The engine's slot for seat (seat - 1), or None: the engine reads no id_slot, or has
+        no slot for this seat."""
+        if self.kind is None and time.monotonic() - self._asked_at >= ASK_AGAIN:
+            await self._ask()
+        known = self.kind or getattr(getattr(witness, "engine", None), "kind", None)
+        if known not in KINDS:
+            return None
+        if self.slots is not None and seat > self.slots:
+            if seat not in self._past_said:
+                self._past_said.add(seat)
+                self.say.warn(f"--pin-slots: seat {seat} has no slot of its own on {self.url} "
+                              f"({self.slots} slots): its requests go unpinned (lanelock seats "
+                              "-b BACKEND auto sets the lane's seats to the engine's slots)")
+            return None
+        return seat - 1
 
     async def _ask(self) -> str | None:
         if self._asking is None:
@@ -79,16 +95,24 @@ class Pinning:
         engine = engines.Engine(self.url)
         self._asked_at = time.monotonic()
         try:
-            self.kind = engine.detect()
+            kind = engine.detect()
         except engines.CannotWitness as error:
-            self.kind = error.kind
+            kind = error.kind
         except engines.Unreadable as error:
             if not self._said:
                 self._said = True
                 self.say.warn(f"--pin-slots: cannot tell which engine {self.url} is ({error}); "
                               "its requests go unpinned until it can be told")
             return None
-        if self.kind not in KINDS and not self._said:
+        if kind == engines.LLAMA_CPP:   # its slots first: a kind known is a kind pinned
+            from ..engine_slots import CannotTell, slot_count
+
+            try:
+                self.slots = slot_count(self.url)
+            except CannotTell:
+                self.slots = None
+        self.kind = kind
+        if kind not in KINDS and not self._said:
             self._said = True
             self.say.note(f"--pin-slots: {self.url} is {self.kind or 'an engine'} that reads "
                           f"no {FIELD}: its requests go as they came")

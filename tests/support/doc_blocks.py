@@ -137,6 +137,8 @@ KNOWN = [
           test="test_turn_headers_through_the_proxy"),
     Known("models-map", "README.md", r"^lanelock models -b 127\.0\.0\.1:8080 share ",
           test="test_model_lanes.py::test_the_readme_model_map_block"),
+    Known("proxy-seats", "README.md", r"^lanelock proxy --pin-slots -b 127\.0\.0\.1:8080 ",
+          test="test_proxy_seats.py::test_the_readme_proxy_seats_block"),
     Known("tmpfiles-root", "README.md", r"^# /etc/tmpfiles\.d/lanelock\.conf\n",
           test="test_threat.py::test_the_readme_tmpfiles_line_makes_a_default_root_no_one_can_squat"),
 ]
