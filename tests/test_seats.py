@@ -252,3 +252,27 @@ def test_the_head_of_the_queue_waits_on_every_seat_in_the_kernel(lanelock, holde
     assert seat_of(waiting) == seat_of(last)
     for turn in (*held[:-1], waiting):
         turn.release()
+
+
+def test_the_readme_seats_block(lanelock, procs, tmp_path):
+    """Each line of README's Seats block, asserting what its comment says; `auto` against a
+    stand-in llama.cpp of 3 slots in 8080's place (this machine's 8080 is nobody's to take)."""
+    from support.doc_blocks import block
+    from support.standin_kind import Served
+
+    engine = Served(procs, tmp_path, "--kind", "llama.cpp", "--parallel", "3")
+    lines = [line for line in block("seats-count").text.splitlines() if line.strip()]
+    said = []
+    for line in lines:
+        command, _, comment = line.partition("#")
+        words = command.split()
+        assert words[0] == "lanelock"
+        if words[-1] == "auto":
+            words = [word.replace("127.0.0.1:8080", f"127.0.0.1:{engine.port}") for word in words]
+        done = lanelock(*words[1:])
+        assert done.returncode == 0, done.stderr
+        said.append((done.stdout.strip(), comment.strip()))
+    assert said[0][0] == said[0][1] == "localhost:8080: 2 seats (was 1)"
+    assert said[1][0] == said[1][1] == "2"
+    assert said[2][0] == f"localhost:{engine.port}: 3 seats (was 1)"
+    assert "slot count" in said[2][1]

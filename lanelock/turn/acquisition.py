@@ -229,7 +229,12 @@ class Acquisition:
             facts = gate.store.survey(gate.lane, handle)[0]
         except GateUnavailable:
             return None
-        return handover.verdict(facts.record, askers, live_pids_here(facts))
+        # On a lane of seats, any seat's turn may be the one the asker is part of.
+        for seat in (facts, *facts.other_seats):
+            verdict = handover.verdict(seat.record, askers, live_pids_here(seat))
+            if verdict is not None:
+                return verdict
+        return None
 
     def _nested(self, handle, outer=None) -> None:
         """Part of a turn this owner already holds, or one handed over to this process: run

@@ -139,6 +139,8 @@ KNOWN = [
           test="test_model_lanes.py::test_the_readme_model_map_block"),
     Known("proxy-seats", "README.md", r"^lanelock proxy --pin-slots -b 127\.0\.0\.1:8080 ",
           test="test_proxy_seats.py::test_the_readme_proxy_seats_block"),
+    Known("seats-count", "README.md", r"^lanelock seats -b 127\.0\.0\.1:8080 2 ",
+          test="test_seats.py::test_the_readme_seats_block"),
     Known("tmpfiles-root", "README.md", r"^# /etc/tmpfiles\.d/lanelock\.conf\n",
           test="test_threat.py::test_the_readme_tmpfiles_line_makes_a_default_root_no_one_can_squat"),
 ]
