@@ -420,7 +420,9 @@ def watch(backend, lock_dir, model, key_by, store, engine, interval, quiet):
     from .say import Say
     from .watch import watch as run_watch
 
-    place = strict_place(backend, lock_dir, model, key_by, store=store)
+    # Keyed by model with no model: each model's generations against its own lane
+    # (witness_models.py), nothing to warn about.
+    place = strict_place(backend, lock_dir, model, key_by, store=store, no_model_said=True)
     if not place.gated:
         raise click.UsageError(f"{place.lane.name} is not a local lane: no turn ever holds it, "
                                "so there is nothing to witness against")

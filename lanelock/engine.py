@@ -51,14 +51,16 @@ class CannotWitness(Exception):
 class Account:
     """One sample: how many requests the engine is computing now, of how many slots (None: it
     does not say), the tokens decoded by each task in flight (where it says), and each slot's
-    account of the task it names, running or finished (llama.cpp's /slots: SlotTask)."""
+    account of the task it names, running or finished (llama.cpp's /slots: SlotTask). by_model:
+    llama-swap's, each running model's own account ({} for an engine of one model)."""
 
-    __slots__ = ("generating", "slots", "tasks", "named")
+    __slots__ = ("generating", "slots", "tasks", "named", "by_model")
 
     def __init__(self, generating: int, slots: int | None = None, tasks: dict | None = None,
-                 named: dict | None = None):
+                 named: dict | None = None, by_model: dict | None = None):
         self.generating, self.slots, self.tasks = generating, slots, tasks or {}
         self.named = named or {}
+        self.by_model = by_model or {}
 
 
 class SlotTask:
@@ -259,7 +261,7 @@ class Engine:
         if status != 200 or not isinstance(running, dict) \
                 or not isinstance(running.get("running"), list):
             raise Unreadable(f"{self.url}/running answered {status} without a list of models")
-        total, slots, tasks, named = 0, 0, {}, {}
+        total, slots, tasks, named, by_model = 0, 0, {}, {}, {}
         for model in running["running"]:
             name = model.get("model") or model.get("name") if isinstance(model, dict) else None
             if not isinstance(name, str) or not name:
@@ -271,9 +273,13 @@ class Engine:
             account = self._slots(f"/upstream/{quote(name, safe='')}")
             total += account.generating
             slots += account.slots or 0
-            tasks.update({f"{name}{key}": value for key, value in account.tasks.items()})
-            named.update({f"{name}{key}": value for key, value in account.named.items()})
-        return Account(total, slots, tasks, named)
+            own = Account(account.generating, account.slots,
+                          {f"{name}{key}": value for key, value in account.tasks.items()},
+                          {f"{name}{key}": value for key, value in account.named.items()})
+            tasks.update(own.tasks)
+            named.update(own.named)
+            by_model[name] = own
+        return Account(total, slots, tasks, named, by_model)
 
 
 def _parse_json(body: bytes, where: str):

@@ -13,7 +13,8 @@ def fallback_gate(primary, backend: str, model: str | None = None) -> tuple:
     from .lanes import BackendError
 
     try:
-        gate = primary.sibling(backend, model=model)
+        # The primary said already when lanes keyed by model had no model to key on.
+        gate = primary.sibling(backend, model=model, no_model_said=True)
     except (BackendError, UsageProblem) as error:   # parsed already; a config chain may slip by
         return None, str(error)
     if not gate.gated:

@@ -8,12 +8,13 @@ import signal
 
 from . import exitcodes
 from .witness import Witness
+from .witness_models import witness_for
 
 
 def watch(place, url: str, interval: float, say) -> int:
     """Exit 0 when stopped by a signal; 69 when the engine cannot be witnessed (Ollama, slots
     disabled with no metrics): nothing to compare, so the unit should not be restarted."""
-    witness = Witness(place, url, interval=interval, tell=say.note, name="watch")
+    witness = witness_for(place, url, interval=interval, tell=say.note, name="watch")
     # No signal handler: one that set witness.stop (an Event, which takes a lock) could run while
     # the interrupted main thread held that very lock, inside its own stop.wait(), and the watch
     # hung for ever, deaf to SIGTERM. The signals are blocked and taken with sigtimedwait()

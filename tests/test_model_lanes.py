@@ -239,6 +239,11 @@ def test_the_proxy_status_lists_each_model_lane(procs, holder):
     lanes = {lane["lane"]: lane["state"] for lane in json.loads(body)["lanes"]}
     assert lanes[f"localhost:{engine.port}#model-a"] == "held"
     assert lanes[f"localhost:{engine.port}#model-b"] == "free"
+    status, _, body = request(proxy.port, "GET", "/metrics")
+    assert status == 200
+    for lane in (f"localhost:{engine.port}", f"localhost:{engine.port}#model-a",
+                 f"localhost:{engine.port}#model-b"):
+        assert f'lane="{lane}"' in body.decode(), lane
     assert held.release() == 0
 
 
@@ -263,3 +268,52 @@ def test_the_readme_model_map_block(procs, holder, lanelock):
     status, headers, _ = request(proxy.port, "POST", CHAT, chat("llama3.1-8b"))
     assert (status, headers["X-Lanelock-State"]) == (503, "busy")
     assert held.release() == 0
+
+
+# -- the witness: a running model generating counts against its own lane ----------------------------
+def test_the_witness_holds_each_llama_swap_model_against_its_own_lane(procs, holder, tmp_path,
+                                                                      lanelock):
+    import subprocess
+
+    from conftest import environ, read_line
+
+    engine = KindEngine(procs, tmp_path, "--kind", "llama-swap", "--name", "model-a", delay=1.0)
+    watch = procs.start([*LANELOCK, "watch", "-b", engine.backend, "--key-by", "model",
+                         "--interval", "0.1"], env=environ(None), stdout=subprocess.DEVNULL,
+                        stderr=subprocess.PIPE)
+    lines = [read_line(watch.stderr)]
+    assert "watching the engine" in lines[0] and "warning" not in lines[0], lines
+    body = {"messages": [{"role": "user", "content": "straight to the engine"}]}
+    # model-a's lane held: its generation is covered, though the backend's lane is free
+    held = holder("-b", engine.backend, "--key-by", "model", "-m", "model-a")
+    engine.ask("/upstream/model-a/v1/chat/completions", body)
+    assert held.release() == 0
+    # another model's lane held: model-a's generation is unseen, on model-a's lane
+    other = holder("-b", engine.backend, "--key-by", "model", "-m", "model-b")
+    engine.ask("/upstream/model-a/v1/chat/completions", body)
+    while "unseen generation" not in lines[-1]:
+        lines.append(read_line(watch.stderr))
+        assert lines[-1], lines
+    assert f"unseen generation on localhost:{engine.port}#model-a:" in lines[-1], lines
+    assert sum("unseen generation" in line for line in lines) == 1, lines
+    assert other.release() == 0
+    watch.terminate()
+    assert watch.wait(timeout=30) == 0
+    events = json.loads(lanelock("history", "-b", engine.backend, "--key-by", "model", "-m",
+                                 "model-a", "--json").stdout)["events"]
+    assert [event["event"] for event in events if event["event"] == "unseen"] == ["unseen"]
+    assert engine.stats().get("loads", []) == []   # no model was loaded by the looks
+
+
+def test_a_fallback_engine_is_taken_on_the_same_models_lane(procs, holder, lanelock):
+    engine, other = Engine(procs, delay=0.05), Engine(procs, delay=0.05)
+    proxy = Proxy(procs, engine.backend, "--key-by", "model", "--no-witness",
+                  "--fallback", f"@{other.backend}")
+    held = holder("-b", engine.backend, "--key-by", "model", "-m", "model-a")
+    status, headers, _ = request(proxy.port, "POST", CHAT, chat("model-a"))
+    assert (status, headers["X-Lanelock-State"]) == (200, "deflected"), dict(headers)
+    assert held.release() == 0
+    result = lanelock("history", "-b", other.backend, "--key-by", "model", "-m", "model-a",
+                      "--json")
+    assert "acquired" in [event["event"] for event in json.loads(result.stdout)["events"]]
+    assert NO_MODEL not in proxy.log()

@@ -149,14 +149,20 @@ class Proxy:
         return await self._gated(upstream, proxied)
 
     async def metrics(self, upstream) -> web.Response:
-        """lanelock's exposition for this lane, then the engine's own /metrics when it has one
+        """lanelock's exposition for the lanes this proxy serves (with lanes keyed by model,
+        each model's it has served), then the engine's own /metrics when it has one
         (llama-server --metrics): one scrape for both."""
-        from ..inspection.metrics import LaneCollector, exposition, lanes_fetch
+        from ..inspection.metrics import LaneCollector, exposition, snapshot
 
         extra = {self.gate.lane.name: {"ungated": self.ungated}}
+        gates = [lane.gate for lane in self.lanes]
+
+        def fetch():
+            return ([found for gate in gates for found in snapshot(gate.store, gate.lane)],
+                    self.gate.store.problems())
+
         try:
-            data = await asyncio.to_thread(
-                exposition, LaneCollector(lanes_fetch(self.gate.store, self.gate.lane), extra))
+            data = await asyncio.to_thread(exposition, LaneCollector(fetch, extra))
         except ImportError as error:
             return error_response(501, "metrics_unavailable", str(error))
         engine = b""

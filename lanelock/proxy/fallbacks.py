@@ -243,9 +243,11 @@ class Chain:
 
         say = self.say
         if fallback.backend not in self.gates:
-            gate, skip = fallback_gate(self.gate, fallback.backend)
+            # With lanes keyed by model, the engine's lane of the same model as the busy one's.
+            model = self.gate.model
+            gate, skip = fallback_gate(self.gate, fallback.backend, model)
             if gate is None and skip is None:   # not a local lane: its turns are ungated
-                gate = self.gate.sibling(fallback.backend)
+                gate = self.gate.sibling(fallback.backend, model=model, no_model_said=True)
             self.gates[fallback.backend] = gate, skip
         gate, skip = self.gates[fallback.backend]
         if skip:   # run's rule and words (fallback_lane.py)

@@ -233,10 +233,10 @@ def _witness(proxy, say):
     """The engine's witness, in a thread of its own (its looks never wait on the event loop)."""
     if proxy.options.witness is None:
         return None
-    from ..witness import Witness
+    from ..witness_models import witness_for
 
     url, interval = proxy.options.witness
-    proxy.witness = Witness(proxy.gate, url, interval=interval, tell=say.note, name="proxy")
+    proxy.witness = witness_for(proxy.gate, url, interval=interval, tell=say.note, name="proxy")
     return proxy.witness.start()
 
 
