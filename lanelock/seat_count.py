@@ -24,9 +24,12 @@ def parse(text: str) -> int | str:
     spelled = text.strip().lower()
     if spelled == "auto":
         return "auto"
-    if spelled.isascii() and spelled.isdigit() and 1 <= int(spelled) <= MOST:
+    # Digits only, and few of them: int() of a hundred thousand digits is an error of its own.
+    if spelled.isascii() and spelled.isdigit() and len(spelled) <= 4 \
+            and 1 <= int(spelled) <= MOST:
         return int(spelled)
-    raise UsageProblem(f"seats must be a whole number from 1 to {MOST} or 'auto', not {text!r}")
+    shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
+    raise UsageProblem(f"seats must be a whole number from 1 to {MOST} or 'auto', not {shown!r}")
 
 
 def read(place) -> int:

@@ -38,10 +38,11 @@ def test_seats_is_printed_set_and_refused_in_one_line(lanelock):
     assert done.stdout == f"{LANE}: 2 seats (was 1)\n"
     assert lanelock("seats").stdout == "2\n"
     assert json.loads(lanelock("seats", "--json").stdout) == {"lane": LANE, "seats": 2}
-    for bad in ("0", "-1", "abc", "1.5", "257", "", "２"):
+    for bad in ("0", "-1", "abc", "1.5", "257", "", "２", "+2", "9" * 100_000):
         refused = lanelock("seats", "--", bad)
         assert refused.returncode == 2, bad
         assert refused.stderr.count("\n") == 1 and refused.stderr.startswith("lanelock: ")
+        assert len(refused.stderr) < 300
         assert "Traceback" not in refused.stderr
     assert lanelock("seats").stdout == "2\n"   # a bad count changed nothing
     smaller = set_seats(lanelock, 1)
