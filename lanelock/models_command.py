@@ -64,6 +64,9 @@ def command(place, words: list, as_json: bool) -> int:
     from .inspection.render import emit_json
 
     backend = backend_lane(place)
+    if not place.gated:
+        raise UsageProblem(f"{backend.name} is not a local lane: no turn ever holds it, so no "
+                           "model shares it")
     try:
         mapping = models.read(place.store, backend)
     except ValueError as error:   # a value someone else wrote: replaced by the next change
@@ -75,7 +78,7 @@ def command(place, words: list, as_json: bool) -> int:
         place.store.keep(models.key(backend), wanted or None)
         mapping = wanted
     found = facts(place, mapping)
-    if found["key_by"] != "model":
+    if wanted is not None and found["key_by"] != "model":
         say.line("lanes are keyed by backend here (key_by): the map is used with lanes keyed "
                  "by model (--key-by model, LANELOCK_KEY_BY=model, key_by = \"model\")")
     if as_json:

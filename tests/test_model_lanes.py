@@ -317,3 +317,9 @@ def test_a_fallback_engine_is_taken_on_the_same_models_lane(procs, holder, lanel
                       "--json")
     assert "acquired" in [event["event"] for event in json.loads(result.stdout)["events"]]
     assert NO_MODEL not in proxy.log()
+
+
+def test_a_public_backend_has_no_model_map(lanelock, lock_dir):
+    result = lanelock("models", "-b", "api.openai.com:443", "share", "gpu0", "a")
+    assert result.returncode == 2 and "is not a local lane" in result.stderr, result
+    assert not (lock_dir / "kept.json").exists()
