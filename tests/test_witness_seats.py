@@ -28,11 +28,11 @@ GENERATE = ("import sys, threading\n"
 class StandIn:
     """`python -m lanelock.testing serve --parallel N` on a free loopback port."""
 
-    def __init__(self, procs, tmp_path, parallel: int, delay: float):
+    def __init__(self, procs, tmp_path, parallel: int, delay: float, *args):
         port_file = tmp_path / f"engine-{time.monotonic_ns()}.port"
         self.proc = procs.start([PYTHON, "-m", "lanelock.testing", "serve", "--port", "0",
                                  "--parallel", str(parallel), "--delay", str(delay),
-                                 "--port-file", str(port_file)],
+                                 "--port-file", str(port_file), *map(str, args)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + TIMEOUT
         while not port_file.exists():   # renamed into place once it listens
@@ -137,3 +137,40 @@ def test_a_generation_straight_at_the_engine_beside_two_held_seats_is_unseen(
     assert len(unseen_lines(lines)) == 1, lines
     (event,) = unseen_events(engine.backend)
     assert (event["slots"], event["turns"]) == (3, 2), event
+
+
+# A turn's command that starts a streamed generation, waits until the engine streams, and ends,
+# leaving a child to read the rest: the engine generates on after the turn released its seat.
+LEAVE = ("import os, subprocess, sys\n"
+         "read, write = os.pipe()\n"
+         "reader = ('import json, os, sys, urllib.request\\n'\n"
+         "          'body = json.dumps({\"stream\": True, \"messages\": []}).encode()\\n'\n"
+         "          'answer = urllib.request.urlopen(sys.argv[1] + \"/v1/chat/completions\", body)\\n'\n"
+         "          'answer.readline()\\n'\n"
+         "          'os.write(int(sys.argv[2]), b\"streaming\\\\n\")\\n'\n"
+         "          'answer.read()\\n')\n"
+         "subprocess.Popen([sys.executable, '-c', reader, sys.argv[1], str(write)],\n"
+         "                 pass_fds=(write,), start_new_session=True)\n"
+         "os.close(write)\n"
+         "assert os.read(read, 100) == b'streaming\\n'\n")
+
+
+def test_a_generation_outliving_its_seat_beside_a_held_one_is_not_unseen(
+        procs, holder, lanelock, tmp_path):
+    """Seat 1 held and generating; a turn on seat 2 ends while its stream goes on ~1 s: inside
+    the outlived grace (2 s) it is its released turn's, not an unseen one."""
+    engine = StandIn(procs, tmp_path, 2, 4.0, "--tokens", 10, "--token-interval", 0.12)
+    seats(lanelock, engine.backend, 2)
+    watch = Watch(procs, engine.backend)
+    held = holder("-b", engine.backend, command=[PYTHON, "-c", GENERATE, engine.url])
+    left = lanelock("run", "-b", engine.backend, "--", PYTHON, "-c", LEAVE, engine.url)
+    assert left.returncode == 0, left.stderr
+    generations = engine.wait_ended(1)   # the stream ends first, on its own
+    assert generations[0]["ended"] is None or generations[1]["ended"] is None, generations
+    held.release()
+    lines = watch.stop()
+    assert unseen_lines(lines) == [], lines
+    released = [event for event in json_of(["history", "-b", engine.backend, "--json"])["events"]
+                if event["event"] == "released"][0]
+    stream = min(generations, key=lambda g: g["ended"] or float("inf"))
+    assert stream["ended"] > released["ts"] + 0.5   # it did outlive its turn, beside the held one
