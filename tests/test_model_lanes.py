@@ -218,9 +218,10 @@ def test_a_llama_swap_upstream_path_is_gated_on_its_model_lane(procs, holder, tm
     engine = KindEngine(procs, tmp_path, "--kind", "llama-swap", "--name", "model-a", delay=0.05)
     proxy = Proxy(procs, engine.backend, "--key-by", "model", "--no-witness")
     held = holder("-b", engine.backend, "--key-by", "model", "-m", "model-a")
-    status, headers, _ = raw_request(proxy.port, "POST", "/upstream/model-a/v1/chat/completions",
-                                     chat(None))
-    assert (status, headers["x-lanelock-state"]) == (503, "busy")
+    for body in (chat(None), chat("model-b")):   # the path routes it, whatever the body says
+        status, headers, _ = raw_request(proxy.port, "POST",
+                                         "/upstream/model-a/v1/chat/completions", body)
+        assert (status, headers["x-lanelock-state"]) == (503, "busy")
     # model-b's lane is free: forwarded (the stand-in answers what llama-swap would load)
     status, headers, _ = raw_request(proxy.port, "POST", "/upstream/model-b/v1/chat/completions",
                                      chat(None))

@@ -5,7 +5,8 @@ Everything the proxy keeps about a lane lives in its Lane here: the Gate (built 
 the proxy's: the same settings, root and store), the turn lingering for a session, the recent
 holds Retry-After reads, the fallback chain (whose @HOST:PORT engines are gated for the same
 model). A request's lane is read from what it names: the model in its body (every family that has
-one, dialects.py), else llama-swap's /upstream/MODEL/... path. A request that names no model takes
+one, dialects.py), or llama-swap's /upstream/MODEL/... path (which routes it, whatever its body
+says). A request that names no model takes
 the proxy's own lane (its model setting's, else the backend's), said once per proxy, not per
 request.
 
@@ -69,7 +70,8 @@ class Lanes:
         """The lane of a request naming model in its body (None: none) at path."""
         if not self.keyed:
             return self.own
-        model = (model or model_of_path(path) or "").strip()[:models.MAX_NAME]
+        # llama-swap routes /upstream/MODEL/... by its path, whatever the body names.
+        model = (model_of_path(path) or model or "").strip()[:models.MAX_NAME]
         if not model:
             if not self._said_no_model:
                 self._said_no_model = True
