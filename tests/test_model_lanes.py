@@ -324,3 +324,18 @@ def test_a_public_backend_has_no_model_map(lanelock, lock_dir):
     result = lanelock("models", "-b", "api.openai.com:443", "share", "gpu0", "a")
     assert result.returncode == 2 and "is not a local lane" in result.stderr, result
     assert not (lock_dir / "kept.json").exists()
+
+
+def test_a_lingering_session_keeps_its_model_lane_only(procs):
+    engine = Engine(procs, delay=0.05)
+    proxy = Proxy(procs, engine.backend, "--key-by", "model", "--no-witness", "--linger", "30")
+    first = {"X-Lanelock-Session": "first"}
+    status, headers, _ = request(proxy.port, "POST", CHAT, chat("model-a"), first)
+    assert (status, headers["X-Lanelock-State"]) == (200, "held")   # model-a's lane lingers
+    second = {"X-Lanelock-Session": "second"}
+    status, headers, _ = request(proxy.port, "POST", CHAT, chat("model-b"), second)
+    assert (status, headers["X-Lanelock-State"]) == (200, "held")
+    status, headers, _ = request(proxy.port, "POST", CHAT, chat("model-a"), second)
+    assert (status, headers["X-Lanelock-State"]) == (503, "busy")
+    status, headers, _ = request(proxy.port, "POST", CHAT, chat("model-a"), first)
+    assert (status, headers["X-Lanelock-State"]) == (200, "held")   # its own lingering turn
