@@ -143,7 +143,27 @@ def unlabelled(pid: int | None, command: str | None, note: str, lanelock: bool =
 
 
 def words(holder: dict | None) -> str:
-    """'pid 42, session alice@pts/1, model qwen, held 12.3s' for one line."""
+    """'pid 42, session alice@pts/1, model qwen, held 12.3s' for one line; on a lane of several
+    seats, every holder: '2 of 2 seats: pid 42, session a, held 3.1s; pid 43, session b, held
+    1.0s'."""
+    if not holder:
+        return "holder unknown"
+    seated = holder.get("holders")
+    if isinstance(seated, list) and seated and isinstance(holder.get("seats"), int):
+        return (seat_count_words(len(seated), holder["seats"]) + ": "
+                + "; ".join(_one(each if isinstance(each, dict) else None) for each in seated))
+    return _one(holder)
+
+
+def seat_count_words(held: int, seats: int) -> str:
+    """'2 of 2 seats', '1 of 3 seats', '3 holding 2 seats' (a count made smaller under them)."""
+    plural = "" if seats == 1 else "s"
+    if held > seats:
+        return f"{held} holding {seats} seat{plural}"
+    return f"{held} of {seats} seat{plural}"
+
+
+def _one(holder: dict | None) -> str:
     if not holder:
         return "holder unknown"
     parts = [f"pid {holder['pid']}" if holder.get("pid") else "its pid unknown"]

@@ -60,7 +60,11 @@ def _device(st: os.stat_result) -> str:
 
 def kernel_view(st: os.stat_result) -> KernelView | None:
     """Holders and waiters of the file with st's device and inode; None when /proc/locks is unreadable."""
-    entries = flock_entries()
+    return view_of(st, flock_entries())
+
+
+def view_of(st: os.stat_result, entries: list | None) -> KernelView | None:
+    """kernel_view from flock_entries() already read (one read for several files)."""
     if entries is None:
         return None
     device = _device(st)

@@ -117,7 +117,9 @@ def _mark_endings(events: list[dict], now: float) -> None:
     the lane, else None)."""
     from ..holder import still_running
 
-    open_turns: dict[int, dict] = {}
+    # Open turns by seat, then pid: one holder at a time on each seat (an event without a
+    # seat is on seat 1: a one-seat lane's journal).
+    open_turns: dict[int, dict[int, dict]] = {}
 
     def close(start: dict, ended: str, held: float | None = None, before: float | None = None):
         start.update(ended=ended, held=None if held is None else round(max(held, 0.0), 6),
@@ -125,21 +127,23 @@ def _mark_endings(events: list[dict], now: float) -> None:
 
     for event in events:
         pid = event.get("pid") if isinstance(event.get("pid"), int) else None
+        on_seat = open_turns.setdefault(seat_of(event), {})
         if event["event"] == "acquired":
-            # One holder at a time: a turn still open here has lost its lock, whatever it says.
-            for start in open_turns.values():
+            # One holder at a time on a seat: a turn still open on it has lost its lock,
+            # whatever it says.
+            for start in on_seat.values():
                 close(start, UNKNOWN if still_running(start) else DIED, before=event["ts"])
-            open_turns.clear()
+            on_seat.clear()
             if pid is not None:
-                open_turns[pid] = event
+                on_seat[pid] = event
             else:
                 close(event, UNKNOWN)
-        elif event["event"] == "released" and pid in open_turns:
-            start = open_turns.pop(pid)
+        elif event["event"] == "released" and pid in on_seat:
+            start = on_seat.pop(pid)
             event.setdefault("priority", start.get("priority"))
             duration = _number(event.get("duration"))
             close(start, RELEASED, duration if duration is not None else event["ts"] - start["ts"])
-    for start in open_turns.values():
+    for start in (start for seat in open_turns.values() for start in seat.values()):
         running = still_running(start)
         if running:
             close(start, HOLDING, now - start["ts"])
@@ -147,6 +151,12 @@ def _mark_endings(events: list[dict], now: float) -> None:
             close(start, UNKNOWN if running is None else DIED)
             if running is False:
                 _mark_still_running(start)
+
+
+def seat_of(event: dict) -> int:
+    """The seat a turn's event is on (1 on a one-seat lane, whose events name none)."""
+    seat = event.get("seat")
+    return seat if isinstance(seat, int) and not isinstance(seat, bool) and seat >= 1 else 1
 
 
 def _mark_lost(events: list[dict]) -> None:
@@ -201,7 +211,7 @@ def summarise(events: list[dict]) -> dict:
     fail_open = sum(1 for e in events if e["event"] == "fail-open")
     ended = [e.get("ended") for e in events if e["event"] == "acquired"]
     spans = holds(events)
-    held = sum(end - start for start, end, _ in spans)
+    held = _covered(spans)
     last = max([events[-1]["ts"]] + [end for _, end, _ in spans]) if events else 0.0
     window = (last - events[0]["ts"]) if events else 0.0
     turns = local + deflected + busy + fail_open
@@ -234,6 +244,20 @@ def summarise(events: list[dict]) -> dict:
         "first": events[0].get("time") if events else None,
         "last": events[-1].get("time") if events else None,
     }
+
+
+def _covered(spans: list) -> float:
+    """Seconds some turn held the lane: the union of the holds (turns on several seats at once
+    count once; on a one-seat lane the holds follow one another, and this is their sum)."""
+    total, reached = 0.0, None
+    for start, end, _ in sorted(spans, key=lambda span: span[0]):
+        if reached is None or start >= reached:
+            total += end - start
+            reached = end
+        elif end > reached:
+            total += end - reached
+            reached = end
+    return total
 
 
 def timeline(events: list[dict]) -> list[tuple[str, list[str]]]:
@@ -297,7 +321,7 @@ def describe(event: dict) -> str:
         from ..holder import exit_words
 
         ended = event.get("ended")
-        return (f"held {_number(event.get('duration')) or 0:.1f}s, {exit_words(event)}"
+        return ((f"{_seat(event)}, " if event.get("seat") is not None else "") + f"held {_number(event.get('duration')) or 0:.1f}s, {exit_words(event)}"
                 + (f"; not a clean release: {str(ended)[:120]}" if ended else ""))
     if kind == "deflected":
         return _deflection(event)
@@ -336,7 +360,8 @@ def describe(event: dict) -> str:
     if kind == "took-over":
         return _took_over(event)
     if kind == "acquired":
-        parts = ["back on local after deflections"] if event.get("way_back") else []
+        parts = [_seat(event)] if event.get("seat") is not None else []
+        parts += ["back on local after deflections"] if event.get("way_back") else []
         return "; ".join(parts + [_ending(event)]).strip("; ")
     return ""
 
@@ -346,6 +371,12 @@ def _deflection(event: dict) -> str:
     from ..holder import words
 
     holder = event.get("holder") if isinstance(event.get("holder"), dict) else None
+    seated = event.get("holders")
+    if isinstance(seated, list) and seated and holder is not None:   # every seat's holder
+        seats = event.get("seats")
+        holder = {**holder, "holders": seated,
+                  "seats": seats if isinstance(seats, int) and not isinstance(seats, bool)
+                  else len(seated)}
     parts = []
     waited, wait = _number(event.get("waited")), event.get("wait")
     if waited is not None:
@@ -353,6 +384,13 @@ def _deflection(event: dict) -> str:
         parts.append(f"timed out after waiting {waited:.1f}s ({asked})")
     parts.append("nothing ran" if event.get("outcome") == BUSY else "sent to a fallback")
     return "; ".join(parts) + f": {event.get('reason')}: held by {words(holder)}"
+
+
+def _seat(event: dict) -> str:
+    """'seat 2 of 2' for a turn's event on a lane of several seats."""
+    seats = event.get("seats")
+    of = f" of {seats}" if isinstance(seats, int) and not isinstance(seats, bool) else ""
+    return f"seat {seat_of(event)}{of}"
 
 
 def _fence(event: dict) -> str:

@@ -29,7 +29,21 @@ HELD, FREE, UNKNOWN = "held", "free", "unknown"
 
 def judge(facts, gate_problem: str | None = None) -> dict:
     """The status of one lane (the `status --json` lane object). gate_problem: why a turn could
-    not take the lane's gate (store/availability.py), None when it could."""
+    not take the lane's gate (store/availability.py), None when it could. A lane of several
+    seats (facts.other_seats) is held while any seat is: each seat is judged alone, as a
+    one-seat lane is, and the lane says them all (seats.py: "seats", "held_seats", "by_seat")."""
+    result = _judge_seat(facts, gate_problem)
+    if not facts.other_seats:
+        result.update(seats=facts.seats, held_seats=1 if result["state"] == HELD else 0,
+                      by_seat=[])
+        return result
+    from .seats import combine
+
+    return combine(result, [_judge_seat(seat) for seat in facts.other_seats], facts)
+
+
+def _judge_seat(facts, gate_problem: str | None = None) -> dict:
+    """The status of one lock and its record: a one-seat lane's, or one seat of a lane."""
     result = {"lane": facts.lane, "lock_path": facts.lock_path, "sidecar_path": facts.sidecar_path,
               "exists": facts.exists, "state": FREE, "verdict": "never-used", "message": "",
               "holders": facts.holders, "waiters": facts.waiters, "queue": facts.queue,
@@ -99,8 +113,18 @@ def planted_outcome(problem: str) -> str:
 def holder(facts) -> dict:
     """Who holds the lane, for a deflection line and `probe`: the holder of the judge's verdict
     on the store's facts (the lock's own holder, labelled by the record only when the record
-    agrees with it), so a deflection and `status` never disagree."""
-    result = judge(facts)
+    agrees with it), so a deflection and `status` never disagree. On a lane of several seats,
+    every seat's holder ("holders", each with its "seat"; "seats": the count) beside the
+    first's own facts (holder.words says them all)."""
+    if facts.other_seats and not facts.problem_lock:
+        from .seats import seated_holder
+
+        return seated_holder(facts, _judge_seat, seat_holder, next_in_queue)
+    return seat_holder(facts, _judge_seat(facts))
+
+
+def seat_holder(facts, result: dict) -> dict:
+    """The holder of one lock (a one-seat lane, or one seat), from its judged result."""
     if facts.problem_lock:   # something planted at the lock's name: the reason is the holder
         return {**holder_facts.unlabelled(None, None, facts.problem_lock), "lanelock": True}
     found = result["holder"]
@@ -109,18 +133,27 @@ def holder(facts) -> dict:
             return {**found, "held_for": None, "note": f"holds the lane {facts.replaced}"}
         return found
     if not facts.held:   # a free lane is busy only for its queue (no barging): name who is next
-        waiting = next((row for row in facts.queue or () if not row.get("stopped")), None)
+        waiting = next_in_queue(facts)
         if waiting is not None:
-            return {"pid": waiting.get("pid"), "host": waiting.get("host"),
-                    "session": waiting.get("session"), "model": None, "held_for": None,
-                    "lanelock": True, "command": None,
-                    "note": f"first in the queue ({waiting.get('class')}), waiting "
-                            f"{holder_facts.seconds(waiting.get('waited') or 0)}: the lane is "
-                            "free and goes to it next"}
+            return waiting
     first = facts.holders[0] if facts.holders else {}
     note = facts.record_problem or "the holder record does not match the holder"
     return holder_facts.unlabelled(first.get("pid"), first.get("command"), note,
                                    lanelock=facts.collision or bool(first.get("lanelock")))
+
+
+def next_in_queue(facts) -> dict | None:
+    """The first waiter of the lane's queue not stopped, as a holder: a free lane (or seat) is
+    busy only for it (no barging) -- None when nobody waits."""
+    waiting = next((row for row in facts.queue or () if not row.get("stopped")), None)
+    if waiting is None:
+        return None
+    return {"pid": waiting.get("pid"), "host": waiting.get("host"),
+            "session": waiting.get("session"), "model": None, "held_for": None,
+            "lanelock": True, "command": None,
+            "note": f"first in the queue ({waiting.get('class')}), waiting "
+                    f"{holder_facts.seconds(waiting.get('waited') or 0)}: the lane is "
+                    "free and goes to it next"}
 
 
 def _ending(result: dict, facts, record: dict) -> dict:

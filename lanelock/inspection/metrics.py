@@ -51,6 +51,13 @@ class LaneCollector:
         yield info
         held = GaugeMetricFamily("lanelock_lane_held", "1 while a turn holds the lane",
                                  labels=["lane"])
+        seats = GaugeMetricFamily("lanelock_lane_seats",
+                                  "the lane's seat count: up to that many turns hold it at once "
+                                  "(`lanelock seats`)", labels=["lane"])
+        held_seats = GaugeMetricFamily("lanelock_lane_held_seats",
+                                       "seats held now (more than lanelock_lane_seats while a "
+                                       "count made smaller still has its holders)",
+                                       labels=["lane"])
         waiters = GaugeMetricFamily("lanelock_lane_waiters",
                                     "turns waiting for the lane, as `lanelock status` counts "
                                     "them: its queue, or where the store keeps none, the "
@@ -122,6 +129,8 @@ class LaneCollector:
             readable.add_metric([lane], 0.0 if counts.get("problem") else 1.0)
             is_held = status["state"] == "held"
             held.add_metric([lane], 1.0 if is_held else 0.0)
+            seats.add_metric([lane], float(status.get("seats") or 1))
+            held_seats.add_metric([lane], float(status.get("held_seats") or 0))
             # A waiter is a turn that still wants the lane: its queue entry is the record (the
             # kernel sees only the first of the queue on the lane's lock).
             waiters.add_metric([lane], float(len(status.get("queue") or ()) or
@@ -170,7 +179,7 @@ class LaneCollector:
                     cumulative.append((_bound(bound), float(total)))
                 cumulative.append(("+Inf", float(histogram["count"])))
                 family.add_metric(labels, cumulative, histogram["sum"])
-        yield from (gate, store, held, waiters, waiters_stopped, queued, since, stopped, turns, deflections, hold,
+        yield from (gate, store, held, seats, held_seats, waiters, waiters_stopped, queued, since, stopped, turns, deflections, hold,
                     wait, class_wait, readable, unseen, unseen_seconds, held_idle, ungated,
                     generating)
 

@@ -219,13 +219,21 @@ def status_table(results: list[dict], none: str = "no lanes yet", width: int = N
         engine = engine_words(result.get("engine"))
         message = "\n".join([sanitize(result["message"], 2000)] +
                             ([sanitize(engine, 600)] if engine else []))
-        table.add_row(escape(sanitize(result["lane"])), f"[{style}]{result['state']}[/{style}]",
+        table.add_row(escape(sanitize(result["lane"])),
+                      f"[{style}]{result['state']}{_seats_cell(result)}[/{style}]",
                       escape(message), str(_waiting(result) or ""))
     if not results:
         table.add_row("-", "-", escape(none), "")
     queues = [waiters.table(result["lane"], result["queue"]) for result in results
               if result.get("queue")]
     return Group(table, *queues) if queues else table
+
+
+def _seats_cell(result: dict) -> str:
+    """' 2/2' beside the state: seats held of the lane's count, on a lane of several seats."""
+    if len(result.get("by_seat") or ()) < 2:
+        return ""
+    return f" {result.get('held_seats', 0)}/{result.get('seats')}"
 
 
 def _status_stacked(result: dict):
@@ -238,7 +246,7 @@ def _status_stacked(result: dict):
     grid.add_column(overflow="fold")
     style = STATE_STYLE.get(result["state"], "")
     grid.add_row("lane", escape(sanitize(result["lane"])))
-    grid.add_row("state", f"[{style}]{result['state']}[/{style}]")
+    grid.add_row("state", f"[{style}]{result['state']}{_seats_cell(result)}[/{style}]")
     grid.add_row("says", escape(sanitize(result["message"], 2000)))
     engine = engine_words(result.get("engine"))
     if engine:

@@ -162,6 +162,10 @@ class TurnRecord:
             extra.update(wait=wait, waited=round(waited, 6))
         if self.outcome is not None:
             extra["outcome"] = self.outcome
+        seated = who.get("holders") if isinstance(who, dict) else None
+        if isinstance(seated, list):   # every seat held: "holder" stays the first, as ever
+            extra.update(holders=seated, seats=who.get("seats"))
+            who = {key: value for key, value in who.items() if key not in ("holders", "seats")}
         event = self.event("deflected", reason=reason, holder=who, **extra)
         self.deflected_ts = event["ts"]
         self.log(handle, False, event)

@@ -89,7 +89,7 @@ KNOWN = [
                   "it); the duel runs with the installed console script"),
     Known("run-with-fallback", "README.md", r"^lanelock run --backend 127\.0\.0\.1:8080 --fallback",
           test="test_run_with_a_fallback"),
-    Known("busy-line", "README.md", r"^lanelock: local_backend_busy: ",
+    Known("busy-line", "README.md", r"\Alanelock: local_backend_busy: ",
           test="test_run_with_a_fallback"),        # the line a deflection prints, compared there
     Known("cron", "README.md", r"^\*/10 \* \* \* \* ", test="test_cron_line"),
     Known("shell-fallback", "README.md", r"^lanelock run -q .*\./ask-local\.sh",
@@ -141,6 +141,8 @@ KNOWN = [
           test="test_proxy_seats.py::test_the_readme_proxy_seats_block"),
     Known("seats-count", "README.md", r"^lanelock seats -b 127\.0\.0\.1:8080 2 ",
           test="test_seats.py::test_the_readme_seats_block"),
+    Known("seated-views", "README.md", r"^\$ lanelock status\nlocalhost:8080: 2 of 2 seats held",
+          test="test_seat_views.py::test_the_readme_seated_views_block"),
     Known("tmpfiles-root", "README.md", r"^# /etc/tmpfiles\.d/lanelock\.conf\n",
           test="test_threat.py::test_the_readme_tmpfiles_line_makes_a_default_root_no_one_can_squat"),
 ]

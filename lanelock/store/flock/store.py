@@ -657,7 +657,8 @@ class FlockStore(LaneStore):
                     survey.lane_stems(self.root.path)]
         # handle: a turn asks on its own path (a deflection, a hand-over): no /proc/locks read
         found = survey.facts(self.root.path, lane.stem, lane.name, self.aging,
-                             kernel=handle is None)
+                             kernel=handle is None,
+                             seated=None if handle is None else (handle.seats, handle.past))
         if handle is not None and handle.refused:
             found.problem_lock = handle.refused
         return [found]
@@ -670,7 +671,7 @@ class FlockStore(LaneStore):
     def holding(self, lane, handle=None) -> tuple:
         from . import survey
 
-        return survey.holding(self.path(self.names(lane.stem)["sidecar"]))
+        return survey.holding_any(self.root.path, lane.stem)
 
     def seats_holding(self, lane, handle=None) -> tuple:
         """Each seat's record read as holding() reads seat 1's (never /proc/locks): seat 1 and

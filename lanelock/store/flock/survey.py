@@ -13,7 +13,7 @@ import os
 import stat
 
 from ... import locks, proc
-from . import sidecar
+from . import seats, sidecar
 from ..base import LaneFacts
 from ..record_facts import read_record
 
@@ -28,14 +28,65 @@ def lane_stems(root: str) -> list[str]:
 
 
 def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0,
-          kernel: bool = True) -> LaneFacts:
+          kernel: bool = True, seated: tuple | None = None) -> LaneFacts:
     """kernel=False: asked on a turn's own path (a deflection naming its holder, a hand-over
     check), where /proc/locks must not be read (each cold read stalls every flock()
     on the machine, the hand-off under way included). The holder is then the record's, when the
     record is a live turn's on this very lock file (only a holder writes it, while it holds); the
-    kernel is asked only when no record says so (a flock(1) holder, a record of another file)."""
-    found = LaneFacts(lane or lane_name(stem), os.path.join(root, f"{stem}.lock"),
-                      os.path.join(root, f"{stem}.json"))
+    kernel is asked only when no record says so (a flock(1) holder, a record of another file).
+
+    seated: (the lane's seat count, the seats past it whose files exist), as the turn's handle
+    read them; None: read here (seat_numbers). Each other seat's facts are judged as seat 1's:
+    the seat's own lock file, the kernel's view of it and its own record."""
+    name = lane or lane_name(stem)
+    count, past = seated if seated is not None else seat_numbers(root, stem, name)
+    entries: list = []   # /proc/locks, read at most once for every seat
+    found = _seat_facts(root, seats.lock_name(stem, 1), name, kernel, entries)
+    if found.exists and not found.problem_lock:
+        found.queue = queue_rows(root, stem, aging, kernel)
+    found.seats = count
+    found.other_seats = [_seat_facts(root, seats.lock_name(stem, seat), name, kernel, entries,
+                                     seat)
+                         for seat in (*range(2, count + 1), *past)]
+    return found
+
+
+def seat_numbers(root: str, stem: str, lane: str) -> tuple:
+    """(the lane's seat count, the seats past it whose lock files exist) from ROOT/kept.json and
+    the seats folder. Nothing kept (no kept.json): one seat, and the folder is not looked at --
+    a one-seat lane's survey costs one failed lstat more. A count that cannot be read or believed
+    is 1, as a turn takes it (store.py's _count_seats)."""
+    from . import kept
+
+    if not os.path.lexists(os.path.join(root, kept.NAME)):   # one lstat: nothing ever kept
+        return 1, ()
+    try:
+        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return 1, ()
+    try:
+        try:
+            values = kept.read(dir_fd)
+        except (kept.Untrusted, OSError):
+            values = {}
+        if values is None:
+            return 1, ()
+        count = seats.count_of(values.get(seats.key(lane))) or 1
+        try:
+            made = seats.made(dir_fd, stem)
+        except OSError:
+            made = []
+        return count, tuple(seat for seat in made if seat > count)
+    finally:
+        os.close(dir_fd)
+
+
+def _seat_facts(root: str, lock: str, lane: str, kernel: bool, entries: list,
+                seat: int = 1) -> LaneFacts:
+    """The facts of one seat's lock file and record (seat 1's are the lane's own).
+    entries: [/proc/locks' entries] once an earlier seat read them, [] before."""
+    found = LaneFacts(lane, os.path.join(root, lock), os.path.join(root, seats.record_name(lock)))
+    found.seat = seat
     try:
         st = os.lstat(found.lock_path)
     except FileNotFoundError:
@@ -53,12 +104,11 @@ def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0,
         found.problem_lock = (f"the lock file is mode {stat.S_IMODE(st.st_mode):04o} of uid "
                               f"{st.st_uid}: other users cannot lock it")
         return found
-    found.queue = queue_rows(root, stem, aging, kernel)
     record, problem = sidecar.read(found.sidecar_path)
     found.record, found.record_problem = record, problem
     found.record_absent = problem == sidecar.MISSING
     holder = None if kernel else _live_holder(record, st)
-    view = None if holder is not None else locks.kernel_view(st)
+    view = None if holder is not None else _kernel_view(st, entries)
     if holder is not None:
         found.kernel_source = "record"
         found.held, found.holders = True, [proc.describe_process(holder)]
@@ -90,6 +140,14 @@ def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0,
     return found
 
 
+def _kernel_view(st: os.stat_result, entries: list):
+    """The kernel's view of the lock file, /proc/locks read once per survey of a lane's seats
+    (entries filled by the first seat that asks); None when it cannot be read."""
+    if not entries:
+        entries.append(locks.flock_entries())
+    return locks.view_of(st, entries[0])
+
+
 def _live_holder(record: dict | None, st: os.stat_result) -> int | None:
     """The pid of a live turn the record names as holding this lock file now, else None."""
     if record is None or sidecar.field(record, "lock_inode", int) != st.st_ino:
@@ -110,6 +168,29 @@ def _live_turn(record: dict) -> int | None:
     if pid is None or ticks is None or proc.start_ticks(pid) != ticks:
         return None
     return pid
+
+
+def holding_any(root: str, stem: str) -> tuple:
+    """holding() of the lane: held while any of its seats is, else the latest release of any.
+    Seat 1 is asked first; the seats folder is listed only when seat 1 is free (on a one-seat
+    lane: one failed open more), and every seat file there is asked, past the count too (a
+    seat past it still held holds the lane)."""
+    held, ago = holding(os.path.join(root, f"{stem}.json"))
+    if held:
+        return held, ago
+    try:
+        names = os.listdir(os.path.join(root, seats.folder(stem)))
+    except OSError:
+        return held, ago
+    for name in names:
+        if not name.endswith(".json") or not name[:-5].isdigit():
+            continue
+        seat_held, seat_ago = holding(os.path.join(root, seats.folder(stem), name))
+        if seat_held:
+            return True, None
+        if seat_ago is not None and (ago is None or seat_ago < ago):
+            ago = seat_ago
+    return False, ago
 
 
 def holding(sidecar_path: str) -> tuple:
