@@ -76,3 +76,35 @@ def test_a_real_busy_slot_named_again_waits_for_it(two_slots):
         conn.close()            # the client hangs up: llama-server stops, slot 0 is free
         pinned.join(TIMEOUT)
     assert answer["id_slot"] == 0
+
+
+def chat(url: str, messages: list, id_slot: int) -> dict:
+    body = {"messages": messages, "max_tokens": 8, "temperature": 0, "id_slot": id_slot}
+    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
+        return json.load(response)
+
+
+def test_a_session_pinned_to_its_slot_finds_its_prompt_after_others_used_the_other():
+    """What `proxy --pin-slots` relies on: with the RAM prompt cache off, two other sessions
+    taking turns on slot 1 leave slot 0's KV alone, and a session that comes back to slot 0
+    processes only its new message."""
+    from support.real_backend import llama_server
+
+    def session(name: str) -> list:
+        facts = " ".join(f"Fact {index}: {name} keeps lantern {index * 7 % 13} by the river."
+                         for index in range(25))
+        return [{"role": "system", "content": f"You are {name}. {facts}"},
+                {"role": "user", "content": "Fact 3?"}]
+
+    with llama_server(2, cache_ram=0) as url:
+        first = chat(url, session("Alda"), 0)["timings"]
+        for name in ("Bruno", "Cosima"):
+            chat(url, session(name), 1)
+        again = session("Alda") + [{"role": "assistant", "content": "Lantern 8."},
+                                   {"role": "user", "content": "Fact 4?"}]
+        back = chat(url, again, 0)["timings"]
+    assert first["prompt_n"] > 200                       # the long prompt, processed once
+    assert back["cache_n"] >= first["prompt_n"] - 1      # ... and found again in slot 0
+    assert back["prompt_n"] < 40                         # only the new turn processed
