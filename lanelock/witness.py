@@ -2,8 +2,9 @@
 sample. lanelock vouches only for the clients that use it; the engine knows every generation.
 
 Each sample reads the engine first (engine.py: one GET), then the lane (store.seats_holding: how
-many seats are held, from the holder records, no /proc/locks). Read in that order, a turn that starts between the two readings can
-never be taken for an unseen generation; one that ends between them is "outlived" (below).
+many seats are held, from the holder records, no /proc/locks). Read in that order, a turn that
+starts between the two readings can never be taken for an unseen generation; one that ends
+between them is "outlived" (below).
 
 Verdicts, per sample:
   covered    the engine generates and a turn holds the lane: each held seat covers one slot
