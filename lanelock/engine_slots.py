@@ -14,10 +14,12 @@ What each kind answers (asked in this order, by what answers):
   vLLM        max_num_seqs is a scheduler setting, not on /metrics (vllm:cache_config_info
               carries the KV cache's settings only); GET /server_info?config_format=json gives
               vllm_config.scheduler_config.max_num_seqs, and vLLM serves that route only with
-              VLLM_SERVER_DEV_MODE=1 (entrypoints/serve/instrumentator). Otherwise: cannot tell.
-  SGLang      GET /server_info (older builds: /get_server_info): the server arguments with
-              max_running_requests (null when it was not given and the build does not report
-              the value it chose: cannot tell).
+              VLLM_SERVER_DEV_MODE=1 (entrypoints/serve/instrumentator/__init__.py). Otherwise:
+              cannot tell. (Its default, 256 or more, is a batch size, not a GPU's sweet spot.)
+  SGLang      GET /server_info (older builds, and a deprecated alias since: /get_server_info;
+              entrypoints/http_server.py, 0.5.23): the server arguments, max_running_requests
+              among them (null when it was not given and the build does not report the value it
+              chose: cannot tell). It asks the scheduler for its internal state: no generation.
   Ollama      cannot tell: OLLAMA_NUM_PARALLEL lives in the server's environment; /api/ps lists
               the loaded models (context_length, size_vram), nothing about parallel requests.
 """

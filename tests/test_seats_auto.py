@@ -60,3 +60,18 @@ def test_seats_auto_where_the_engine_cannot_tell_exits_69_and_keeps_the_count(
                                f"{backend.rpartition(':')[2]} from its engine: ")
     assert why in lines[0]
     assert lanelock("seats", "-b", backend).stdout == "2\n"
+
+
+def test_seats_auto_of_a_model_lane_asks_that_model_only_when_it_runs(procs, tmp_path, lanelock):
+    engine = Served(procs, tmp_path, "--kind", "llama-swap", "--parallel", "2",
+                    name="tiny/model-1")
+    lane = ("-b", engine.backend, "--key-by", "model")
+    done = lanelock("seats", *lane, "-m", "tiny/model-1", "auto")
+    assert done.returncode == 0, done.stderr
+    assert lanelock("seats", *lane, "-m", "tiny/model-1").stdout == "2\n"
+    other = lanelock("seats", *lane, "-m", "other/model", "auto")
+    assert other.returncode == 69
+    assert other.stderr.count("\n") == 1
+    assert "llama-swap does not run other/model now (asking it would load it)" in other.stderr
+    assert engine.stats()["loads"] == []            # asked nothing that would load it
+    assert lanelock("seats", *lane, "-m", "other/model").stdout == "1\n"
