@@ -6,7 +6,8 @@ count set to 2 with `lanelock seats` and set back to 1 after, so the user's lane
 own are never touched. Every turn is `lanelock run` in a process of its own, as a user's would be:
 S1 and S2 each report the seat they were given and hold until the duel lets them go; S3 must
 deflect, and its one line must name both holders (the words are the deflection's own).
-A store that keeps no seat count has no seats to prove: the step says so and is skipped.
+Where the count cannot be set (a store that keeps none, a lock root of another owner: exit 69)
+there are no seats to prove: the step says so and is skipped.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def seats_step(duel, workdir: str, result: dict) -> str | None:
     kept = _lanelock(["seats", *where, str(SEATS)], env, workdir)
     if kept.returncode == exitcodes.GATE_UNAVAILABLE:
         said = kept.stderr.strip().splitlines()[-1:] or [f"exit {kept.returncode}"]
-        duel.step("seats", True, f"skipped: this store keeps no seat count ({said[0]})")
+        duel.step("seats", True, f"skipped: the seat count of {lane} cannot be set here "
+                  f"({said[0]})")
         result["seats"] = {"lane": lane, "skipped": said[0]}
         return None
     if kept.returncode != 0:
