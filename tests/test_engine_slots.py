@@ -26,6 +26,11 @@ def test_the_slot_count_is_the_engines_own(procs, tmp_path, kind):
     assert engine.stats()["loads"] == []        # llama-swap: only the running model was asked
 
 
+def test_vllm_in_dev_mode_says_its_max_num_seqs(procs, tmp_path):
+    engine = Served(procs, tmp_path, "--kind", "vllm", "--parallel", "5", "--vllm-dev-mode")
+    assert slot_count(engine.url) == 5
+
+
 def test_llama_swap_names_the_running_model_and_never_loads_another(procs, tmp_path):
     engine = Served(procs, tmp_path, "--kind", "llama-swap", "--parallel", "2", name=NAME)
     assert slot_count(engine.url, model=NAME) == 2

@@ -62,8 +62,9 @@ events sent so far). --kind says in which engine's words the account is given:
   vllm              GET /metrics: vllm:num_requests_running and vllm:num_requests_waiting
                     {model_name="NAME",engine="0"} (vLLM V1's labels), with
                     vllm:kv_cache_usage_perc and the token counters; /slots: 404 {"detail": "Not
-                    Found"}; /server_info 404 too (vLLM serves it only with
-                    VLLM_SERVER_DEV_MODE=1).
+                    Found"}; /server_info 404 too, as vLLM serves it only with
+                    VLLM_SERVER_DEV_MODE=1 (--vllm-dev-mode: its config, with
+                    scheduler_config.max_num_seqs = --parallel under ?config_format=json).
   sglang            GET /metrics: sglang:num_running_reqs and sglang:num_queue_reqs
                     {model_name="NAME",engine_type="unified",tp_rank="0",pp_rank="0"}, with
                     sglang:token_usage, sglang:gen_throughput and the token counters; GET
@@ -486,6 +487,19 @@ def llama_props(name: str, parallel: int, slots: bool, metrics: bool) -> dict:
             "is_sleeping": False}
 
 
+def vllm_server_info(name: str, parallel: int, query: str) -> dict:
+    """GET /server_info as vLLM serves it with VLLM_SERVER_DEV_MODE=1: its config (a few fields
+    of many), as JSON with ?config_format=json, else as one string."""
+    config = {"model_config": {"model": name, "max_model_len": N_CTX},
+              "cache_config": {"block_size": 16, "gpu_memory_utilization": 0.9},
+              "scheduler_config": {"max_num_seqs": parallel, "max_num_batched_tokens": 8192,
+                                   "policy": "fcfs"}}
+    if "config_format=json" not in query:
+        config = f"model={name!r}, max_num_seqs={parallel}"
+    return {"vllm_config": config, "vllm_env": {"VLLM_SERVER_DEV_MODE": True},
+            "system_env": {"os": "Linux"}}
+
+
 def sglang_server_info(name: str, parallel: int) -> dict:
     """GET /server_info (and the deprecated /get_server_info) as SGLang gives it: its server
     arguments, resolved, with the scheduler's figures and internal states (a few of many)."""
@@ -507,14 +521,16 @@ def llama_swap_running(name: str, port: int) -> dict:
 def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in", tokens: int = 8,
                 token_interval: float | None = None, strict: bool = False, *,
                 kind: str = "llama.cpp", parallel: int = 1, slots: bool = True,
-                metrics: bool = False, slow: float = 0.0) -> ThreadingHTTPServer:
+                metrics: bool = False, slow: float = 0.0,
+                dev_mode: bool = False) -> ThreadingHTTPServer:
     """delay: seconds a non-streaming answer takes; a streaming one ("stream": true) sends
     `tokens` server-sent events, one every token_interval seconds (default delay / tokens).
     strict: generate on every request but GET/HEAD and the cheap endpoints, whatever its path
     or method (the strictest engine: a proxy must let no second one in).
     kind: in which engine's words the account of the work in flight is given (KINDS, the module
     docstring); parallel: the slots it reports; slots=False: llama-server's --no-slots;
-    metrics: llama-server's --metrics; slow: seconds every account GET waits before answering."""
+    metrics: llama-server's --metrics; slow: seconds every account GET waits before answering;
+    dev_mode: vLLM's VLLM_SERVER_DEV_MODE=1 (GET /server_info)."""
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r} (one of {', '.join(KINDS)})")
     counter = Counter(parallel)
@@ -582,6 +598,8 @@ def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in", token
             if kind in ("vllm", "sglang"):
                 if kind == "sglang" and path in ("/server_info", "/get_server_info"):
                     return self._send(200, sglang_server_info(name, counter.parallel))
+                if kind == "vllm" and dev_mode and path == "/server_info":
+                    return self._send(200, vllm_server_info(name, counter.parallel, query))
                 if path != "/metrics":   # vLLM's /server_info: only with VLLM_SERVER_DEV_MODE=1
                     return self._send(404, FASTAPI_404)
                 account = counter.account(delay)
@@ -835,6 +853,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="GET /slots answers 501, as llama-server --no-slots")
     serve.add_argument("--metrics", action="store_true",
                        help="serve llama.cpp's GET /metrics, as llama-server --metrics")
+    serve.add_argument("--vllm-dev-mode", dest="dev_mode", action="store_true",
+                       help="--kind vllm: serve GET /server_info, as VLLM_SERVER_DEV_MODE=1")
     serve.add_argument("--slow", type=float, default=0.0, metavar="SECONDS",
                        help="every account GET waits this long before it answers")
     client = commands.add_parser("client", help="ask the server for one completion")
@@ -853,7 +873,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     server = make_server(args.port, args.delay, args.name, args.tokens, args.token_interval,
                          kind=args.kind, parallel=args.parallel, slots=args.slots,
-                         metrics=args.metrics, slow=args.slow)
+                         metrics=args.metrics, slow=args.slow, dev_mode=args.dev_mode)
     if args.port_file:
         temp = args.port_file + ".tmp"
         with open(temp, "w") as handle:
