@@ -44,6 +44,7 @@ CREATE TABLE IF NOT EXISTS lanelock_queue (
     ticket bigserial PRIMARY KEY, lane text NOT NULL, rank integer NOT NULL,
     arrival timestamptz NOT NULL DEFAULT clock_timestamp(), facts jsonb NOT NULL);
 CREATE INDEX IF NOT EXISTS lanelock_queue_lane ON lanelock_queue (lane);
+CREATE TABLE IF NOT EXISTS lanelock_kept (name text PRIMARY KEY, value jsonb NOT NULL);
 """
 # A connection refused for load, not for absence: 53300 too_many_connections
 # ("sorry, too many clients already", "remaining connection slots are reserved ...", "too many
@@ -126,7 +127,8 @@ def ensure_schema(conn) -> str | None:
     """The tables exist afterwards, or the reason they could not be made (never raises). Tables
     of an earlier lanelock that this role does not own are left as they are (an ALTER would fail,
     an ERROR line in the server's log at every turn): their database is remembered as not
-    fenced (fenced())."""
+    fenced (fenced()). The table of kept values is made by any role that may create one; a
+    database where this role can read it is remembered (keeps())."""
     psycopg = driver()
     try:
         with conn.cursor() as cursor:
@@ -135,27 +137,56 @@ def ensure_schema(conn) -> str | None:
                            "to_regclass('lanelock_counts') IS NOT NULL AND "
                            f"to_regclass('lanelock_queue') IS NOT NULL, {_FENCED}, "
                            "pg_has_role((SELECT relowner FROM pg_class WHERE oid = "
-                           "to_regclass('lanelock_holders')), 'USAGE')")
-            tables, fenced, owner = cursor.fetchone()
-            if tables and fenced:
-                return None
-            if tables and not owner:
-                _NOT_FENCED.add(_database(conn))
-                return NOT_FENCED
+                           "to_regclass('lanelock_holders')), 'USAGE'), "
+                           # lanelock_kept: None missing, False there but not readable
+                           "CASE WHEN to_regclass('lanelock_kept') IS NOT NULL THEN "
+                           "has_table_privilege('lanelock_kept', 'SELECT') END, "
+                           "has_schema_privilege(current_schema(), 'CREATE')")
+            tables, fenced, owner, kept, create = cursor.fetchone()
+            if tables and (fenced or not owner):   # the tables stand (another's are left so)
+                if kept is None and create:   # a table of its own: any role that may create
+                    with conn.transaction():
+                        cursor.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
+                        cursor.execute(_KEPT_SQL)
+                    kept = True
+                if kept:
+                    _KEPT.add(_database(conn))
+                return None if fenced else _not_fenced(conn)
             with conn.transaction():
                 cursor.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
                 cursor.execute(SCHEMA_SQL)
+            if kept is not False:
+                _KEPT.add(_database(conn))
         return None
     except psycopg.Error as error:
         return f"lane store tables: {first_line(error)}"
 
 
 _NOT_FENCED: set = set()   # databases whose tables ensure_schema found without the column
+# Databases where ensure_schema found (or made) lanelock_kept: the values kept with the lanes (a
+# lane's seat count) are read in statements a turn runs anyway, never in one that would fail
+# (an ERROR line in the server's log) on a database without the table.
+_KEPT: set = set()
+_KEPT_SQL = ("CREATE TABLE IF NOT EXISTS lanelock_kept (name text PRIMARY KEY, "
+             "value jsonb NOT NULL)")
+NOT_KEPT = ("the lane store has no lanelock_kept table and this role may not create it: "
+            "nothing is kept with the lanes (every lane one seat) until a turn of a role that "
+            "may runs")
 
 
 def _database(conn) -> tuple:
     info = conn.info
     return (info.host, info.port, info.dbname, info.user)
+
+
+def _not_fenced(conn) -> str:
+    _NOT_FENCED.add(_database(conn))
+    return NOT_FENCED
+
+
+def keeps(conn) -> bool:
+    """Does this connection's database have the table of kept values (ensure_schema saw it)?"""
+    return _database(conn) in _KEPT
 
 
 def fenced(conn) -> bool:

@@ -86,6 +86,16 @@ class PgHandle(LockHandle):
     cut_off: bool = False          # the session's link timed out (lost(): a partition)
     local: object = None           # its place on the host lane (hostqueue.Local), or None
     exists = True                  # a lock row exists as soon as anyone asks
+    # Seats (seats.py): the lane's count read as the session began, the seats past it some row
+    # names, and the seat the handle is on (key is that seat's: ident keeps the lane's).
+    seats: int = 1
+    past: tuple = ()
+    seat: int = 1
+
+    @property
+    def seated(self) -> bool:
+        """More than the lane's one lock to think of: seats, or seats past the count."""
+        return self.seats > 1 or bool(self.past)
 
     def close(self) -> None:
         try:
@@ -133,6 +143,44 @@ class PgStore(LaneStore):
     def connect(self, application_name: str):
         return connect(self.dsn, application_name)
 
+    # -- values kept with the lanes (lanelock_kept: one value every host reads) -------------------
+    def kept(self, name: str):
+        from . import seats
+
+        return self._kept(f"lanelock kept {name}", lambda conn: seats.read_kept(conn, name))
+
+    def keep(self, name: str, value) -> None:
+        from . import seats
+
+        self._kept(f"lanelock keep {name}", lambda conn: seats.write_kept(conn, name, value))
+
+    def seat_count(self, lane) -> int:
+        """The lane's seat count as a turn reads it (1 when none is kept or it cannot be read)."""
+        from . import seats
+
+        try:
+            return seats.count_of(self.kept(seats.key(lane.name))) or 1
+        except GateUnavailable:
+            return 1
+
+    def _kept(self, application_name: str, function):
+        """function(a connection of its own) on the table of kept values; GateUnavailable when
+        the server cannot be reached or the table cannot be made or read."""
+        from .session import NOT_KEPT, keeps
+
+        conn = self.connect(application_name)
+        try:
+            problem = ensure_schema(conn)
+            if not keeps(conn):   # never a statement on a missing table: an ERROR in the log
+                raise GateUnavailable(f"lane store {redact(self.dsn)}: {problem or NOT_KEPT}")
+            try:
+                return function(conn)
+            except driver().Error as error:
+                raise GateUnavailable(f"lane store {redact(self.dsn)}: "
+                                      f"{problem or first_line(error)}") from None
+        finally:
+            conn.close()
+
     def open(self, lane_obj, *, create: bool = True) -> PgHandle:
         """A handle with no connection yet: a turn that waits behind another of this host never
         opens one (hostqueue.py); a try, the host's head and the records connect (connected())."""
@@ -158,7 +206,7 @@ class PgStore(LaneStore):
         # The tables only label turns: a schema that cannot be set up (no CREATE privilege) must
         # not decide whether a turn is gated, so its failure shows later, as record warnings.
         ensure_schema(conn)
-        backend, started = self._session(conn)
+        backend, started = self._session(conn, handle)
         handle.conn, handle.backend_pid, handle.fd, handle.started = \
             conn, backend, _socket(conn), started
 
@@ -192,13 +240,21 @@ class PgStore(LaneStore):
         ungated (the gate releases it at the turn's end): one at a time on this host."""
         return handle.local is not None and handle.local.ungated
 
-    def _session(self, conn) -> tuple[int, float]:
-        """(backend pid, the server's start in epoch seconds) of a new connection."""
+    def _session(self, conn, handle: PgHandle | None = None) -> tuple[int, float]:
+        """(backend pid, the server's start in epoch seconds) of a new connection; with a turn's
+        handle, its lane's seat count too, in the same statement (seats.py)."""
+        from . import seats
+
+        params = None if handle is None else seats.count_params(conn, handle.lane)
         try:
             with conn.cursor() as cursor:
                 cursor.execute("SELECT pg_backend_pid(), "
-                               "extract(epoch FROM pg_postmaster_start_time())::float8")
-                return cursor.fetchone()
+                               "extract(epoch FROM pg_postmaster_start_time())::float8"
+                               + ("" if params is None else ", " + seats.COUNT_COLUMNS), params)
+                row = cursor.fetchone()
+                if params is not None:
+                    seats.counted(handle, *row[2:])
+                return row[:2]
         except driver().Error as error:
             conn.close()
             raise GateUnavailable(f"lane store {redact(self.dsn)}: {first_line(error)}") from None
@@ -241,8 +297,10 @@ class PgStore(LaneStore):
             hostqueue.host_unlock(local)
 
     def _try_server(self, handle: PgHandle, rank: int) -> bool:
+        from . import seats
+
         self.connected(handle)
-        if not self._try_lane(handle):
+        if not (seats.try_seats(self, handle) if handle.seated else self._try_lane(handle)):
             return False
         return order.keep_free_lane(PgLine(self, handle), rank)
 
@@ -667,15 +725,29 @@ class PgStore(LaneStore):
     @staticmethod
     def _lanes(conn) -> list[str]:
         with conn.cursor() as cursor:
-            cursor.execute("SELECT lane FROM lanelock_holders ORDER BY lane")
+            cursor.execute("SELECT DISTINCT lane FROM lanelock_holders ORDER BY lane")
             return [row[0] for row in cursor.fetchall()]
 
     def _facts(self, conn, lane: str) -> LaneFacts:
-        from ...facts import hostname
-        from ..record_facts import read_record
+        """The lane's facts (seat 1's), with its count and every other seat's (seats.py): 2..the
+        count, and a seat past it while held."""
+        from . import seats
 
-        key = lane_key(lane)
-        facts = LaneFacts(lane, self.locator(lane))
+        facts = self._seat_facts(conn, lane)
+        facts.seats, top = seats.survey_count(conn, lane)
+        for seat in range(2, top + 1):
+            other = self._seat_facts(conn, lane, seat)
+            if seat <= facts.seats or other.held:
+                facts.other_seats.append(other)
+        return facts
+
+    def _seat_facts(self, conn, lane: str, seat: int = 1) -> LaneFacts:
+        from .seats import seat_key
+
+        key = seat_key(lane, seat)
+        facts = LaneFacts(lane, self.locator(lane) if seat == 1 else
+                          f"{redact(self.dsn)}#advisory({key[0]},{key[1]})")
+        facts.seat = seat
         facts.kernel_source = "pg_locks"
         facts.bound = BOUND
         with conn.cursor() as cursor:
@@ -685,6 +757,8 @@ class PgStore(LaneStore):
                      "lanelock": bool(app and app.startswith("lanelock"))}
             (facts.holders if granted else facts.waiters).append(entry)
         facts.held = bool(facts.holders)
+        if seat > 1:   # the lane's queue is seat 1's facts'
+            return self._row_facts(conn, facts, key, lane)
         try:
             facts.queue = pg_queue.describe(conn, lane, self.aging)
         except driver().Error:
@@ -698,6 +772,13 @@ class PgStore(LaneStore):
             heads = set()
         facts.queue = hostqueue.merged(facts.queue, hostqueue.local_rows(
             self._root().path, self.dsn, lane, self.aging, heads))
+        return self._row_facts(conn, facts, key, lane)
+
+    def _row_facts(self, conn, facts: LaneFacts, key, lane: str) -> LaneFacts:
+        """The facts of the seat's holder row (who holds, or held last)."""
+        from ...facts import hostname
+        from ..record_facts import read_record
+
         record, problem = self.holder_row(conn, key, lane)
         facts.record, facts.record_problem = record, problem
         facts.record_absent = problem == NO_ROW
