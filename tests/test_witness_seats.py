@@ -11,6 +11,8 @@ import sys
 import time
 import urllib.request
 
+import pytest
+
 from conftest import LANELOCK, TIMEOUT, json_of, read_line
 
 PYTHON = sys.executable
@@ -67,8 +69,9 @@ class StandIn:
 
 
 class Watch:
-    def __init__(self, procs, backend: str):
-        self.proc = procs.start([*LANELOCK, "watch", "-b", backend, "--interval", str(INTERVAL)],
+    def __init__(self, procs, backend: str, *args):
+        self.proc = procs.start([*LANELOCK, "watch", "-b", backend, "--interval", str(INTERVAL),
+                                 *args],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.lines: list[str] = []
         self.wait_for("watching the engine")
@@ -93,13 +96,13 @@ def unseen_lines(lines) -> list[str]:
     return [line for line in lines if "unseen generation" in line]
 
 
-def unseen_events(backend: str) -> list[dict]:
-    return [event for event in json_of(["history", "-b", backend, "--json"])["events"]
+def unseen_events(backend: str, *args) -> list[dict]:
+    return [event for event in json_of(["history", "-b", backend, "--json", *args])["events"]
             if event["event"] == "unseen"]
 
 
-def seats(lanelock, backend: str, count: int) -> None:
-    done = lanelock("seats", "-b", backend, str(count))
+def seats(lanelock, backend: str, count: int, *args) -> None:
+    done = lanelock("seats", "-b", backend, str(count), *args)
     assert done.returncode == 0, done.stderr
 
 
@@ -174,3 +177,27 @@ def test_a_generation_outliving_its_seat_beside_a_held_one_is_not_unseen(
                 if event["event"] == "released"][0]
     stream = min(generations, key=lambda g: g["ended"] or float("inf"))
     assert stream["ended"] > released["ts"] + 0.5   # it did outlive its turn, beside the held one
+
+
+def test_the_proxys_witness_on_two_seats_covers_two_requests_generating_at_once(
+        procs, lanelock, tmp_path):
+    """Through `lanelock proxy` each request is a turn on a seat of its own: two streams at once
+    on a lane of two seats are two generations covered, none unseen."""
+    pytest.importorskip("aiohttp")
+    from support.proxy import Proxy, open_stream, read_until
+
+    engine = StandIn(procs, tmp_path, 2, 0.1, "--tokens", 20, "--token-interval", 0.1)
+    seats(lanelock, engine.backend, 2)
+    proxy = Proxy(procs, engine.backend, "--witness-interval", INTERVAL)
+    streams = [open_stream(proxy.port) for _ in range(2)]
+    for sock in streams:
+        assert b"data: " in read_until(sock, b"data: ")
+    assert engine.stats()["in_flight"] == 2      # both generating at once, for ~2 s
+    for sock in streams:
+        read_until(sock, b"[DONE]")
+        sock.close()
+    a, b = engine.wait_ended(2)
+    assert min(a["ended"], b["ended"]) - max(a["started"], b["started"]) >= 3 * INTERVAL, (a, b)
+    assert proxy.stop() == 0
+    assert "unseen generation" not in proxy.log(), proxy.log()
+    assert unseen_events(engine.backend) == []
