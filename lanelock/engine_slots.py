@@ -202,6 +202,10 @@ class _Asker:
 
     def json(self, path: str):
         status, body, _ = self.engine.get(path, named="")   # down: the engine is named, no path
+        if status in (401, 403):    # every later question would be refused the same way
+            raise CannotTell(f"{self.url} refuses lanelock's questions ({status} to "
+                             f"{path.partition('?')[0]}): it wants an API key, and lanelock "
+                             f"asks without one")
         if status != 200:
             return status, None
         if len(body) > engine_account.MAX_BYTES:

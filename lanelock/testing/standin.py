@@ -83,7 +83,9 @@ events sent so far). --kind says in which engine's words the account is given:
 
 llama-swap, vLLM, SGLang and Ollama do not run here: those kinds are their documented shapes (from
 their source and documentation), served by this stand-in, not the real servers; only llama.cpp's
-can be checked against a real llama-server (scripts/real-backend). --slow SECONDS makes every
+can be checked against a real llama-server (scripts/real-backend). --api-key KEY: every account
+GET without "Authorization: Bearer KEY" answers 401 {"error": {"code": 401, "message": "Invalid
+API Key", "type": "authentication_error"}}, as llama-server --api-key. --slow SECONDS makes every
 account GET (/slots, /props, /metrics, /running, /upstream/..., /api/ps, /server_info) wait that
 long before it answers.
 GET /health stays {"status": "ok"} for every kind.
@@ -522,7 +524,7 @@ def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in", token
                 token_interval: float | None = None, strict: bool = False, *,
                 kind: str = "llama.cpp", parallel: int = 1, slots: bool = True,
                 metrics: bool = False, slow: float = 0.0,
-                dev_mode: bool = False) -> ThreadingHTTPServer:
+                dev_mode: bool = False, api_key: str | None = None) -> ThreadingHTTPServer:
     """delay: seconds a non-streaming answer takes; a streaming one ("stream": true) sends
     `tokens` server-sent events, one every token_interval seconds (default delay / tokens).
     strict: generate on every request but GET/HEAD and the cheap endpoints, whatever its path
@@ -530,7 +532,8 @@ def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in", token
     kind: in which engine's words the account of the work in flight is given (KINDS, the module
     docstring); parallel: the slots it reports; slots=False: llama-server's --no-slots;
     metrics: llama-server's --metrics; slow: seconds every account GET waits before answering;
-    dev_mode: vLLM's VLLM_SERVER_DEV_MODE=1 (GET /server_info)."""
+    dev_mode: vLLM's VLLM_SERVER_DEV_MODE=1 (GET /server_info); api_key: every account GET
+    without "Authorization: Bearer KEY" answers 401, as llama-server --api-key does."""
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r} (one of {', '.join(KINDS)})")
     counter = Counter(parallel)
@@ -565,6 +568,10 @@ def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in", token
                 counter.account_get()
                 if slow > 0:
                     time.sleep(slow)
+                if api_key and self.headers.get("Authorization") != f"Bearer {api_key}":
+                    return self._send(401, {"error": {"code": 401, "message": "Invalid API Key",
+                                                      "type": "authentication_error"}},
+                                      JSON_UTF8)
                 return self._account(path, query)
             if kind == "ollama" and path == "/":
                 return self._send(200, b"Ollama is running", "text/plain; charset=utf-8")
@@ -853,6 +860,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="GET /slots answers 501, as llama-server --no-slots")
     serve.add_argument("--metrics", action="store_true",
                        help="serve llama.cpp's GET /metrics, as llama-server --metrics")
+    serve.add_argument("--api-key", help="account GETs need this key, as llama-server --api-key")
     serve.add_argument("--vllm-dev-mode", dest="dev_mode", action="store_true",
                        help="--kind vllm: serve GET /server_info, as VLLM_SERVER_DEV_MODE=1")
     serve.add_argument("--slow", type=float, default=0.0, metavar="SECONDS",
@@ -873,7 +881,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     server = make_server(args.port, args.delay, args.name, args.tokens, args.token_interval,
                          kind=args.kind, parallel=args.parallel, slots=args.slots,
-                         metrics=args.metrics, slow=args.slow, dev_mode=args.dev_mode)
+                         metrics=args.metrics, slow=args.slow, dev_mode=args.dev_mode,
+                         api_key=args.api_key)
     if args.port_file:
         temp = args.port_file + ".tmp"
         with open(temp, "w") as handle:
