@@ -181,6 +181,15 @@ def _server_info(asker: "_Asker", info: dict) -> int:
                      f"max_running_requests")
 
 
+def _said(body: bytes) -> str:
+    """', MESSAGE' from an OpenAI-style error body, or nothing."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, RecursionError, KeyError, TypeError):
+        return ""
+    return f", {' '.join(str(message).split())[:80]}" if message else ""
+
+
 def _count(value) -> int | None:
     if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_SLOTS:
         return value
@@ -206,6 +215,9 @@ class _Asker:
             raise CannotTell(f"{self.url} refuses lanelock's questions ({status} to "
                              f"{path.partition('?')[0]}): it wants an API key, and lanelock "
                              f"asks without one")
+        if status == 503:           # as llama-server answers every path while it loads
+            raise CannotTell(f"{self.url} is not ready (503 to {path.partition('?')[0]}"
+                             f"{_said(body)}): try again once it is up")
         if status != 200:
             return status, None
         if len(body) > engine_account.MAX_BYTES:

@@ -48,6 +48,8 @@ def test_llama_swap_names_the_running_model_and_never_loads_another(procs, tmp_p
     ("garbage", "answered something that is not JSON"),
     ("odd", "/running lists something that is not a model"),
     ("redirect", "redirects (302) to http://127.0.0.1:1/elsewhere: not followed"),
+    ("llama.cpp --loading", "is not ready (503 to /running, Loading model): try again once it "
+                            "is up"),
     ("llama.cpp --api-key secret", "refuses lanelock's questions (401 to /running): it wants an API key"),
 ])
 def test_an_engine_that_does_not_say_is_named_with_the_reason(procs, tmp_path, kind, why):

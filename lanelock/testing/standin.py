@@ -85,10 +85,12 @@ llama-swap, vLLM, SGLang and Ollama do not run here: those kinds are their docum
 their source and documentation), served by this stand-in, not the real servers; only llama.cpp's
 can be checked against a real llama-server (scripts/real-backend). --api-key KEY: every account
 GET without "Authorization: Bearer KEY" answers 401 {"error": {"code": 401, "message": "Invalid
-API Key", "type": "authentication_error"}}, as llama-server --api-key. --slow SECONDS makes every
+API Key", "type": "authentication_error"}}, as llama-server --api-key; --loading: every GET
+but /stats answers 503 {"error": {"code": 503, "message": "Loading model", "type":
+"unavailable_error"}}, as llama-server while it loads its model. --slow SECONDS makes every
 account GET (/slots, /props, /metrics, /running, /upstream/..., /api/ps, /server_info) wait that
 long before it answers.
-GET /health stays {"status": "ok"} for every kind.
+GET /health stays {"status": "ok"} for every kind (but --loading).
 """
 
 from __future__ import annotations
@@ -524,7 +526,8 @@ def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in", token
                 token_interval: float | None = None, strict: bool = False, *,
                 kind: str = "llama.cpp", parallel: int = 1, slots: bool = True,
                 metrics: bool = False, slow: float = 0.0,
-                dev_mode: bool = False, api_key: str | None = None) -> ThreadingHTTPServer:
+                dev_mode: bool = False, api_key: str | None = None,
+                loading: bool = False) -> ThreadingHTTPServer:
     """delay: seconds a non-streaming answer takes; a streaming one ("stream": true) sends
     `tokens` server-sent events, one every token_interval seconds (default delay / tokens).
     strict: generate on every request but GET/HEAD and the cheap endpoints, whatever its path
@@ -533,7 +536,8 @@ def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in", token
     docstring); parallel: the slots it reports; slots=False: llama-server's --no-slots;
     metrics: llama-server's --metrics; slow: seconds every account GET waits before answering;
     dev_mode: vLLM's VLLM_SERVER_DEV_MODE=1 (GET /server_info); api_key: every account GET
-    without "Authorization: Bearer KEY" answers 401, as llama-server --api-key does."""
+    without "Authorization: Bearer KEY" answers 401, as llama-server --api-key does; loading:
+    every GET but /stats answers 503 "Loading model", as llama-server while it loads."""
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r} (one of {', '.join(KINDS)})")
     counter = Counter(parallel)
@@ -559,6 +563,9 @@ def make_server(port: int = 0, delay: float = 0.1, name: str = "stand-in", token
         def do_GET(self):
             if self.path == "/stats":
                 return self._send(200, counter.snapshot())
+            if loading:
+                return self._send(503, {"error": {"code": 503, "message": "Loading model",
+                                                  "type": "unavailable_error"}}, JSON_UTF8)
             if self.path == "/health":
                 return self._send(200, {"status": "ok"})
             if self.path == "/v1/models":
@@ -860,6 +867,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="GET /slots answers 501, as llama-server --no-slots")
     serve.add_argument("--metrics", action="store_true",
                        help="serve llama.cpp's GET /metrics, as llama-server --metrics")
+    serve.add_argument("--loading", action="store_true",
+                       help="every GET answers 503 Loading model, as llama-server while it loads")
     serve.add_argument("--api-key", help="account GETs need this key, as llama-server --api-key")
     serve.add_argument("--vllm-dev-mode", dest="dev_mode", action="store_true",
                        help="--kind vllm: serve GET /server_info, as VLLM_SERVER_DEV_MODE=1")
@@ -882,7 +891,7 @@ def main(argv: list[str] | None = None) -> int:
     server = make_server(args.port, args.delay, args.name, args.tokens, args.token_interval,
                          kind=args.kind, parallel=args.parallel, slots=args.slots,
                          metrics=args.metrics, slow=args.slow, dev_mode=args.dev_mode,
-                         api_key=args.api_key)
+                         api_key=args.api_key, loading=args.loading)
     if args.port_file:
         temp = args.port_file + ".tmp"
         with open(temp, "w") as handle:
