@@ -75,3 +75,13 @@ def test_seats_auto_of_a_model_lane_asks_that_model_only_when_it_runs(procs, tmp
     assert "llama-swap does not run other/model now (asking it would load it)" in other.stderr
     assert engine.stats()["loads"] == []            # asked nothing that would load it
     assert lanelock("seats", *lane, "-m", "other/model").stdout == "1\n"
+
+
+def test_seats_auto_refuses_more_slots_than_a_lane_seats(procs, tmp_path, lanelock):
+    """vLLM's default max_num_seqs (256 and up) is a batch size: more than 256 is no seat count."""
+    engine = Served(procs, tmp_path, "--kind", "vllm", "--vllm-dev-mode", "--parallel", "1024")
+    done = lanelock("seats", "-b", engine.backend, "auto")
+    assert done.returncode == 69
+    assert done.stderr == (f"lanelock: the engine of localhost:{engine.port} serves 1024 at "
+                           f"once, more than the 256 seats a lane has; set a count\n")
+    assert lanelock("seats", "-b", engine.backend).stdout == "1\n"
