@@ -116,8 +116,9 @@ def _ask(asker: "_Asker", model: str | None) -> int:
     if status == 200 and isinstance(models, dict) and "models" in models:
         raise CannotTell("Ollama does not say how many requests it serves at once "
                          "(OLLAMA_NUM_PARALLEL is in its environment only)", engine_account.OLLAMA)
-    raise CannotTell("answers none of /running, /props, /slots, /server_info, /api/ps: not an "
-                     "engine whose slot count lanelock can read (llama.cpp, llama-swap, SGLang)")
+    raise CannotTell(f"{asker.url} answers none of /running, /props, /slots, /server_info, "
+                     f"/api/ps: not an engine whose slot count lanelock can read (llama.cpp, "
+                     f"llama-swap, SGLang)")
 
 
 def _llama_swap(asker: "_Asker", running: list, model: str | None) -> int:
