@@ -277,3 +277,22 @@ def test_the_readme_seats_block(lanelock, procs, tmp_path):
     assert said[1][0] == said[1][1] == "2"
     assert said[2][0] == f"localhost:{engine.port}: 3 seats (was 1)"
     assert "slot count" in said[2][1]
+
+
+def test_a_turn_handed_over_is_part_of_its_holder_s_turn_not_a_second_seat(lanelock, holder):
+    """A nested `lanelock run` inside a held turn's command runs as part of that turn, whichever
+    seat it holds: it takes no free seat, and deflects nobody."""
+    set_seats(lanelock, 2)
+    inner = (f"{' '.join(LANELOCK)} run -- sh -c "
+             "'echo \"ready $$ $LANELOCK_SEAT $LANELOCK_STATE\"; read code; exit $code'")
+    outer = holder(command=["sh", "-c", inner])
+    assert outer.ready_line.split()[2:] == ["1", "held"]
+    other = lanelock("run", "--", "sh", "-c", 'echo "$LANELOCK_SEAT"')
+    assert other.returncode == 0 and other.stdout == "2\n", other.stderr   # seat 2 was free
+    outer.release()
+    # And from inside seat 2's holder, with seat 1 held by another turn: nested, not busy.
+    first = holder(command=SEATED)
+    second = holder(command=["sh", "-c", inner])
+    assert second.ready_line.split()[2:] == ["2", "held"]
+    first.release()
+    second.release()

@@ -119,6 +119,12 @@ class LockHandle:
     seats = 1
     seat = 1
 
+    @property
+    def seated(self) -> bool:
+        """More than the lane's one lock to think of (a store with seats past the count
+        overrides it)."""
+        return self.seats > 1 or self.seat > 1
+
     def close(self) -> None:
         pass
 

@@ -130,6 +130,11 @@ class Acquisition:
         # A turn a crowded server kept out has waited since its first refusal: that counts.
         self.started_wait = self.crowded_since or time.monotonic()
         stops.reached(stops.BEFORE_ACQUIRE)
+        # On a lane of seats a turn handed over must not take a free seat: it is part of a turn
+        # that holds one already (on one seat the lane is busy, and that is asked below).
+        if handle.seated and self._handed_over(handle) == handover.NESTED:
+            self._nested(handle)
+            return None
         if store.try_lock(handle, rank=turn.rank):
             self.decide(handle, True)
             return None
