@@ -18,12 +18,22 @@ KEPT = 20   # recent holds a typical hold is the median of
 RECENT = 3600.0   # seconds of the journal a typical hold is read from
 
 
-def until_lane(typical: float, held_for: float | None, waiters_ahead: int) -> int:
+def until_lane(typical: float, held_for: float | None, waiters_ahead: int, seats: int = 1,
+               others: tuple = ()) -> int:
     """Seconds until the lane likely comes to a place: the rest of the holder's typical hold
     (none once it has held longer, or with no holder: held_for None), then a typical hold per
-    waiter ahead; at least 1."""
-    rest = 0.0 if held_for is None else max(0.0, typical - held_for)
-    return max(1, math.ceil(rest + typical * waiters_ahead))
+    waiter ahead; at least 1. On a lane of several seats (others: how long each other holder
+    has held), each waiter ahead takes the seat that frees first, and so does the place; while
+    more hold than the count (made smaller under them), the first to end free no seat."""
+    import heapq
+
+    frees = sorted(max(0.0, typical - held) for held in (held_for, *others) if held is not None)
+    frees = frees[max(0, len(frees) - seats):]    # those past the count free no seat
+    frees = [0.0] * (seats - len(frees)) + frees   # seats free now
+    heapq.heapify(frees)
+    for _ in range(waiters_ahead):
+        heapq.heappush(frees, heapq.heappop(frees) + typical)
+    return max(1, math.ceil(frees[0]))
 
 
 def ahead(queue: list[dict], priority: str) -> int:

@@ -296,3 +296,33 @@ def test_a_turn_handed_over_is_part_of_its_holder_s_turn_not_a_second_seat(lanel
     assert second.ready_line.split()[2:] == ["2", "held"]
     first.release()
     second.release()
+
+
+def test_each_waiter_s_estimate_counts_the_seat_that_frees_first(lanelock, holder, procs,
+                                                                 lock_dir):
+    """status's estimate (the proxy's Retry-After rule): on a lane of two seats the first two
+    waiters each get a seat when a holder's typical hold ends, the third one hold later -- not
+    one hold per waiter as on one seat."""
+    from lanelock.estimate import until_lane
+
+    assert lanelock("run", "--", "sleep", "2").returncode == 0   # a typical hold of ~2 s
+    set_seats(lanelock, 2)
+    held = [holder(command=SEATED) for _ in range(2)]
+    waiters = []
+    for number in range(3):
+        waiter = procs.start([*LANELOCK, "run", "--wait", "--", "true"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_for(lambda: is_queued(lock_dir / f"{STEM}.lock", waiter.pid), f"waiter {number}")
+        waiters.append(waiter)
+    lane = json.loads(lanelock("status", "--json").stdout)["lanes"][0]
+    typical = lane["typical_hold"]
+    assert typical >= 2
+    held_for = [seat["holder"]["held_for"] for seat in lane["by_seat"]]
+    estimates = [row["estimate"] for row in lane["queue"]]
+    assert estimates == [until_lane(typical, held_for[0], ahead, 2, (held_for[1],))
+                         for ahead in range(3)]
+    assert estimates[0] == estimates[1] < estimates[2] < estimates[0] + typical + 1
+    for turn in held:
+        turn.release()
+    for waiter in waiters:
+        assert waiter.wait(timeout=TIMEOUT) == 0

@@ -49,13 +49,17 @@ def add_estimates(status: dict, store, lane=None) -> None:
     status["typical_hold"] = None if typical is None else round(typical, 3)
     holder = status.get("holder") or {}
     held_for = (holder.get("held_for") or 0.0) if status["state"] == "held" else None
+    # A lane of seats: how long each other seat's holder has held, for the seat freed first.
+    others = tuple((seat.get("holder") or {}).get("held_for") or 0.0
+                   for seat in status.get("by_seat") or () if seat.get("state") == "held")[1:]
     rows, going_first = [], 0
     for row in status["queue"]:
         row = dict(row)
         row["estimate"] = None
         if not row.get("stopped"):
             if typical is not None:
-                row["estimate"] = until_lane(typical, held_for, going_first)
+                row["estimate"] = until_lane(typical, held_for, going_first,
+                                             status.get("seats") or 1, others)
             going_first += 1
         rows.append(row)
     status["queue"] = rows

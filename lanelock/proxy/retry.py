@@ -29,7 +29,11 @@ class RetryAfter:
         if typical is None:
             return 1
         queue = await asyncio.to_thread(self._queue)
-        return until_lane(typical, (holder or {}).get("held_for") or 0.0, ahead(queue, priority))
+        holder = holder or {}
+        seated = holder.get("holders") if isinstance(holder.get("holders"), list) else [holder]
+        held = [(one or {}).get("held_for") or 0.0 for one in seated] or [0.0]
+        return until_lane(typical, held[0], ahead(queue, priority),
+                          holder.get("seats") or 1, tuple(held[1:]))
 
     def _queue(self) -> list[dict]:
         try:   # as a turn asks: never /proc/locks on a busy answer's path (client_process.py)
