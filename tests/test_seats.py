@@ -326,3 +326,37 @@ def test_each_waiter_s_estimate_counts_the_seat_that_frees_first(lanelock, holde
         turn.release()
     for waiter in waiters:
         assert waiter.wait(timeout=TIMEOUT) == 0
+
+
+HOLDER_ASKS = r"""
+import json, sys, urllib.error, urllib.request
+from lanelock import Gate
+
+backend, url = sys.argv[1:3]
+with Gate(backend).turn(session="agent") as turn:
+    request = urllib.request.Request(url, data=json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": "hi"}]}).encode(), headers={"Content-Type": "application/json"})
+    try:
+        answer = urllib.request.urlopen(request, timeout=30)
+        print(json.dumps({"status": answer.status, "seat": turn.seat}))
+    except urllib.error.HTTPError as error:
+        print(json.dumps({"status": error.code, "seat": turn.seat,
+                          "body": error.read().decode()}))
+"""
+
+
+def test_a_holder_asking_the_proxy_without_its_headers_is_told_on_a_lane_of_seats(lanelock,
+                                                                                   procs):
+    """The holder of a seat sending its own request without turn.headers is told to send them,
+    as on one seat -- not given a second seat while one is free."""
+    from support.engine import Engine
+    from support.proxy import CHAT, Proxy
+
+    engine = Engine(procs, delay=0.01)
+    proxy = Proxy(procs, engine.backend)
+    set_seats(lanelock, 2, "-b", engine.backend)
+    asked = procs.start([sys.executable, "-c", HOLDER_ASKS, engine.backend, proxy.url + CHAT],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = asked.communicate(timeout=TIMEOUT)
+    report = json.loads(out.decode())
+    assert report["status"] == 503 and "send turn.headers" in report["body"], (report, err)

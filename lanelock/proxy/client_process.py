@@ -81,8 +81,13 @@ class ClientProcess:
         return found
 
     def holds(self, holder: dict | None) -> bool:
-        """Is the client the process that holds the lane (as the gate's deflection found it)?"""
-        return isinstance(holder, dict) and holder.get("pid") in self.pids
+        """Is the client the process that holds the lane (as the gate's deflection found it:
+        on a lane of seats, any seat's holder)?"""
+        if not isinstance(holder, dict):
+            return False
+        seated = holder.get("holders")
+        every = seated if isinstance(seated, list) else [holder]
+        return any(isinstance(one, dict) and one.get("pid") in self.pids for one in every)
 
 
 def session_of(pid: int) -> str | None:

@@ -130,19 +130,19 @@ class Acquisition:
         # A turn a crowded server kept out has waited since its first refusal: that counts.
         self.started_wait = self.crowded_since or time.monotonic()
         stops.reached(stops.BEFORE_ACQUIRE)
-        # On a lane of seats a turn handed over must not take a free seat: it is part of a turn
-        # that holds one already (on one seat the lane is busy, and that is asked below).
-        if handle.seated and self._handed_over(handle) == handover.NESTED:
-            self._nested(handle)
-            return None
-        if store.try_lock(handle, rank=turn.rank):
+        # On a lane of seats, a turn handed over (or the holder itself asking) is asked about
+        # before any seat is tried: a free seat must not make one turn two. On one seat only a
+        # busy lane asks, so a free lane never pays for the lookup.
+        handed = self._handed_over(handle) if handle.seated else None
+        if handed is None and store.try_lock(handle, rank=turn.rank):
             self.decide(handle, True)
             return None
-        if try_only:
+        if try_only and handed is None:
             store.release(handle)
             turn.handle = None
             raise WouldBlock
-        handed = self._handed_over(handle)
+        if not handle.seated:
+            handed = self._handed_over(handle)
         if handed == handover.NESTED:
             self._nested(handle)
             return None
