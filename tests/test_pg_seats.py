@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, ExitWatch, json_of, wait_for
+from conftest import LANELOCK, TIMEOUT, ExitWatch, json_of, read_line, wait_for
 from support.netns import ENGINE_IP, Host, two_hosts
 
 pg_server = pytest.importorskip("support.pg_server")
@@ -201,3 +201,46 @@ def test_a_host_s_head_takes_a_free_seat_while_its_other_waiters_wait(hosts, hol
     assert {seat for _, _, seat in served} == {3 - seat_of(on_b)}   # the seat B's turn left free
     assert all(later[0] >= earlier[1] for earlier, later in zip(served, served[1:]))
     assert_quiet(host_a.store)
+
+
+def test_a_restart_gives_each_holder_its_own_seat_back_before_any_waiter(procs, holder,
+                                                                       lock_roots, tmp_path):
+    """Seats 2, both held, a waiter queued; the server restarts (a fast shutdown). Each holder
+    takes its own seat back (its seat's row is its claim) and says so; the waiter, connected
+    again, runs only once a holder lets go, on the seat freed."""
+    if pg_server.binaries() is None:
+        pytest.skip("no PostgreSQL server")
+    server = pg_server.Server()
+    lock_roots.after(server.stop)
+    server.start()
+    store = lock_roots.watch_store(server.dsn)
+    lane = ["-b", "localhost:7038", "--store", store]
+    done = subprocess.run([*LANELOCK, "seats", *lane, "2"], capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert done.returncode == 0, done
+    first = holder(*lane, command=SEATED, stderr=subprocess.PIPE)
+    second = holder(*lane, command=SEATED, stderr=subprocess.PIPE)
+    waiting = holder(*lane, "--wait", "60", command=SEATED, ready=False,
+                     env={"LANELOCK_DIR": str(tmp_path / "another-host")})
+    wait_for(lambda: len(json_of(["status", "--json", *lane])["lanes"][0]["queue"]) == 1,
+             "the waiter queued")
+
+    server.restart()
+
+    for held in (first, second):
+        lines = []
+        while not lines or "taken back after" not in lines[-1]:
+            lines.append(read_line(held.proc.stderr))   # within TIMEOUT
+        assert all("lost" in line for line in lines[:-1]), lines
+    with psycopg.connect(store, autocommit=True) as conn:
+        holders = conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                               "AND granted AND classid = %s AND objsubid = 2",
+                               (0x4C4E4C4B,)).fetchone()[0]
+    assert holders == 2                     # both seats held again, by their holders
+    assert waiting.proc.poll() is None      # and the waiter has not run beside them
+    freed = seat_of(second)
+    assert second.release() == 0
+    waiting.wait_ready()
+    assert seat_of(waiting) == freed
+    assert waiting.release() == 0 and first.release() == 0
+    assert pg_server.lanelock_errors(open(server.log_path, errors="replace").read()) == []
