@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from conftest import TIMEOUT, wait_for
-from support.proxy import CHAT, Proxy, chat_body, open_stream, read_until, request
+from support.proxy import CHAT, Proxy, chat_body, history, open_stream, read_until, request
 from support.standin_kind import Served
 
 pytest.importorskip("aiohttp")
@@ -72,7 +72,7 @@ def asked_slots(engine) -> list:
 
 def test_two_seats_forward_two_streams_at_once_and_the_third_is_busy(procs, tmp_path, lanelock):
     engine = two_seats(procs, tmp_path, lanelock)
-    proxy = Proxy(procs, engine.backend)
+    proxy = Proxy(procs, engine.backend, "-v")
     first, head1 = streaming(proxy.port, "one")
     second, head2 = streaming(proxy.port, "two")
     # The engine's own account: both generate at once, each on a slot of its own.
@@ -87,6 +87,11 @@ def test_two_seats_forward_two_streams_at_once_and_the_third_is_busy(procs, tmp_
     first.close()
     second.close()
     assert engine.stats()["max_in_flight"] == 2
+    # The journal: each turn on its seat, both of the lane's two.
+    proxy.until(lambda log: "[one] POST" in log and "[two] POST" in log, "both streams' ends")
+    seated = {(event["session"], event.get("seat"), event.get("seats"))
+              for event in history(lanelock, engine.backend) if event["event"] == "acquired"}
+    assert seated == {("one", int(header(head1, SEAT)), 2), ("two", int(header(head2, SEAT)), 2)}
 
 
 def queued(lock_dir, engine) -> int:
