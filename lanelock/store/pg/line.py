@@ -17,8 +17,10 @@ class PgLine(Line):
 
     def look(self, cancel=None) -> tuple:
         # who is ahead and this ticket's next step: one query, one statement_timestamp()
+        # (read with the try when the lock was just taken: store.taken_queue)
         return self._queue(pg_queue.ahead_and_step, self.handle.lane, self.ticket,
-                           self.store.aging, default=(None, None))
+                           self.store.aging, self.store.taken_queue(self.handle),
+                           default=(None, None))
 
     def lock(self, timeout: float | None, cancel=None) -> bool:
         if self.handle.cancelled:
@@ -72,6 +74,9 @@ class PgLine(Line):
     def leave(self) -> None:
         if self.ticket is None or self.handle.cancelled:
             return   # a cancelled session is closed with its ticket lock
+        if self.handle.held:   # the lane is this turn's: left with its next statement (handoff.py)
+            self.handle.leaving = (self.ticket, self.listening)
+            return
         try:
             self.store.queue_call(self.handle, pg_queue.leave, self.ticket, self.listening)
         except GateUnavailable:

@@ -29,7 +29,7 @@ LANE_CHANNEL = "lanelock_lane_{:08x}"   # the lane's lock let go (by its key2, u
 RECHECK = 1.0                  # one that died elsewhere notified no one: asked again this often
 AFTER_DEATH = 0.005            # a death seen: asked again this soon, then twice as late each time
 CANCEL_LOOK = 0.1              # how soon a cancelled wait behind notices (no query: a flag)
-_LIVE = """
+LIVE = """
 SELECT q.ticket, q.rank, extract(epoch FROM q.arrival)::float8,
        extract(epoch FROM statement_timestamp() - q.arrival)::float8, q.facts, l.pid IS NOT NULL
 FROM lanelock_queue q
@@ -100,13 +100,19 @@ def join(conn, lane: str, rank: int, facts: dict, waited: float = 0.0) -> int:
     return ticket
 
 
+# One statement: the row goes first -- the CTE runs before the unlock in the select -- and the
+# waiter behind, woken, reads it gone once this commits.
+LEAVE = ("WITH gone AS (DELETE FROM lanelock_queue WHERE ticket = %s RETURNING 1) "
+         "SELECT pg_advisory_unlock(%s, %s), pg_notify(%s, %s), (SELECT count(*) FROM gone)")
+
+
+def leave_params(ticket: int) -> tuple:
+    return ticket, *key(ticket), CHANNEL, str(ticket)
+
+
 def leave(conn, ticket: int, listening: bool = False) -> None:
-    # One round trip (on the hand-off's path): the row goes first -- the CTE runs before the
-    # unlock in the select -- and the waiter behind, woken, reads it gone once this commits.
     with conn.cursor() as cursor:
-        cursor.execute("WITH gone AS (DELETE FROM lanelock_queue WHERE ticket = %s RETURNING 1) "
-                       "SELECT pg_advisory_unlock(%s, %s), pg_notify(%s, %s), "
-                       "(SELECT count(*) FROM gone)", (ticket, *key(ticket), CHANNEL, str(ticket)))
+        cursor.execute(LEAVE, leave_params(ticket))
         if listening:   # a holder's session is not woken by the queue for the rest of its turn
             cursor.execute(f"UNLISTEN {CHANNEL}")
 
@@ -119,11 +125,13 @@ def lane_channel(lane_key: tuple) -> str:
     return LANE_CHANNEL.format(lane_key[1] & 0xFFFFFFFF)
 
 
-def live(conn, lane: str) -> list[Entry]:
-    """The lane's waiting turns; the rows of turns gone are deleted on the way."""
+def live(conn, lane: str, rows: list | None = None) -> list[Entry]:
+    """The lane's waiting turns; the rows of turns gone are deleted on the way. rows: LIVE's,
+    when read already (with the try that took the lock: handoff.py)."""
     with conn.cursor() as cursor:
-        cursor.execute(_LIVE, (QUEUE_NAMESPACE, lane))
-        rows = cursor.fetchall()
+        if rows is None:
+            cursor.execute(LIVE, (QUEUE_NAMESPACE, lane))
+            rows = cursor.fetchall()
         gone = [row[0] for row in rows if not row[5]]
         if gone:
             cursor.execute("DELETE FROM lanelock_queue q WHERE q.ticket = ANY(%s) AND NOT EXISTS ("
@@ -134,11 +142,12 @@ def live(conn, lane: str) -> list[Entry]:
     return [Entry(*row[:5]) for row in rows if row[5]]
 
 
-def ahead_and_step(conn, lane: str, ticket: int, aging: float) -> tuple:
+def ahead_and_step(conn, lane: str, ticket: int, aging: float, rows: list | None = None) -> tuple:
     """(the live entry just ahead of this ticket's, or None when it is first; seconds until this
     ticket's class rises a step, or None), both from ONE reading: one query, in which every
-    row's wait is measured from the one statement_timestamp() (store/order.py says why one)."""
-    entries = live(conn, lane)
+    row's wait is measured from the one statement_timestamp() (store/order.py says why one).
+    rows: that query's, read already (live())."""
+    entries = live(conn, lane, rows)
     mine = next((entry for entry in entries if entry.ticket == ticket), None)
     if mine is None:
         return None, None
@@ -147,8 +156,9 @@ def ahead_and_step(conn, lane: str, ticket: int, aging: float) -> tuple:
     return order.just_ahead(mine, entries, aging, ROWS), next_step(mine.rank, mine.waited, aging)
 
 
-def waiting_at_or_above(conn, lane: str, rank: int, aging: float) -> bool:
-    return order.waiting_at_or_above(live(conn, lane), rank, aging, ROWS)
+def waiting_at_or_above(conn, lane: str, rank: int, aging: float,
+                        rows: list | None = None) -> bool:
+    return order.waiting_at_or_above(live(conn, lane, rows), rank, aging, ROWS)
 
 
 def describe(conn, lane: str, aging: float) -> list[dict]:

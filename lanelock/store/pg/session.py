@@ -88,6 +88,9 @@ def connect(dsn: str, application_name: str):
     except psycopg.Error:
         given = ""
     server = " ".join(f"-c {name}={value}" for name, value in SERVER_KEEPALIVES.items())
+    # Read committed whatever the database's default: statements sent together (handoff.py)
+    # each take a snapshot of their own as they start, so each reads what the one before did.
+    server += " -c default_transaction_isolation=read\\ committed"
     try:
         conn = psycopg.connect(dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT,
                                application_name=application_name[:63],

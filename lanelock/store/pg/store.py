@@ -56,6 +56,8 @@ _WRITE_UNFENCED = (
     "lane = EXCLUDED.lane, record = EXCLUDED.record, backend_pid = EXCLUDED.backend_pid, "
     "updated_at = now()")
 
+# A stop point (turn/stops.py) that wants the release written while the lane is still held.
+_PAUSE, _DURING_RELEASE = "LANELOCK_DEBUG_PAUSE", "during-release"
 WITNESS_NAMESPACE = 0x4C4E5754   # "LNWT": the lane's one witness, never a lane's or a queue's key
 COLLISION = "advisory key collision"
 
@@ -86,6 +88,12 @@ class PgHandle(LockHandle):
     cut_off: bool = False          # the session's link timed out (lost(): a partition)
     local: object = None           # its place on the host lane (hostqueue.Local), or None
     exists = True                  # a lock row exists as soon as anyone asks
+    # The hand-off's round trips (handoff.py): what the try that took the lock read after it,
+    # the queue leave and the release that go with the session's next statement.
+    taken: object = None           # handoff.Taken
+    reads: bool = True             # the try may read the row and the queue with it
+    leaving: tuple | None = None   # (ticket, listening) of the queue left once the lane is had
+    releasing: object = None       # handoff.Releasing: the release's row and events, unwritten
     # Seats (seats.py): the lane's count read as the session began, the seats past it some row
     # names, and the seat the handle is on (key is that seat's: ident keeps the lane's).
     seats: int = 1
@@ -309,7 +317,7 @@ class PgStore(LaneStore):
         cannot be read counts as empty (said once)."""
         try:
             return self.queue_call(handle, pg_queue.waiting_at_or_above, handle.lane, rank,
-                                   self.aging)
+                                   self.aging, self.taken_queue(handle))
         except GateUnavailable as error:
             self.queue_unusable(error)
             return False
@@ -321,11 +329,23 @@ class PgStore(LaneStore):
 
     def _try_lane_lock(self, handle: PgHandle) -> int:
         """The lane's lock tried: the backend pid the statement ran on when taken (for the pooler
-        check, in the same round trip), 0 when not."""
-        held, backend = self._call(handle, "SELECT pg_try_advisory_lock(%s, %s), "
-                                   "pg_backend_pid()", handle.key, row=True)
+        check), 0 when not. In the same round trip, when taken, what the take's checks read
+        (handle.taken: handoff.py)."""
+        from .handoff import try_and_read
+
+        held, backend = try_and_read(self, handle)
         handle.held = held
         return backend if held else 0
+
+    @staticmethod
+    def taken_queue(handle: PgHandle) -> list | None:
+        """The lane's queue as read with the try that just took the lock (once; None: read it
+        now) -- the look the order takes once the lock is its (order.walk, keep_free_lane)."""
+        taken = handle.taken
+        if taken is None:
+            return None
+        rows, taken.queue = taken.queue, None
+        return rows
 
     def _unclaimed(self, handle: PgHandle) -> bool:
         """The lock is ours: is the lane too, or does a turn that held it when the server went
@@ -338,7 +358,10 @@ class PgStore(LaneStore):
     def unlock_lane(self, handle: PgHandle) -> None:
         # The unlock and the wake-up of the lane's first waiter in one statement: one round trip,
         # and no moment when the lane is free with its waiter asleep (queue.until_taken).
-        handle.held = False
+        from .handoff import flush_leave
+
+        handle.held, handle.taken = False, None
+        flush_leave(handle)
         self._call(handle, "SELECT pg_advisory_unlock(%s, %s), pg_notify(%s, '')",
                    (*handle.key, pg_queue.lane_channel(handle.key)))
 
@@ -503,6 +526,8 @@ class PgStore(LaneStore):
                                   "pooler (backend pid changed); connect to PostgreSQL directly")
         record, handle.claimed = self._unreleased(handle)
         handle.outlived = outlived.running_command(record)
+        if handle.outlived is not None and handle.taken is not None:
+            handle.taken.queue = None   # the look comes after that command's end: read then
         return True
 
     def _unreleased(self, handle: PgHandle) -> tuple[dict | None, float | None]:
@@ -513,19 +538,19 @@ class PgStore(LaneStore):
         handle.unreleased: that turn's record (with its fence) when this take stands -- no claim
         holds it off: the lane was taken from a turn that never let it go (lost, or killed)."""
         from ...facts import hostname
+        from .handoff import NOT_READ, UNRELEASED
 
         handle.unreleased = None
-        try:
-            with handle.conn.cursor() as cursor:
-                cursor.execute("SELECT record, record->>'hostname' = %s, CASE WHEN updated_at < "
-                               "pg_postmaster_start_time() THEN %s - extract(epoch FROM "
-                               "clock_timestamp() - pg_postmaster_start_time())::float8 END "
-                               "FROM lanelock_holders WHERE key2 = %s AND "
-                               "NOT record ? 'released_at'",
-                               (hostname(), outage.CLAIM_GRACE, handle.key[1]))
-                row = cursor.fetchone()
-        except driver().Error:
-            return None, None   # no holder table (records only label turns): nothing to wait for
+        taken = handle.taken
+        if taken is not None and taken.row is not NOT_READ:   # read with the try (handoff.py)
+            row, taken.row = taken.row, NOT_READ
+        else:
+            try:
+                with handle.conn.cursor() as cursor:
+                    cursor.execute(UNRELEASED, (hostname(), outage.CLAIM_GRACE, handle.key[1]))
+                    row = cursor.fetchone()
+            except driver().Error:
+                return None, None   # no holder table (records only label turns): none to wait for
         if row is None:
             return None, None
         record, here, claim = row
@@ -535,18 +560,25 @@ class PgStore(LaneStore):
         return record if here and isinstance(record, dict) else None, claim
 
     def release(self, handle: PgHandle, count: dict | None = None) -> None:
-        local = handle.local
-        if handle.held and local is not None:   # no gap for another host's later waiter
-            from . import hostqueue
+        from .handoff import let_go, write_alone
 
-            hostqueue.await_next_head(local, lambda: self.host_queued(handle))
-        # Only a lock this session holds: a turn that deflected or gave its wait up holds none,
-        # and the server warns of every unlock of a lock not held ("you don't own a lock").
-        if handle.held:
-            try:
-                self.unlock_lane(handle)
-            except GateUnavailable:
-                pass   # the session is gone, and the lock with it
+        local = handle.local
+        try:
+            if handle.held and local is not None:   # no gap for another host's later waiter
+                from ...facts import hostname
+                from . import hostqueue
+
+                # each look lets go in its own round trip once a head of this host has joined
+                hostqueue.await_next_head(local, lambda: let_go(self, handle, hostname()))
+            # Only a lock this session holds: a turn that deflected or gave its wait up holds
+            # none, and the server warns of every unlock of a lock not held ("you don't own a
+            # lock"). The release's row and events go first, in the same round trip.
+            if handle.held:
+                let_go(self, handle)
+            elif handle.releasing is not None:   # the lock gone meanwhile: written all the same
+                write_alone(self, handle)
+        except GateUnavailable:
+            pass   # the session is gone, and the lock with it
         # The count after the unlock, on the same connection: the next turn starts while this
         # one counts (the hand-off waits for no bookkeeping), and it is counted before release
         # returns.
@@ -629,10 +661,10 @@ class PgStore(LaneStore):
         under the lane's lock: no two turns can have the same one, and a later turn always has a
         larger one. The same turn writing again (its command, ^Z, a regained lane, its release)
         keeps its fence. handle.fence is the row's generation afterwards."""
-        record = dict(record, store_key=list(handle.key), backend_pid=handle.backend_pid)
-        record.pop("fence", None)   # the server's count, never the caller's
-        params = {"key": handle.key[1], "lane": handle.lane, "record": json.dumps(record),
-                  "backend": handle.backend_pid}
+        from .handoff import flush_leave
+
+        params = holder_params(handle, record)
+        flush_leave(handle)   # the queue left by a turn that took the lane (handoff.py)
         psycopg = driver()
         try:
             with handle.conn.cursor() as cursor:
@@ -673,7 +705,20 @@ class PgStore(LaneStore):
             record["fence"] = generation
         return record, None
 
+    def write_release(self, handle: PgHandle, full_record, fields: dict) -> None:
+        """The release's row is written with the unlock, committed before it, in one round trip
+        (release: handoff.let_go) -- unless a stop point asks to find it written while the lane
+        is still held (during-release)."""
+        from .handoff import Releasing
+
+        if not handle.held or os.environ.get(_PAUSE) == _DURING_RELEASE:
+            return super().write_release(handle, full_record, fields)
+        handle.releasing = Releasing({**full_record(), **fields})
+
     def append_event(self, handle: PgHandle, *events: dict) -> None:
+        if handle.releasing is not None:   # the release's events, written with its row
+            handle.releasing.events.extend(events)
+            return
         rows = [(handle.lane, event.get("ts", time.time()), json.dumps(event)) for event in events]
         try:   # pipelined: one round trip however many events, written in their order
             self._call(handle, "INSERT INTO lanelock_events (lane, ts, event) VALUES (%s, %s, %s)",
@@ -864,6 +909,14 @@ class PgStore(LaneStore):
                 return cursor.fetchone()[0] if fetch else None
         except psycopg.Error as error:
             raise GateUnavailable(f"lane store: {first_line(error)}") from None
+
+
+def holder_params(handle: PgHandle, record: dict) -> dict:
+    """The parameters of _WRITE_FENCED / _WRITE_UNFENCED for the handle's turn's record."""
+    record = dict(record, store_key=list(handle.key), backend_pid=handle.backend_pid)
+    record.pop("fence", None)   # the server's count, never the caller's
+    return {"key": handle.key[1], "lane": handle.lane, "record": json.dumps(record),
+            "backend": handle.backend_pid}
 
 
 def _lockers(cursor, key: tuple[int, int]) -> list[tuple]:
