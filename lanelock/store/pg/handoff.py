@@ -82,6 +82,7 @@ def try_and_read(store, handle) -> tuple[bool, int]:
 
     psycopg = driver()
     handle.taken = None
+    store.connected(handle)
     conn = handle.conn
     if not handle.reads or not psycopg.Pipeline.is_supported():
         held, backend = store._call(handle, TRY_ALONE, handle.key, row=True)
