@@ -179,6 +179,28 @@ def test_a_generation_outliving_its_seat_beside_a_held_one_is_not_unseen(
     assert stream["ended"] > released["ts"] + 0.5   # it did outlive its turn, beside the held one
 
 
+def test_on_the_postgresql_store_each_held_seat_covers_one_generation(
+        procs, holder, lanelock, tmp_path, postgres):
+    """The store's default count of held seats (survey(): every seat's facts): two turns held
+    through the store generate together, covered; a third generation straight at the engine is
+    unseen beside the two."""
+    store = ["--store", postgres.dsn]
+    engine = StandIn(procs, tmp_path, 3, 1.5)
+    seats(lanelock, engine.backend, 2, *store)
+    watch = Watch(procs, engine.backend, *store)
+    first = holder("-b", engine.backend, *store, command=[PYTHON, "-c", GENERATE, engine.url])
+    second = holder("-b", engine.backend, *store, command=[PYTHON, "-c", GENERATE, engine.url])
+    engine.ask()
+    line = watch.wait_for("unseen generation")   # the first said is the direct one's
+    assert "3 slots generating, 2 turns hold the lane" in line, line
+    first.release()
+    second.release()
+    lines = watch.stop()
+    assert len(unseen_lines(lines)) == 1, lines
+    (event,) = unseen_events(engine.backend, *store)
+    assert (event["slots"], event["turns"]) == (3, 2), event
+
+
 def test_the_proxys_witness_on_two_seats_covers_two_requests_generating_at_once(
         procs, lanelock, tmp_path):
     """Through `lanelock proxy` each request is a turn on a seat of its own: two streams at once
