@@ -12,6 +12,7 @@ Each test ends with the server's log holding no ERROR line of a lanelock session
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -91,6 +92,14 @@ def test_two_hosts_hold_two_seats_at_once_and_a_third_deflects(hosts, holder, ru
     on_a = hold(holder, host_a, "-s", "on-a")
     on_b = hold(holder, host_b, "-s", "on-b")
     assert {seat_of(on_a), seat_of(on_b)} == {1, 2}   # both running
+    # Every seat's facts, from the other host too: who holds which seat, and from where.
+    for host in hosts:
+        shown = host.lanelock(run_cmd, "status", "--json", "-b", ENGINE, "--store", host.store)
+        (lane,) = json.loads(shown.stdout)["lanes"]
+        assert (lane["seats"], lane["held_seats"]) == (2, 2), lane
+        assert sorted((seat["seat"], seat["holder"]["pid"], seat["holder"]["hostname"])
+                      for seat in lane["by_seat"]) == \
+            sorted([(seat_of(on_a), on_a.pid, "host-a"), (seat_of(on_b), on_b.pid, "host-b")])
     for host in hosts:
         third = run(host, run_cmd, "--", "echo", "ran")
         assert third.returncode == 75 and "ran" not in third.stdout, third
