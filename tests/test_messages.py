@@ -137,8 +137,8 @@ def test_a_group_without_its_command_prints_its_help_on_several_lines(group, lan
     commands = lines[lines.index("Commands:") + 1:]
     names = [line.split()[0] for line in commands]
     assert names == (["path", "set", "show"] if group else
-                     ["completion", "config", "duel", "history", "metrics", "probe", "proxy",
-                      "run", "status", "watch", "where"]), commands
+                     ["completion", "config", "duel", "history", "metrics", "models", "probe",
+                      "proxy", "run", "seats", "status", "watch", "where"]), commands
 
 
 @pytest.mark.parametrize("args", [["nosuchcmd"], ["config", "nosuchcmd"]])
