@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 
 import pytest
@@ -236,3 +237,26 @@ def test_the_readme_proxy_seats_block(procs, tmp_path, lanelock):
     assert sorted(seat) == [1, 2]
     for sock, _ in streams:
         sock.close()
+
+
+INSIDE = """
+import json, sys, urllib.request
+request = urllib.request.Request(sys.argv[1] + "/v1/chat/completions", data=json.dumps(
+    {"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+    headers={"Content-Type": "application/json"})
+with urllib.request.urlopen(request, timeout=30) as answer:
+    print(answer.headers["X-Lanelock-State"], answer.headers.get("X-Lanelock-Seat"))
+"""
+
+
+def test_a_request_from_inside_a_turn_is_part_of_it_while_a_seat_is_free(
+        procs, tmp_path, lanelock):
+    """A turn's command asking through the proxy while the lane's other seat is free: part of
+    the turn (one turn in the journal), not a second turn on the free seat."""
+    engine = two_seats(procs, tmp_path, lanelock)
+    proxy = Proxy(procs, engine.backend)
+    done = lanelock("run", "-b", engine.backend, "-s", "outer", "--",
+                    sys.executable, "-c", INSIDE, proxy.url)
+    assert (done.returncode, done.stdout) == (0, "held None\n"), done.stderr
+    assert [(event["event"], event["session"]) for event in history(lanelock, engine.backend)] \
+        == [("acquired", "outer"), ("released", "outer")]

@@ -24,6 +24,7 @@ from aiohttp import ClientSession, web
 
 from .. import asyncturn
 from ..duration import backoff
+from ..errors import GateUnavailable
 from ..gate import CANCELLED, DEFLECTED, FAIL_OPEN, HELD, REASON_BUSY, UNGATED, Gate
 from ..handover import HEADER
 from ..holder import words as holder_words
@@ -203,7 +204,7 @@ class Proxy:
                 session=session[:200], model=model and model[:200],
                 argv=[proxied.method, path], wait=wait,
                 labels={"via": "proxy", "client": proxied.remote, "path": path},
-                askers=client.askers, priority=asked.priority,
+                askers=_while_held(gate, client.askers), priority=asked.priority,
                 fallback=any(fallback.serves(dialect) for fallback in self.options.fallbacks))
 
         turn = proxied.turn = reused.turn if reused else new_turn(asked.wait)
@@ -441,6 +442,26 @@ def _per_kind(value) -> dict:
         else:
             result[None] = item
     return result
+
+
+def _while_held(gate, askers):
+    """The client's askers for the gate (handover.py), looked up only while a turn holds a seat
+    of the lane. On a lane of seats the gate asks them before it tries a seat (one turn must not
+    become two), for every request, free lane or not: the lookup reads /proc/net/tcp and every
+    process's descriptors (milliseconds, on the event loop). A lane no turn holds has no turn to
+    be part of, nor a holder to be: the records say so for the price of reading them. A store
+    whose every read is a round trip (PostgreSQL) is asked nothing more."""
+    if gate.store.blocking_io:
+        return askers
+
+    def asked():
+        try:
+            holding = gate.store.seats_holding(gate.lane)[0]
+        except GateUnavailable:
+            holding = None
+        return [] if holding == 0 else askers()
+
+    return asked
 
 
 async def _client_session(client) -> str | None:
