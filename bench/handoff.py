@@ -69,14 +69,16 @@ def until(condition, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-def journal_gaps(env: dict, store: list[str], lane: str, holder: int):
+def journal_gaps(env: dict, store: list[str], lane: str, holder: int, pids: set):
     """The store's hand-offs from the lane's journal: (the holder's release to the next turn's
-    acquire, ms; [each later release to the next acquire, ms]), or (None, []) unreadable."""
+    acquire, ms; [each later release to the next acquire, ms]), or (None, []) unreadable. Only
+    this run's turns (pids): a lane's port may have served a run before."""
     shown = subprocess.run([*LANELOCK, "history", *store, "-b", lane, "--json"], env=env,
                            capture_output=True, text=True)
     try:
         events = sorted((event for event in json.loads(shown.stdout)["events"]
-                         if event.get("event") in ("acquired", "released")),
+                         if event.get("event") in ("acquired", "released")
+                         and event.get("pid") in pids),
                         key=lambda event: event["ts"])
     except (ValueError, KeyError, TypeError):
         return None, []
@@ -126,7 +128,8 @@ def once(env: dict, store: list[str], work: str, tag: str, waiters: int):
                 process.kill()
                 process.wait()
         return "stalled"
-    measured = {"store": journal_gaps(env, store, lane, holder.pid)}
+    measured = {"store": journal_gaps(env, store, lane, holder.pid,
+                                      {holder.pid, *(turn.pid for turn in turns)})}
     try:
         ran = sorted((float(open(start).read()), float(open(stop).read()))
                      for start, stop in stamps)

@@ -134,6 +134,19 @@ def flush_leave(handle) -> None:
         pass
 
 
+def with_leave(handle, sql: str, params) -> object:
+    """sql's one row's first column, the pending queue leave in front of it in the same round
+    trip (the leave kept when the query fails: flush_leave then)."""
+    statements = _leave_sql(handle)
+    if not statements:
+        with handle.conn.cursor() as cursor:
+            cursor.execute(sql, params)
+            return cursor.fetchone()[0]
+    row = _simple(handle.conn, [*statements, (sql, params)], fetch=True)
+    handle.leaving = None
+    return row[0]
+
+
 # -- letting go ---------------------------------------------------------------------------------
 def let_go(store, handle, head_here: str | None = None) -> bool:
     """The release's writes (committed first), the pending queue leave, then the lane's unlock
@@ -184,10 +197,10 @@ def event_row(handle, event: dict) -> tuple:
     return handle.lane, event.get("ts", time.time()), json.dumps(event)
 
 
-def _simple(conn, statements: list[tuple]) -> bool:
+def _simple(conn, statements: list[tuple], fetch: bool = False):
     """The statements ((sql, its parameters or None), ...) as ONE simple query, each rendered
-    with its parameters client-side: True when the last one returned a row. In that protocol the
-    statements run in order, and an error skips the rest."""
+    with its parameters client-side: whether the last one returned a row (fetch: that row, or
+    None). In that protocol the statements run in order, and an error skips the rest."""
     psycopg = driver()
     with psycopg.ClientCursor(conn) as cursor:
         query = "; ".join(sql if params is None else cursor.mogrify(sql, params)
@@ -195,6 +208,8 @@ def _simple(conn, statements: list[tuple]) -> bool:
         cursor.execute(query)
         while cursor.nextset():
             pass
+        if fetch:
+            return cursor.fetchone() if cursor.description is not None else None
         return cursor.description is not None and cursor.rowcount > 0
 
 

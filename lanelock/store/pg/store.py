@@ -661,10 +661,9 @@ class PgStore(LaneStore):
         under the lane's lock: no two turns can have the same one, and a later turn always has a
         larger one. The same turn writing again (its command, ^Z, a regained lane, its release)
         keeps its fence. handle.fence is the row's generation afterwards."""
-        from .handoff import flush_leave
+        from .handoff import flush_leave, with_leave
 
         params = holder_params(handle, record)
-        flush_leave(handle)   # the queue left by a turn that took the lane (handoff.py)
         psycopg = driver()
         try:
             with handle.conn.cursor() as cursor:
@@ -672,14 +671,16 @@ class PgStore(LaneStore):
                 if not fenced(handle.conn):
                     # Tables of an earlier lanelock this role may not alter (ensure_schema left
                     # them as they are): the record is written, without a fence.
+                    flush_leave(handle)
                     cursor.execute(_WRITE_UNFENCED, params)
                     return
-                try:
-                    cursor.execute(_WRITE_FENCED, params)
-                    handle.fence = cursor.fetchone()[0]
+                try:   # the queue left by a turn that took the lane, in the same round trip
+                    handle.fence = with_leave(handle, _WRITE_FENCED, params)
                 except psycopg.errors.UndefinedColumn:   # the column dropped since: the same
+                    flush_leave(handle)
                     cursor.execute(_WRITE_UNFENCED, params)
         except psycopg.Error as error:
+            flush_leave(handle)
             raise RecordNotWritten(f"lane store: {first_line(error)}") from None
 
     def holder_row(self, conn, key, lane) -> tuple[dict | None, str | None]:
