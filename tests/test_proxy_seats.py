@@ -84,7 +84,13 @@ def test_two_seats_forward_two_streams_at_once_and_the_third_is_busy(procs, tmp_
     assert headers["X-Lanelock-State"] == "busy"
     assert headers[SEAT] is None
     message = json.loads(body)["error"]["message"]
-    assert "session one" in message or "session two" in message, message
+    assert "2 of 2 seats: " in message, message   # both holders named
+    assert "session one" in message and "session two" in message, message
+    # The proxy's own views of the lane: both seats held.
+    lane = json.loads(request(proxy.port, "GET", "/lanelock/status")[2])["lanes"][0]
+    assert (lane["seats"], lane["held_seats"]) == (2, 2), lane
+    metrics = request(proxy.port, "GET", "/metrics")[2].decode()
+    assert f'lanelock_lane_held_seats{{lane="localhost:{engine.port}"}} 2.0' in metrics
     first.close()
     second.close()
     assert engine.stats()["max_in_flight"] == 2
