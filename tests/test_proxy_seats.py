@@ -263,6 +263,19 @@ def test_a_request_from_inside_a_turn_is_part_of_it_while_a_seat_is_free(
     proxy = Proxy(procs, engine.backend)
     done = lanelock("run", "-b", engine.backend, "-s", "outer", "--",
                     sys.executable, "-c", INSIDE, proxy.url)
-    assert (done.returncode, done.stdout) == (0, "held None\n"), done.stderr
+    assert (done.returncode, done.stdout) == (0, "held 1\n"), done.stderr   # its turn's seat
     assert [(event["event"], event["session"]) for event in history(lanelock, engine.backend)] \
         == [("acquired", "outer"), ("released", "outer")]
+
+
+def test_pin_slots_sends_a_request_inside_a_turn_its_turns_slot(procs, tmp_path, lanelock, holder):
+    """A run turn on seat 2 (seat 1 is another's) whose command asks through the proxy: the
+    request is part of that turn, says its seat, and is pinned to that seat's slot."""
+    engine = two_seats(procs, tmp_path, lanelock)
+    proxy = Proxy(procs, engine.backend, "--pin-slots")
+    other = holder("-b", engine.backend, "-s", "other")
+    done = lanelock("run", "-b", engine.backend, "-s", "outer", "--",
+                    sys.executable, "-c", INSIDE, proxy.url)
+    assert (done.returncode, done.stdout) == (0, "held 2\n"), done.stderr
+    assert asked_slots(engine) == [1]
+    assert other.release() == 0

@@ -245,8 +245,9 @@ class Proxy:
         forwarded = request_headers(proxied.http,
                                     drop=(*self.options.own_credentials(), FENCE.lower()),
                                     set_=fence)
-        seat = {SEAT: str(turn.seat)} if turn.seat is not None else {}
-        body = await self._pinned(proxied, turn.seat)
+        on = _seat_of(turn)
+        seat = {SEAT: str(on)} if on is not None else {}
+        body = await self._pinned(proxied, on)
         watch, cut = self._watch(turn, proxied)
         try:
             return await relay(upstream, proxied, self.backend_url + proxied.target,
@@ -442,6 +443,14 @@ def _per_kind(value) -> dict:
         else:
             result[None] = item
     return result
+
+
+def _seat_of(turn) -> int | None:
+    """The seat a held request runs on: its turn's, or for a request that is part of another
+    turn (handed over: a `run` turn's command asking through the proxy), that turn's."""
+    if turn.seat is not None:
+        return turn.seat
+    return turn.acquisition.part_of if turn.state == HELD and turn.nested else None
 
 
 def _while_held(gate, askers):

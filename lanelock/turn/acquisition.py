@@ -66,6 +66,9 @@ class Acquisition:
         # a duration (a hand-off can take less than a millisecond, and it was still a wait)
         self.started_wait = 0.0
         self.crowded_since: float | None = None   # first refusal of a crowded server (its wait)
+        # The seat of the holding turn a handed-over turn is part of (its requests' engine slot,
+        # with the proxy's --pin-slots); None while it is part of none.
+        self.part_of: int | None = None
 
     @property
     def had_to_wait(self) -> bool:
@@ -238,6 +241,8 @@ class Acquisition:
         for seat in (facts, *facts.other_seats):
             verdict = handover.verdict(seat.record, askers, live_pids_here(seat))
             if verdict is not None:
+                if verdict == handover.NESTED:
+                    self.part_of = seat.seat
                 return verdict
         return None
 
