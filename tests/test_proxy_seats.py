@@ -279,3 +279,19 @@ def test_pin_slots_sends_a_request_inside_a_turn_its_turns_slot(procs, tmp_path,
     assert (done.returncode, done.stdout) == (0, "held 2\n"), done.stderr
     assert asked_slots(engine) == [1]
     assert other.release() == 0
+
+
+def test_pin_slots_through_llama_swap_reaches_its_llama_server(procs, tmp_path, lanelock):
+    """llama-swap hands the body to the model's llama-server: pinned as llama.cpp is, on its
+    own paths and under /upstream/MODEL/."""
+    engine = Served(procs, tmp_path, "--kind", "llama-swap", "--parallel", "2")
+    assert lanelock("seats", "-b", engine.backend, "2").returncode == 0
+    proxy = Proxy(procs, engine.backend, "--pin-slots", "-v")
+    for path in (CHAT, "/upstream/stand-in/v1/chat/completions"):
+        before = proxy.log().count("[one] POST")
+        status, headers, _ = request(proxy.port, "POST", path, chat_body(),
+                                     headers={"X-Lanelock-Session": "one"})
+        assert (status, headers[SEAT]) == (200, "1")
+        proxy.until(lambda log: log.count("[one] POST") > before, "the -v line")
+    assert asked_slots(engine) == [0, 0]
+    assert engine.stats()["loads"] == []
