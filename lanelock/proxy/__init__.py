@@ -15,7 +15,9 @@ same store, same records) while the engine answers; a busy lane sends it to the 
 - fallbacks.py       the --fallback entries and their chain, for a busy lane or an engine that
                      does not answer;
 - retry.py           Retry-After: when the lane likely comes to a busy request's place;
-- linger.py          a held lane kept for the same session between its requests;
+- linger.py          a held turn kept for the same session between its requests (one per
+                     session, each on its seat);
+- pinning.py         --pin-slots: a llama.cpp engine's slot is the request's seat (id_slot);
 - lost.py            a held request whose lane the store takes away;
 - app.py             the routes' handlers: lane, linger, fallbacks, busy answer, 502;
 - traffic.py         the in-flight count and the -v line (middleware);
