@@ -295,3 +295,16 @@ def test_pin_slots_through_llama_swap_reaches_its_llama_server(procs, tmp_path, 
         proxy.until(lambda log: log.count("[one] POST") > before, "the -v line")
     assert asked_slots(engine) == [0, 0]
     assert engine.stats()["loads"] == []
+
+
+def test_pin_slots_from_a_config_file_and_no_pin_slots_over_it(procs, tmp_path, lanelock,
+                                                              config_files):
+    engine = two_seats(procs, tmp_path, lanelock)
+    _, user = config_files
+    user.write_text("proxy_pin_slots = true\n")
+    for flags, slot in (((), 0), (("--no-pin-slots",), None)):
+        proxy = Proxy(procs, engine.backend, "-v", *flags)
+        status, headers, _ = ask_done(proxy, "one")
+        assert (status, headers[SEAT]) == (200, "1")
+        assert asked_slots(engine)[-1] == slot
+        assert proxy.stop() == 0
