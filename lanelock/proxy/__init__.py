@@ -19,6 +19,8 @@ same store, same records) while the engine answers; a busy lane sends it to the 
                      session, each on its seat);
 - pinning.py         --pin-slots: a llama.cpp engine's slot is the request's seat (id_slot);
 - lost.py            a held request whose lane the store takes away;
+- per_lane.py        the lanes it serves (with lanes keyed by model, one per model a request
+                     names), each with its gate, linger, Retry-After and fallback chain;
 - app.py             the routes' handlers: lane, linger, fallbacks, busy answer, 502;
 - traffic.py         the in-flight count and the -v line (middleware);
 - listener.py        the listening socket: connections capped, slow and idle ones closed;
