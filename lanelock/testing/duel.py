@@ -14,10 +14,7 @@ Nothing is left running, even on Ctrl-C: every turn runs in its own session and 
 
 from __future__ import annotations
 
-import functools
-import json
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -27,9 +24,8 @@ import time
 from dataclasses import dataclass, field
 
 from ..gate import REASON_BUSY, Gate
+from .duel_parts import MINIMAL_PATH, PHASE_TIMEOUT, Reports, importable
 
-PHASE_TIMEOUT = 30.0
-MINIMAL_PATH = "/usr/bin:/bin"
 # The duel's turns take a lane of their own beside the backend's -- keyed by this model, in the same
 # root -- so it proves the root every process computes without writing turns, deflections and
 # counts into the history and metrics of the lane the user's sessions share (nor waiting for it).
@@ -91,7 +87,7 @@ class Duel:
         self.step("lane free", True, f"{self.gate.lane.name} at {self.gate.lock_path}")
         read_fd, write_fd = os.pipe()
         go_read, go_write = os.pipe()
-        reports = _Reports(read_fd)
+        reports = Reports(read_fd)
         try:
             a = self._spawn("A", self._a_argv(write_fd, go_read), self._session_env(workdir, "A"),
                             workdir, (write_fd, go_read))
@@ -234,7 +230,7 @@ class Duel:
         env.pop("LANELOCK_SESSION", None)
         if role == "B":
             env.update(self.profile_env)
-        return _importable(env)
+        return importable(env)
 
     def _cron_env(self, workdir: str, role: str) -> dict[str, str]:
         env = {"PATH": MINIMAL_PATH, "HOME": _home(workdir, role), "SHELL": "/bin/sh",
@@ -245,7 +241,7 @@ class Duel:
             if os.environ.get(name):
                 env[name] = os.environ[name]
         env.update(self.cron_env)
-        return _importable(env)
+        return importable(env)
 
     def _what(self) -> str:
         if self.command:
@@ -372,62 +368,7 @@ class _SpawnError(Exception):
         self.role = role
 
 
-class _Reports:
-    """JSON lines from every turn's stand-in, read with a deadline."""
-
-    def __init__(self, fd: int):
-        self.fd, self.buffer, self.seen = fd, b"", []
-
-    def wait(self, match, timeout: float = PHASE_TIMEOUT) -> dict | None:
-        deadline = time.monotonic() + timeout
-        while True:
-            for report in self.seen:
-                if match(report):
-                    self.seen.remove(report)
-                    return report
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            ready, _, _ = select.select([self.fd], [], [], remaining)
-            if not ready:
-                return None
-            chunk = os.read(self.fd, 65536)
-            if not chunk:
-                return None
-            self.buffer += chunk
-            *lines, self.buffer = self.buffer.split(b"\n")
-            for line in lines:
-                try:
-                    report = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(report, dict) and "role" in report:
-                    self.seen.append(report)
-
-
 def _home(workdir: str, role: str) -> str:
     home = os.path.join(workdir, f"home-{role.lower()}")
     os.makedirs(home, exist_ok=True)
     return home
-
-
-def _importable(env: dict[str, str]) -> dict[str, str]:
-    """Running from a checkout (not installed): let the turns import the same lanelock."""
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if "site-packages" not in package_parent and not _installed_here(package_parent):
-        env["PYTHONPATH"] = package_parent + (
-            os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
-@functools.lru_cache(maxsize=None)
-def _installed_here(package_parent: str) -> bool:
-    """An editable install finds the package from any cwd; a bare checkout only from its own."""
-    try:
-        probe = subprocess.run([sys.executable, "-c", "import lanelock, os; print(os.path.dirname("
-                                "os.path.dirname(os.path.abspath(lanelock.__file__))))"],
-                               cwd="/", env={"PATH": MINIMAL_PATH}, capture_output=True, text=True,
-                               timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return probe.stdout.strip() == package_parent

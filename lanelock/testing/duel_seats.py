@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 from .. import exitcodes
+from .duel_parts import PHASE_TIMEOUT, Reports, importable
 
 SEATS_MODEL = "lanelock-duel-seats"
 SEATS = 2
@@ -25,10 +26,8 @@ TIMEOUT = 15.0
 
 def seats_step(duel, workdir: str, result: dict) -> str | None:
     """Run the step; returns the failure's reason or None. The turns go on duel's list."""
-    from .duel import PHASE_TIMEOUT, _importable, _Reports
-
     where = _where(duel)
-    env = _importable(dict(os.environ))
+    env = importable(dict(os.environ))
     lane = f"{duel.gate.lane.name.partition('#')[0]}#{SEATS_MODEL}"
     kept = _lanelock(["seats", *where, str(SEATS)], env, workdir)
     if kept.returncode == exitcodes.GATE_UNAVAILABLE:
@@ -43,7 +42,7 @@ def seats_step(duel, workdir: str, result: dict) -> str | None:
         return "the seat count could not be set"
     read_fd, write_fd = os.pipe()
     go_read, go_write = os.pipe()
-    reports = _Reports(read_fd)
+    reports = Reports(read_fd)
     try:
         holders = {}
         for role in ("S1", "S2"):
