@@ -308,3 +308,24 @@ def test_pin_slots_from_a_config_file_and_no_pin_slots_over_it(procs, tmp_path, 
         assert (status, headers[SEAT]) == (200, "1")
         assert asked_slots(engine)[-1] == slot
         assert proxy.stop() == 0
+
+
+def test_a_session_asking_again_on_its_answers_last_event_gets_its_seat_back(
+        procs, tmp_path, lanelock):
+    """The next request sent the moment the answer's terminal event arrives (as an agent's
+    loop does) finds the session's seat free again: the answer's end is not the client's before
+    its turn has let the seat go."""
+    engine = Served(procs, tmp_path, "--kind", "llama.cpp", "--parallel", "2", "--tokens", "3",
+                    "--token-interval", "0.01", "--delay", "0.01")
+    assert lanelock("seats", "-b", engine.backend, "2").returncode == 0
+    proxy = Proxy(procs, engine.backend)
+    seats = []
+    for _ in range(50):
+        sock, head = streaming(proxy.port, "one")
+        seats.append(header(head, SEAT))
+        read_until(sock, b"[DONE]", head)
+        sock.close()
+    for _ in range(50):   # answers of a Content-Length: the next request once the body is read
+        status, headers, _ = ask(proxy.port, "one")
+        seats.append(headers[SEAT])
+    assert seats == ["1"] * 100

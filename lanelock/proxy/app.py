@@ -31,6 +31,7 @@ from ..holder import words as holder_words
 from ..priority import DEFAULT_CLASS
 from . import class_and_wait, dialects, pinning
 from .fallbacks import REASON_DOWN, Why
+from .finishing import Finishing
 from .listener import HEADER_TIMEOUT, IDLE_TIMEOUT, MAX_CONNECTIONS
 from .logs import Incidents
 from .lost import REASON_LOST, Cut, LaneLost, ProxyWords, unwatch
@@ -111,6 +112,7 @@ class Proxy:
         self.listener = None          # the listening socket's accept loop (listener.py)
         self.incidents = Incidents(say)   # trouble said once per incident (logs.py)
         self.pinning = pinning.Pinning(self.backend_url, say) if options.pin_slots else None
+        self.finishing = Finishing()   # each session's turns whose answers are ending
 
     # -- warnings ------------------------------------------------------------------------------
     def _gate_warning(self, message: str) -> None:
@@ -196,8 +198,12 @@ class Proxy:
         session = proxied.session = (
             request.headers.get(self.options.session_header) or dialect.session_of(proxied.fields)
             or await _client_session(client) or proxied.remote)
+        # A turn of this session whose answer is ending lets its seat go first (finishing.py).
+        key = (gate.lane.name, session)
+        await self.finishing.wait(key)
         reused = lane.linger.take(session)
         path = proxied.path[:200]
+        ended = []   # this request's turn, once the relay says its answer is ending
 
         def new_turn(wait):
             return gate.turn(
@@ -225,18 +231,24 @@ class Proxy:
             if turn.state == HELD and not turn.nested:
                 self.failing = False
             if turn.state in (HELD, UNGATED, FAIL_OPEN):
-                return await self._held(upstream, proxied, reused, applied)
+                return await self._held(upstream, proxied, reused, applied,
+                                        lambda: ended.append(self.finishing.begin(key)))
             if turn.state == DEFLECTED:
                 return await self._deflected(upstream, proxied, client, applied)
             await _abandoned(turn)
             raise asyncio.CancelledError   # a cancelled wait: the client is gone
         finally:
-            await self._end(lane, turn, session, proxied.status, reused,
-                            timing.held_until_now(), proxied.ended())
+            try:
+                await self._end(lane, turn, session, proxied.status, reused,
+                                timing.held_until_now(), proxied.ended())
+            finally:
+                for event in ended:
+                    self.finishing.done(key, event)
 
-    async def _held(self, upstream, proxied, reused, applied) -> web.StreamResponse:
+    async def _held(self, upstream, proxied, reused, applied, ending) -> web.StreamResponse:
         """The lane is this request's (or it goes ungated): relayed to the engine, watched for a
-        lane its store takes away."""
+        lane its store takes away. ending: called as the answer's last bytes go (a held seat's
+        turn: finishing.py)."""
         turn = proxied.turn
         if turn.state == UNGATED:
             self.ungated += 1
@@ -252,7 +264,8 @@ class Proxy:
         try:
             return await relay(upstream, proxied, self.backend_url + proxied.target,
                                body, forwarded, {STATE: turn.state, **seat, **fence, **applied},
-                               cut=cut)
+                               cut=cut, ending=ending if turn.state == HELD and not turn.nested
+                               else None)
         except Unreachable as error:
             await unwatch(watch)
             return await self._down(upstream, proxied, reused, error, applied)

@@ -54,14 +54,17 @@ def response_headers(upstream) -> list:
 
 
 async def relay(session, proxied, url: str, body: bytes, headers: dict, extra: dict,
-                answer_within: float | None = None, cut=None) -> web.StreamResponse:
+                answer_within: float | None = None, cut=None, ending=None) -> web.StreamResponse:
     """Send the request (proxied.Proxied) to url and stream the answer to the client; extra:
     headers of ours. What was relayed is written into proxied (status, state, done, cut) as it
     happens: the turn's record and the -v line read it even when the client hung up midway.
     answer_within: seconds for the answer's status line and headers (a fallback's bound; None
     for the local engine, which may think for minutes before a non-streamed answer). cut: the
     held request's lost.Cut -- LaneLost when it fires before the answer started; after, the
-    stream stops where it was (proxied.cut says why)."""
+    stream stops where it was (proxied.cut says why). ending: called once, just before the
+    bytes that end the answer are written -- the last of a Content-Length body, a stream's
+    terminal event, the chunked terminator -- so nothing the client does on the answer's end
+    comes before it."""
     import asyncio
 
     from yarl import URL
@@ -104,6 +107,7 @@ async def relay(session, proxied, url: str, body: bytes, headers: dict, extra: d
             response.enable_chunked_encoding()
         side = "client"
         tail = b""   # the last bytes relayed: has the stream's terminal event gone by?
+        left = upstream.content_length   # bytes of a Content-Length body still to relay
         try:
             await response.prepare(request)
             while True:
@@ -112,8 +116,15 @@ async def relay(session, proxied, url: str, body: bytes, headers: dict, extra: d
                 if not chunk:
                     break
                 side = "client"
+                if ending is not None:
+                    left = None if left is None else left - len(chunk)
+                    if left is not None and left <= 0 or whole((tail + chunk)[-TAIL:]):
+                        ending, end = None, ending
+                        end()
                 await response.write(chunk)
                 tail = (tail + chunk)[-TAIL:]
+            if ending is not None:
+                ending()
             await response.write_eof()
         except asyncio.CancelledError:
             # The client hung up (the handler is cancelled) -- an SDK closes a stream at its
