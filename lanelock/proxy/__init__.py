@@ -18,6 +18,7 @@ same store, same records) while the engine answers; a busy lane sends it to the 
 - linger.py          a held turn kept for the same session between its requests (one per
                      session, each on its seat);
 - pinning.py         --pin-slots: a llama.cpp engine's slot is the request's seat (id_slot);
+- finishing.py       a session's next request waits for its ending turn to let its seat go;
 - lost.py            a held request whose lane the store takes away;
 - per_lane.py        the lanes it serves (with lanes keyed by model, one per model a request
                      names), each with its gate, linger, Retry-After and fallback chain;
