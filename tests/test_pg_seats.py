@@ -253,3 +253,21 @@ def test_a_restart_gives_each_holder_its_own_seat_back_before_any_waiter(procs, 
     assert seat_of(waiting) == freed
     assert waiting.release() == 0 and first.release() == 0
     assert pg_server.lanelock_errors(open(server.log_path, errors="replace").read()) == []
+
+
+def test_a_session_comes_back_to_its_own_seat_on_the_store(postgres, lock_roots, run_cmd):
+    """Seats 2 on one store: session x takes a seat; session y, the other (the least recently
+    held: never held); x again its own, then y its own -- each seat's row says whose it was."""
+    store = lock_roots.watch_store(postgres.dsn)
+    lane = ["-b", "localhost:7039", "--store", store]
+    assert run_cmd([*LANELOCK, "seats", *lane, "2"]).returncode == 0
+
+    def seat(session: str) -> int:
+        done = run_cmd([*LANELOCK, "run", *lane, "-s", session, "--", "sh", "-c",
+                        'echo "$LANELOCK_SEAT"'])
+        assert done.returncode == 0, done
+        return int(done.stdout)
+
+    x, y = seat("x"), seat("y")
+    assert {x, y} == {1, 2}
+    assert [seat("x"), seat("y"), seat("y"), seat("x")] == [x, y, y, x]
