@@ -7,6 +7,7 @@ never stop a command. Real processes: `lanelock run`, `lanelock proxy`, the stan
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
@@ -339,3 +340,24 @@ def test_a_lingering_session_keeps_its_model_lane_only(procs):
     assert (status, headers["X-Lanelock-State"]) == (503, "busy")
     status, headers, _ = request(proxy.port, "POST", CHAT, chat("model-a"), first)
     assert (status, headers["X-Lanelock-State"]) == (200, "held")   # its own lingering turn
+
+
+def test_the_map_is_kept_in_a_postgresql_store_for_every_process(postgres, lanelock, run_cmd,
+                                                                 lock_roots, tmp_path):
+    """The same command on the PostgreSQL store: the map every host's turns read (a backend of
+    this test's own: the server is the session's)."""
+    lock_roots.watch_store(postgres.dsn)
+    backend = "127.0.0.1:18938"
+    base = ["-b", backend, "--store", postgres.dsn]
+    shared = lanelock("models", *base, "share", "gpu0", "qwen", "llama", "--json")
+    assert shared.returncode == 0, shared.stderr
+    # A host's own engine: its map is this host's (another host's localhost is another engine)
+    assert json.loads(shared.stdout)["key"] == f"models/localhost:18938@{socket.gethostname()}"
+    (tmp_path / "home").mkdir()
+    cron = run_cmd(["env", "-i", f"PATH={MINIMAL_PATH}", f"HOME={tmp_path / 'home'}",
+                    f"LANELOCK_SYSTEM_CONFIG={tmp_path / 'no-such.toml'}", *LANELOCK, "where",
+                    *base, "--key-by", "model", "-m", "llama", "--json"], env={})
+    assert cron.returncode == 0, cron.stderr
+    assert json.loads(cron.stdout)["lane"].endswith("#gpu0"), cron.stdout
+    unshared = lanelock("models", *base, "unshare", "qwen", "llama")
+    assert unshared.returncode == 0 and "no models share a lane" in unshared.stdout, unshared
