@@ -365,27 +365,34 @@ def _load_driver_meanwhile() -> None:
 
 class _AsideWatch(threading.Thread):
     """While the head waits in the server: a look at the local queue every ASIDE_LOOK; a waiter
-    ahead of it (or the caller's cancel) breaks the server wait through store.cancel_wait."""
+    ahead of it (or the caller's cancel) breaks the server wait through store.cancel_wait.
+    Each look runs under `acting`, and finish() sets done under it: once finish() returns, the
+    watch breaks nothing -- without waiting for its thread to wake and end (on the hand-off's
+    path, that wake-up cost a busy machine's scheduler a turn)."""
 
     def __init__(self, store, handle, rank, cancel, aside, stop):
         super().__init__(daemon=True, name="lanelock-host-head")
         self.store, self.handle, self.rank = store, handle, rank
         self.cancel, self.aside, self.stop = cancel, aside, stop
         self.done = threading.Event()
+        self.acting = threading.Lock()
 
     def run(self) -> None:
         while not self.done.wait(ASIDE_LOOK):
-            if self.cancel is not None and self.cancel.is_set():
-                self.store.cancel_wait(self.handle)
-                return
-            if someone_ahead(self.handle.local, self.rank):
-                self.aside.set()
-                self.store.cancel_wait(self.handle)
-                return
+            with self.acting:
+                if self.done.is_set():
+                    return
+                if self.cancel is not None and self.cancel.is_set():
+                    self.store.cancel_wait(self.handle)
+                    return
+                if someone_ahead(self.handle.local, self.rank):
+                    self.aside.set()
+                    self.store.cancel_wait(self.handle)
+                    return
 
     def finish(self) -> None:
-        self.done.set()
-        self.join()
+        with self.acting:
+            self.done.set()
 
 
 # -- the release: no gap for another host's later waiter ----------------------------------------
