@@ -257,8 +257,13 @@ def lock_any(store, handle, timeout: float | None, cancelled=None) -> bool:
 
     given_up = (lambda: handle.cancelled or (cancelled is not None and cancelled()))
     try:
-        return pg_queue.until_taken(handle.conn, attempt, deadline,
-                                    lambda: None if deaths is None else deaths.fileno(), given_up)
+        got = pg_queue.until_taken(handle.conn, attempt, deadline,
+                                   lambda: None if deaths is None else deaths.fileno(), given_up)
+        if got and listened:
+            # A holder hears no other seat's release: each would wake its lane watch, which
+            # watches this socket for the session's end (lanewatch.py).
+            handle.conn.execute("; ".join(f"UNLISTEN {channel}" for channel in listened))
+        return got
     except psycopg.Error as error:
         if handle.cancelled:
             return False
