@@ -9,8 +9,8 @@ per seat. Each seat is a session lock the server drops with its holder's session
 anyone must decrement.
 
 The count is read as the turn connects, in the statement that asks the session's backend
-(store._session); a lane of one seat whose rows never named another seat takes the one-lock path
-of old, statement for statement. A lane of more seats reads its rows (who held which seat last)
+(store._session); a lane of one seat whose rows never named another seat then takes the
+one-lock path of old, statement for statement. A lane of more seats reads its rows (who held which seat last)
 and tries the seats in the turn's order in ONE statement that stops at the first it gets: the
 seat its session held last, then the least recently released (the seats other sessions just used
 stay theirs), the ones held now last.
@@ -36,7 +36,8 @@ from .session import NAMESPACE, driver, keeps
 KEY = "seats/"
 MOST = 256   # as seat_count.MOST: a count past this is a typo, not an engine
 # The count and the highest seat any row of the lane names, in the statement a new session runs
-# anyway (store._session): two index probes, no round trip of their own.
+# anyway (store._session): a probe of the kept values' key and a look over the holder rows (one
+# per lane and seat), no round trip of their own.
 COUNT_COLUMNS = (
     "(SELECT value FROM lanelock_kept WHERE name = %(seats)s), "
     "(SELECT max((record->'seat')::numeric) FROM lanelock_holders "
