@@ -10,10 +10,10 @@ anyone must decrement.
 
 The count is read as the turn connects, in the statement that asks the session's backend
 (store._session); a lane of one seat whose rows never named another seat then takes the
-one-lock path of old, statement for statement. A lane of more seats reads its rows (who held which seat last)
-and tries the seats in the turn's order in ONE statement that stops at the first it gets: the
-seat its session held last, then the least recently released (the seats other sessions just used
-stay theirs), the ones held now last.
+one-lock path of old, statement for statement. A lane of more seats reads its rows (who held
+which seat last) and tries the seats in the turn's order in ONE statement that stops at the
+first it gets: the seat its session held last, then the least recently released (the seats other
+sessions just used stay theirs), the ones held now last.
 
 A smaller count never evicts a turn: seats past the count whose rows exist (they were held) count
 against it while held, and a seat is kept only while fewer than N hold.
@@ -200,6 +200,7 @@ def _try_seats(store, handle, listened: set | None = None) -> bool:
         return False
     seat, backend = row
     handle.key, handle.seat, handle.held = seat_key(lane, seat), seat, True
+    handle.taken = None   # nothing read with this try (handoff.py): the checks read the seat's
     store._same_session(handle, backend)   # the pooler check; the seat's row: a claim, a command
     # A turn that held the seat as the server went down is taking it back (outage.py): let go
     # without a wake-up, as below, and ask again.
