@@ -28,6 +28,7 @@ import json
 
 from ...errors import GateUnavailable, RecordNotWritten
 from . import queue as pg_queue
+from .rows import WRITE_FENCED, WRITE_UNFENCED, holder_params
 from .session import driver, ended, fenced, first_line
 
 TAKEN = "lanelock.taken"   # this session's last try took the lane's lock ('true'/'false')
@@ -179,9 +180,8 @@ def let_go(store, handle, head_here: str | None = None) -> bool:
 
 
 def _release_sql(handle, releasing: Releasing) -> list[tuple]:
-    from .store import _WRITE_FENCED, _WRITE_UNFENCED, holder_params
 
-    statements = [(_WRITE_FENCED if fenced(handle.conn) else _WRITE_UNFENCED,
+    statements = [(WRITE_FENCED if fenced(handle.conn) else WRITE_UNFENCED,
                    holder_params(handle, releasing.record))]
     if releasing.events:
         statements.append(("INSERT INTO lanelock_events (lane, ts, event) VALUES " +

@@ -36,26 +36,11 @@ from . import queue as pg_queue
 from ..base import LaneFacts, LaneStore, LockHandle
 from ...priority import DEFAULT_AGING
 from .line import PgLine
+from .rows import WRITE_FENCED, WRITE_UNFENCED, holder_params
 from .session import (BOUND, NAMESPACE, connect, driver, ended, ensure_schema, fenced,
                       first_line, redact)
 
 NO_ROW = "no holder row yet"
-# The row's next generation in an upsert (write_holder): one more when another turn writes it.
-_NEXT = ("CASE WHEN held.record->>'turn' IS NOT DISTINCT FROM EXCLUDED.record->>'turn' "
-         "THEN held.generation ELSE held.generation + 1 END")
-_WRITE_FENCED = (
-    "INSERT INTO lanelock_holders AS held (key2, lane, record, backend_pid, updated_at, generation) "
-    "VALUES (%(key)s, %(lane)s, %(record)s::jsonb || '{\"fence\": 1}', %(backend)s, now(), 1) "
-    "ON CONFLICT (key2) DO UPDATE SET lane = EXCLUDED.lane, "
-    f"record = EXCLUDED.record || jsonb_build_object('fence', {_NEXT}), "
-    f"backend_pid = EXCLUDED.backend_pid, updated_at = now(), generation = {_NEXT} "
-    "RETURNING generation")
-_WRITE_UNFENCED = (
-    "INSERT INTO lanelock_holders (key2, lane, record, backend_pid, updated_at) "
-    "VALUES (%(key)s, %(lane)s, %(record)s, %(backend)s, now()) ON CONFLICT (key2) DO UPDATE SET "
-    "lane = EXCLUDED.lane, record = EXCLUDED.record, backend_pid = EXCLUDED.backend_pid, "
-    "updated_at = now()")
-
 # A stop point (turn/stops.py) that wants the release written while the lane is still held.
 _PAUSE, _DURING_RELEASE = "LANELOCK_DEBUG_PAUSE", "during-release"
 WITNESS_NAMESPACE = 0x4C4E5754   # "LNWT": the lane's one witness, never a lane's or a queue's key
@@ -672,13 +657,13 @@ class PgStore(LaneStore):
                     # Tables of an earlier lanelock this role may not alter (ensure_schema left
                     # them as they are): the record is written, without a fence.
                     flush_leave(handle)
-                    cursor.execute(_WRITE_UNFENCED, params)
+                    cursor.execute(WRITE_UNFENCED, params)
                     return
                 try:   # the queue left by a turn that took the lane, in the same round trip
-                    handle.fence = with_leave(handle, _WRITE_FENCED, params)
+                    handle.fence = with_leave(handle, WRITE_FENCED, params)
                 except psycopg.errors.UndefinedColumn:   # the column dropped since: the same
                     flush_leave(handle)
-                    cursor.execute(_WRITE_UNFENCED, params)
+                    cursor.execute(WRITE_UNFENCED, params)
         except psycopg.Error as error:
             flush_leave(handle)
             raise RecordNotWritten(f"lane store: {first_line(error)}") from None
@@ -910,14 +895,6 @@ class PgStore(LaneStore):
                 return cursor.fetchone()[0] if fetch else None
         except psycopg.Error as error:
             raise GateUnavailable(f"lane store: {first_line(error)}") from None
-
-
-def holder_params(handle: PgHandle, record: dict) -> dict:
-    """The parameters of _WRITE_FENCED / _WRITE_UNFENCED for the handle's turn's record."""
-    record = dict(record, store_key=list(handle.key), backend_pid=handle.backend_pid)
-    record.pop("fence", None)   # the server's count, never the caller's
-    return {"key": handle.key[1], "lane": handle.lane, "record": json.dumps(record),
-            "backend": handle.backend_pid}
 
 
 def _lockers(cursor, key: tuple[int, int]) -> list[tuple]:
