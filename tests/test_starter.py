@@ -326,6 +326,7 @@ def test_the_command_environment_is_byte_exact(mode, turn, lock_dir):
                 if name not in (b"LANELOCK_FAILOVER_REASON", b"LANELOCK_DEBUG_PAUSE")}
     expected.update({b"LANELOCK_STATE": b"held", b"LANELOCK_LANE": f"localhost:{port}".encode(),
                      b"LANELOCK_LOCK_PATH": lock_path, b"LANELOCK_HELD": lock_path,
+                     b"LANELOCK_SEAT": b"1",
                      b"LANELOCK_TURNS": seen.get(b"LANELOCK_TURNS", b""),
                      b"LANELOCK_SESSION": seen.get(b"LANELOCK_SESSION", b"")})
     assert seen == expected
