@@ -120,9 +120,15 @@ READ_COMMANDS = [("probe", 0), ("status", 0), ("history", 0), ("where", 0), ("co
                  ("config path", 0), ("--version", 0), ("duel --hold 0.2", 0)]
 
 
-@pytest.mark.parametrize("command, status", READ_COMMANDS, ids=[c for c, _ in READ_COMMANDS])
-@pytest.mark.parametrize("how", ["stdout-closed", "stderr-closed", "stdout-into-true",
-                                 "stdout-into-head"])
+READERS = ["stdout-closed", "stderr-closed", "stdout-into-true", "stdout-into-head"]
+
+
+@pytest.mark.parametrize("how, command, status", [
+    # The duel takes seconds: one way in the default tier, every way in the slow one.
+    pytest.param(how, command, status, id=f"{how}-{command}",
+                 marks=pytest.mark.slow if command.startswith("duel") and how != READERS[-1]
+                 else ())
+    for command, status in READ_COMMANDS for how in READERS])
 def test_read_commands_end_with_their_own_status_when_the_reader_goes(command, status, how,
                                                                       run_cmd):
     """A reader that went away (`| true`, `| head -c 1`) or a closed stderr leaves the status as

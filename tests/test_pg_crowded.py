@@ -106,6 +106,7 @@ def test_a_crowded_turn_without_a_wait_deflects_gate_crowded(lock_roots):
     assert "running without it" not in done.stderr
 
 
+@pytest.mark.slow   # the default tier's time: the slow tier (CI) runs it
 def test_a_crowded_turn_with_a_wait_runs_once_a_connection_frees(procs, lock_roots):
     """Every connection taken: a turn with a wait tries again (backing off) and runs once one is
     let go, inside its wait."""

@@ -119,6 +119,7 @@ def test_a_holder_whose_host_vanishes_loses_the_lane_within_the_bound(namespace,
     print(f"lane freed {freed_after:.1f}s after the cut (bound {BOUND_SECONDS}s)")
 
 
+@pytest.mark.slow   # the default tier's time: the slow tier (CI) runs it
 def test_the_engine_box_keys_its_own_lan_address_as_the_other_hosts_do(namespace,
                                                                        reachable_server,
                                                                        holder, run_cmd):

@@ -262,6 +262,7 @@ def private_server(lock_roots):
 STAMP = 's=$(date +%s%N); echo "$s" > "$1"'
 
 
+@pytest.mark.slow   # the default tier's time: the slow tier (CI) runs it
 def test_a_restart_mid_request_the_proxy_takes_its_lane_back(private_server, procs, engine,
                                                             tmp_path):
     proc, port, finish = engine

@@ -203,7 +203,8 @@ def test_two_proxies_on_two_hosts_never_let_the_engine_see_two_generations(hosts
 
 
 # -- kill -9 of the proxy holding the lane ------------------------------------------------------------
-@pytest.mark.parametrize("killed", [0, 1], ids=HOST_NAMES)
+@pytest.mark.parametrize("killed", [0, pytest.param(1, marks=pytest.mark.slow)],
+                         ids=HOST_NAMES)   # one host in the default tier, both in the slow
 def test_kill_9_of_the_proxy_holding_the_lane_frees_it_for_the_other_host(killed, hosts, procs,
                                                                            run_cmd):
     from lanelock.store.pg.session import BOUND_SECONDS

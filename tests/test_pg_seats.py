@@ -130,8 +130,8 @@ def test_a_waiting_turn_takes_the_first_seat_freed_on_either_host(hosts, holder,
     assert_quiet(host_a.store)
 
 
-@pytest.mark.parametrize("killed_on", [pytest.param("same host", marks=pytest.mark.slow),
-                                       "other host"])
+@pytest.mark.slow   # the default tier's time: the slow tier (CI) runs it
+@pytest.mark.parametrize("killed_on", ["same host", "other host"])
 def test_kill_9_of_a_holder_frees_its_seat(hosts, holder, run_cmd, killed_on):
     """kill -9 of a holder (the wrapper and its command) frees its seat for the waiter: of the
     waiter's host, its death wakes the wait; of another host, the server's end of its session
@@ -155,6 +155,7 @@ def test_kill_9_of_a_holder_frees_its_seat(hosts, holder, run_cmd, killed_on):
     assert_quiet(host_a.store)
 
 
+@pytest.mark.slow   # the default tier's time: the slow tier (CI) runs it
 def test_a_smaller_count_evicts_nobody_and_a_new_turn_waits_until_none_holds(
         hosts, holder, run_cmd):
     """Two hold (one per host); the count set to 1 from host B: both run to their end; a new turn
@@ -212,6 +213,7 @@ def test_a_host_s_head_takes_a_free_seat_while_its_other_waiters_wait(hosts, hol
     assert_quiet(host_a.store)
 
 
+@pytest.mark.slow   # the default tier's time: the slow tier (CI) runs it
 def test_a_restart_gives_each_holder_its_own_seat_back_before_any_waiter(procs, holder,
                                                                        lock_roots, tmp_path):
     """Seats 2, both held, a waiter queued; the server restarts (a fast shutdown). Each holder

@@ -70,6 +70,7 @@ def test_a_first_waiter_whose_wait_runs_out_across_aging_steps_logs_no_error(
     assert quiet_log() == []
 
 
+@pytest.mark.slow   # the default tier's time: the slow tier (CI) runs it
 def test_a_stopped_first_waiter_is_passed_over_with_no_error_and_goes_next_once_continued(
         postgres, procs, holder, lock_roots, quiet_log):
     lock_roots.watch_store(postgres.dsn)

@@ -23,6 +23,7 @@ pytest.importorskip("aiohttp")   # test_pg_proxy's site imports it
 PYTHON = sys.executable
 
 
+@pytest.mark.slow   # the default tier's time: the slow tier (CI) runs it
 def test_a_turn_held_on_another_host_covers_the_engine_and_a_bypass_is_seen(lock_roots, procs,
                                                                              run_cmd):
     host_a, host_b = two_hosts(lock_roots, ("host-a", "host-b"), Host)

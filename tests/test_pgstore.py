@@ -129,6 +129,7 @@ def test_history_comes_from_the_events_table(lanelock, holder):
     assert data["summary"]["deflected"] >= 1
 
 
+@pytest.mark.slow   # the default tier's time: the slow tier (CI) runs it
 def test_duel_passes_with_the_store(lanelock, postgres):
     done = lanelock("duel", "--json", "--hold", "0", "--store", postgres.dsn, timeout=180)
     report = json.loads(done.stdout)

@@ -150,6 +150,7 @@ def test_aging_puts_a_long_waiting_batch_turn_ahead_of_later_interactive_ones(ho
     assert order.read_text().split() == ["batch", "chat0", "chat1", "chat2"]
 
 
+@pytest.mark.slow   # the default tier's time: the slow tier (CI) runs it
 def test_aging_lets_a_batch_turn_through_a_steady_stream_of_interactive_ones(holder, procs,
                                                                              tmp_path, lanelock):
     """Interactive turns keep arriving, each holding a moment, more than the lane can serve:

@@ -98,7 +98,7 @@ print(json.dumps({"pid": os.getpid(), **result}), flush=True)
 """
 
 
-@pytest.fixture(params=["flock", "postgresql"])
+@pytest.fixture(params=["flock", pytest.param("postgresql", marks=pytest.mark.slow)])
 def store(request, monkeypatch) -> str:
     """Each store in turn: the flock store of the test's LANELOCK_DIR, or the session's
     PostgreSQL server (skipped without one)."""

@@ -267,8 +267,9 @@ def generation_of(engine, task: int | None = None) -> dict:
     return generations[-1] if task is None else next(g for g in generations if g["id"] == task)
 
 
-@pytest.mark.parametrize("kind, tokens", [("llama.cpp", 80), ("llama.cpp-legacy", 40),
-                                          ("llama-swap", 40)])
+@pytest.mark.parametrize("kind, tokens", [   # one kind in the default tier, the rest in the slow
+    ("llama.cpp", 80), pytest.param("llama.cpp-legacy", 40, marks=pytest.mark.slow),
+    pytest.param("llama-swap", 40, marks=pytest.mark.slow)])
 def test_a_long_direct_generation_is_said_while_it_runs_and_at_its_end_with_its_final_count(
         procs, lanelock, tmp_path, kind, tokens):
     """The first line comes while the engine still generates (the stand-in says so), the last
@@ -345,8 +346,9 @@ def test_a_count_the_engine_no_longer_keeps_is_said_as_at_least(procs, lanelock,
     assert f", at least {event['tokens']} tokens; seen by watch" in history, history
 
 
-@pytest.mark.parametrize("kind, endpoint", [("llama.cpp", "/slots"), ("llama-swap", "/running"),
-                                            ("vllm", "/metrics")])
+@pytest.mark.parametrize("kind, endpoint", [   # one kind in the default tier, the rest in the slow
+    ("llama.cpp", "/slots"), pytest.param("llama-swap", "/running", marks=pytest.mark.slow),
+    pytest.param("vllm", "/metrics", marks=pytest.mark.slow)])
 def test_an_engine_down_is_named_by_the_endpoint_of_the_kind_witnessed(procs, tmp_path, kind,
                                                                        endpoint):
     """Once a witness saw the engine (the lane's counts keep its kind), an engine that does not

@@ -179,6 +179,7 @@ def test_a_generation_outliving_its_seat_beside_a_held_one_is_not_unseen(
     assert stream["ended"] > released["ts"] + 0.5   # it did outlive its turn, beside the held one
 
 
+@pytest.mark.slow   # the default tier's time: the slow tier (CI) runs it
 def test_on_the_postgresql_store_each_held_seat_covers_one_generation(
         procs, holder, lanelock, tmp_path, postgres):
     """The store's default count of held seats (survey(): every seat's facts): two turns held
@@ -201,6 +202,7 @@ def test_on_the_postgresql_store_each_held_seat_covers_one_generation(
     assert (event["slots"], event["turns"]) == (3, 2), event
 
 
+@pytest.mark.slow   # the default tier's time: the slow tier (CI) runs it
 def test_the_proxys_witness_on_two_seats_covers_two_requests_generating_at_once(
         procs, lanelock, tmp_path):
     """Through `lanelock proxy` each request is a turn on a seat of its own: two streams at once
