@@ -127,6 +127,10 @@ def test_a_smaller_count_evicts_nobody_and_new_turns_wait_until_fewer_hold(lanel
                 and event["pid"] == waiting.pid]
     assert acquired and acquired[0]["ts"] >= max(event["ts"] for event in released)
     waiting.release()
+    # Once nobody holds it, the seat past the count is nobody's: the lane reads as one seat.
+    lane = json.loads(lanelock("status", "--json").stdout)["lanes"][0]
+    assert (lane["state"], lane["seats"], lane["by_seat"]) == ("free", 1, [])
+    assert "seat 2" not in lanelock("status").stdout
 
 
 API_TURN = """

@@ -48,6 +48,10 @@ def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0,
     found.other_seats = [_seat_facts(root, seats.lock_name(stem, seat), name, kernel, entries,
                                      seat)
                          for seat in (*range(2, count + 1), *past)]
+    # A seat past the count is the lane's only while held (it keeps a new turn out); once let
+    # go it is nobody's, and a lane made one seat again reads as one seat.
+    found.other_seats = [seat for seat in found.other_seats
+                         if seat.seat <= count or seat.held is not False]
     return found
 
 
