@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The hand-off on the flock store and on a loopback PostgreSQL, side by side in ONE run.
 
-    python bench/handoff.py [--quick] [--dsn postgresql://...] [--waiters 1,10,50]
+    python bench/handoff.py [--quick] [--dsn postgresql://...] [--waiters 1,10,50] [--seats N]
 
 A holder (`lanelock run`) and N `lanelock run --wait` turns queued behind it; the holder's
 command ends, and each turn's command stamps its start and end ($EPOCHREALTIME). Two measures:
@@ -97,18 +97,30 @@ def journal_gaps(env: dict, store: list[str], lane: str, holder: int, pids: set)
     return first, gaps
 
 
-def once(env: dict, store: list[str], work: str, tag: str, waiters: int):
+def once(env: dict, store: list[str], work: str, tag: str, waiters: int, seats: int = 1):
     """{measure: (first hand-off ms, [back-to-back ms])} of one holder and `waiters` queued
     turns, measure "store" (the journal's release to acquire) or "command" (the commands'
-    stamps); "stalled" when the queue never ran through."""
+    stamps); "stalled" when the queue never ran through. seats > 1: the lane has that many,
+    the others held all along by sitters, so the queue goes through the holder's seat while the
+    queue's head waits on every seat at once."""
     lane = f"127.0.0.1:{free_port()}"   # a lane of its own: no queue left from a run before
     fifo, end = os.path.join(work, f"go-{tag}"), os.path.join(work, f"end-{tag}")
     os.mkfifo(fifo)
+    sitters, stand_up = [], os.path.join(work, f"up-{tag}")
+    if seats > 1:
+        subprocess.run([*LANELOCK, "seats", *store, "-b", lane, str(seats)], env=env, check=True,
+                       capture_output=True)
+        os.mkfifo(stand_up)
+        for _ in range(seats - 1):
+            sitters.append(subprocess.Popen([*LANELOCK, "run", "-q", *store, "-b", lane, "--",
+                                             "bash", "-c", 'read -r _ < "$1"', "s", stand_up],
+                                            env=env))
+            until(lambda: _held_seats(env, store, lane) == len(sitters), "a sitter to hold")
     stamps = [(os.path.join(work, f"s-{tag}-{n}"), os.path.join(work, f"e-{tag}-{n}"))
               for n in range(waiters)]
     holder = subprocess.Popen([*LANELOCK, "run", "-q", *store, "-b", lane, "--", "bash", "-c",
                                HOLDER, "h", fifo, end], env=env)
-    until(lambda: _held(env, store, lane), "the holder to hold")
+    until(lambda: _held_seats(env, store, lane) == seats, "the holder to hold")
     turns = []
     for start, stop in stamps:   # one at a time: each queued (arrival order) before the next
         turns.append(subprocess.Popen([*LANELOCK, "run", "-q", *store, "-b", lane, "--wait",
@@ -123,11 +135,17 @@ def once(env: dict, store: list[str], work: str, tag: str, waiters: int):
         for process in (holder, *turns):
             process.wait(max(0.1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:   # a turn that never ends: said, and the run left out
-        for process in (holder, *turns):
+        for process in (holder, *turns, *sitters):
             if process.poll() is None:
                 process.kill()
                 process.wait()
         return "stalled"
+    finally:
+        if sitters:
+            with open(stand_up, "w") as up:   # every sitter reads its end from it at once
+                up.write("\n" * len(sitters))
+            for sitter in sitters:
+                sitter.wait()
     measured = {"store": journal_gaps(env, store, lane, holder.pid,
                                       {holder.pid, *(turn.pid for turn in turns)})}
     try:
@@ -141,13 +159,17 @@ def once(env: dict, store: list[str], work: str, tag: str, waiters: int):
     return measured
 
 
-def _held(env: dict, store: list[str], lane: str) -> bool:
+def _held_seats(env: dict, store: list[str], lane: str) -> int:
+    """How many of the lane's seats are held, as `status` says (0: free or unreadable)."""
     shown = subprocess.run([*LANELOCK, "status", *store, "-b", lane, "--json"], env=env,
                            capture_output=True, text=True)
     try:
-        return json.loads(shown.stdout)["lanes"][0]["state"] == "held"
+        lane_status = json.loads(shown.stdout)["lanes"][0]
     except (ValueError, KeyError, IndexError):
-        return False
+        return 0
+    if lane_status.get("state") != "held":
+        return 0
+    return lane_status.get("held_seats") or 1
 
 
 def start_server():
@@ -162,6 +184,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer runs, for a smoke check")
     parser.add_argument("--dsn", help="a PostgreSQL server to use (default: start one)")
     parser.add_argument("--waiters", default="1,10,50", help="queue lengths, e.g. 1,10")
+    parser.add_argument("--seats", type=int, default=1,
+                        help="the lane's seats (the others held by sitters all along)")
     args = parser.parse_args()
     counts = [int(word) for word in args.waiters.split(",")]
     server = None if args.dsn else start_server()
@@ -178,7 +202,8 @@ def main() -> int:
             runs = max(2, RUNS.get(waiters, 5) // (3 if args.quick else 1))
             for run in range(runs):   # interleaved: noise hits both stores alike
                 for kind, store in stores.items():
-                    measured = once(env, store, work, f"{kind}{waiters}-{run}", waiters)
+                    measured = once(env, store, work, f"{kind}{waiters}-{run}", waiters,
+                                    args.seats)
                     if measured == "stalled":
                         stalls[kind] = stalls.get(kind, 0) + 1
                         print(f"  {kind} {waiters} waiting, run {run + 1}/{runs}: stalled",
@@ -206,7 +231,7 @@ def main() -> int:
 
     machine = f"{os.cpu_count()} cores, {os.uname().sysname} {os.uname().release}"
     print(f"\n{time.strftime('%Y-%m-%d')}, {machine}, Python {sys.version.split()[0]}; "
-          f"median / p90 ms\n")
+          f"{args.seats} seat{'s' if args.seats != 1 else ''}; median / p90 ms\n")
     print("| waiting | hand-off | first: flock | first: PostgreSQL | back to back: flock "
           f"| back to back: PostgreSQL | target: PostgreSQL store first <= {TARGET_MS:g} ms |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

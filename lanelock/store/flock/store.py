@@ -22,10 +22,10 @@ import stat
 
 from ... import locks, proc, say
 from ...errors import GateCrowded, GateUnavailable, RecordNotWritten, crowded
-from ...paths import UNGATED, Root, creation_problem, open_root
+from ...paths import Root, creation_problem, open_root
 from ...priority import CLASSES, DEFAULT_AGING, DEFAULT_RANK
 from .. import order, outlived
-from . import interrupt, journal, queue, seats, sidecar, waiting
+from . import interrupt, journal, queue, seats, sidecar, taking, waiting
 from .line import FlockLine
 from ..base import LaneStore, LockHandle
 
@@ -183,7 +183,7 @@ class FlockStore(LaneStore):
                 handle.caveat = network_caveat(self.root.path, os.fstat(dir_fd))
             self._open_file(handle, create)
             handle.lane_st = handle.st
-            self._count_seats(handle, lane)
+            taking.count(self, handle, lane)
         except GateUnavailable:
             handle.close()
             raise
@@ -193,33 +193,7 @@ class FlockStore(LaneStore):
             raise kind(f"cannot open {self.path(handle.name)}: {error.strerror}") from None
         return handle
 
-    # -- seats (seats.py): up to the lane's count of turns hold it at once ------------------------------
-    def _count_seats(self, handle: Handle, lane) -> None:
-        """The lane's seat count and the seats past it that exist, read as the turn opens the
-        lane. A count that cannot be read or believed is said once and taken as 1: fewer seats
-        can only make a turn wait longer, never run beside one too many."""
-        from . import kept
-
-        try:
-            values = kept.read(handle.dir_fd)
-        except (kept.Untrusted, OSError) as why:
-            if not self._seats_warned:
-                self._seats_warned = True
-                self.warn(f"{self.path(kept.NAME)}: {getattr(why, 'strerror', None) or why}; "
-                          "taking every lane as one seat")
-            values = {}
-        if values is None:   # nothing was ever kept: no seats, no folder to look in
-            return
-        raw = values.get(seats.key(lane.name))
-        count = seats.count_of(raw)
-        if raw is not None and count is None and not self._seats_warned:
-            self._seats_warned = True
-            self.warn(f"{self.path(kept.NAME)}: {raw!r} is not a seat count; taking "
-                      f"{lane.name} as one seat")
-        handle.seats = count or 1
-        handle.past = tuple(seat for seat in seats.made(handle.dir_fd, lane.stem)
-                            if seat > handle.seats)
-
+    # -- seats (taking.py walks them) ------------------------------------------------------------
     def seat_count(self, lane) -> int:
         """The lane's seat count as a turn reads it (1 when none is kept)."""
         try:
@@ -227,7 +201,13 @@ class FlockStore(LaneStore):
         except GateUnavailable:
             return 1
 
-    def _on_seat(self, handle: Handle, seat: int) -> None:
+    def seat_warning(self, why: str) -> None:
+        """A seat count that cannot be read or believed: said once per store."""
+        if not self._seats_warned:
+            self._seats_warned = True
+            self.warn(why)
+
+    def on_seat(self, handle: Handle, seat: int) -> None:
         """Point the handle at the seat's lock file (opened, not locked)."""
         if handle.seat == seat and (handle.fd is not None or handle.refused):
             return
@@ -244,110 +224,6 @@ class FlockStore(LaneStore):
         except OSError as error:
             kind = GateCrowded if crowded(error) else GateUnavailable
             raise kind(f"cannot open {self.path(handle.name)}: {error.strerror}") from None
-
-    def _too_many(self, handle: Handle) -> bool:
-        """Holding a seat, would this turn make more holders than the count? Only while seats
-        past the count are still held (a count made smaller under its holders)."""
-        past = [seat for seat in handle.past if seats.held(handle.dir_fd, handle.stem, seat)]
-        if not past:
-            return False
-        others = [seat for seat in range(1, handle.seats + 1)
-                  if seat != handle.seat and seats.held(handle.dir_fd, handle.stem, seat)]
-        return len(past) + len(others) + 1 > handle.seats
-
-    def _try_seats(self, handle: Handle) -> bool | None:
-        """One try of every seat, in the turn's order (seats.preference): True with the handle on
-        the seat taken (checked: really the seat's file), False when every one is held, None
-        when one was free but as many as the count hold (seats past it)."""
-        session = (handle.asker or {}).get("session")
-        for seat in seats.preference(handle.dir_fd, handle.stem, handle.seats, session):
-            self._on_seat(handle, seat)
-            for _ in range(order.AGAIN_TRIES):
-                ours = self.checked(handle, self.try_lane_lock(handle))
-                if ours is not None:
-                    break
-            else:
-                raise self.keeps_being_replaced(handle)
-            if ours:
-                if self._too_many(handle):
-                    self.hand_on(handle)
-                    return None
-                return True
-        return False
-
-    def wait_seat(self, handle: Handle, timeout: float | None, cancel=None) -> bool:
-        """Block until one of the lane's seats is this turn's (True, the handle on it: the caller
-        checks it, as a single lock's wait), timeout passes or cancel is set (False). Each look
-        tries every seat, then waits in the kernel on the seats that were held -- whichever
-        frees first wakes it."""
-        import time
-
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            busy = self._seat_round(handle)
-            if busy is True:
-                return True
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            if not busy:
-                continue
-            opened = self._seat_files(handle, busy)
-            got = None
-            try:
-                got = waiting.wait_any(opened, left, cancel)
-            finally:
-                self._seat_waited(opened, got)
-            if got is None:
-                return False
-
-    async def wait_seat_async(self, handle: Handle, timeout: float | None) -> bool:
-        """wait_seat for an asyncio task (no thread of its own while it waits)."""
-        import time
-
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            busy = self._seat_round(handle)
-            if busy is True:
-                return True
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            if not busy:
-                continue
-            opened = self._seat_files(handle, busy)
-            got = None
-            try:
-                got = await waiting.wait_any_async(opened, left)
-            finally:
-                self._seat_waited(opened, got)
-            if got is None:
-                return False
-
-    def _seat_round(self, handle: Handle):
-        """One look of a seat wait: True (a seat is the turn's), else the seats to wait on --
-        every one when all are held; when too many hold (seats past the count), the ones that
-        hold (a free seat would wake the wait at once, for nothing)."""
-        tried = self._try_seats(handle)
-        if tried:
-            return True
-        if tried is False:
-            return list(range(1, handle.seats + 1))
-        return [seat for seat in (*range(1, handle.seats + 1), *handle.past)
-                if seats.held(handle.dir_fd, handle.stem, seat)]
-
-    @staticmethod
-    def _seat_waited(opened: list, got: int | None) -> None:
-        """After a seat wait: a seat freed is let go again (the next look takes a seat in the
-        turn's order: a seat past the count is never taken, the freed one may be another
-        session's), and every file closed."""
-        if got is not None:
-            fcntl.flock(opened[got].fd, fcntl.LOCK_UN)
-        for seat_file in opened:
-            seat_file.close()
-
-    def _seat_files(self, handle: Handle, numbers: list) -> list:
-        return [_SeatFile(handle.dir_fd, seats.lock_name(handle.stem, seat)) for seat in numbers]
 
     def _open_file(self, handle: Handle, create: bool) -> None:
         """Open (or create) the lock file. Something planted at its name that cannot be locked
@@ -379,7 +255,7 @@ class FlockStore(LaneStore):
     # under it) keeps the lane: we let go and say busy.
     def try_lock(self, handle: Handle, rank: int = DEFAULT_RANK) -> bool:
         if handle.seated:
-            return bool(self._try_seats(handle)) and \
+            return bool(taking.try_seats(self, handle)) and \
                 order.keep_free_lane(FlockLine(self, handle), rank)
         for _ in range(order.AGAIN_TRIES):
             ours = self.checked(handle, self.try_lane_lock(handle))
@@ -790,18 +666,3 @@ def _unreadable(dir_fd: int, name: str) -> str:
     except OSError:
         return "cannot be opened"
     return f"is mode {stat.S_IMODE(st.st_mode):04o} of uid {st.st_uid}: other users cannot lock it"
-
-
-class _SeatFile:
-    """A seat's lock file opened to wait on (waiting.wait_any), never created here: a seat a
-    turn waits on exists (it was held)."""
-
-    __slots__ = ("fd",)
-
-    def __init__(self, dir_fd: int, name: str):
-        self.fd = os.open(name, os.O_RDONLY | _OPEN, dir_fd=dir_fd)
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None

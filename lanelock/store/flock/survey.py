@@ -59,7 +59,7 @@ def seat_numbers(root: str, stem: str, lane: str) -> tuple:
     """(the lane's seat count, the seats past it whose lock files exist) from ROOT/kept.json and
     the seats folder. Nothing kept (no kept.json): one seat, and the folder is not looked at --
     a one-seat lane's survey costs one failed lstat more. A count that cannot be read or believed
-    is 1, as a turn takes it (store.py's _count_seats)."""
+    is 1, as a turn takes it (taking.count)."""
     from . import kept
 
     if not os.path.lexists(os.path.join(root, kept.NAME)):   # one lstat: nothing ever kept
