@@ -209,6 +209,7 @@ def _user_exists(name: str) -> bool:
         return False
 
 
+@pytest.mark.slow   # the default tier's time: the slow tier (CI) runs it
 def test_duel_fallback_is_split_as_run_splits_it(lanelock, tmp_path, monkeypatch):
     """`duel --fallback` reads its command as `run --fallback` does (bash's quoting, $'…'
     included), and a malformed one is a usage error: one line, exit 2, never a traceback."""

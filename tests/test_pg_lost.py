@@ -300,6 +300,7 @@ def test_a_restart_mid_request_the_proxy_takes_its_lane_back(private_server, pro
     assert len(regained) == 1, regained
 
 
+@pytest.mark.slow   # the default tier's time: the slow tier (CI) runs it
 def test_a_restart_never_stops_an_on_lost_stop_turn(private_server, procs):
     dsn = private_server.dsn
     turn = procs.start([*LANELOCK, "run", "--store", dsn, "-b", "localhost:7046", "--on-lost",

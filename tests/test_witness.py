@@ -323,6 +323,7 @@ def test_a_generation_cut_by_its_client_is_counted_as_the_engine_counted_it(proc
     assert (event["tokens"], event["tokens_final"]) == (decoded, True), event
 
 
+@pytest.mark.slow   # the default tier's time: the slow tier (CI) runs it
 def test_a_count_the_engine_no_longer_keeps_is_said_as_at_least(procs, lanelock, tmp_path):
     """Two direct streams on one slot: the second waits in the engine's queue and takes the
     slot the moment the first ends, so no look ever finds the first one's slot still naming
