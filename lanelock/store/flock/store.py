@@ -207,14 +207,18 @@ class FlockStore(LaneStore):
             self._seats_warned = True
             self.warn(why)
 
-    def on_seat(self, handle: Handle, seat: int) -> None:
-        """Point the handle at the seat's lock file (opened, not locked)."""
-        if handle.seat == seat and (handle.fd is not None or handle.refused):
+    def on_seat(self, handle: Handle, seat: int, fd: int | None = None) -> None:
+        """Point the handle at the seat's lock file: opened here, not locked; or fd, a
+        descriptor on it a wait has just locked (the caller checks it, as any lock taken)."""
+        if fd is None and handle.seat == seat and (handle.fd is not None or handle.refused):
             return
         if handle.fd is not None:
             os.close(handle.fd)
         handle.fd, handle.st, handle.refused, handle.split = None, None, None, None
         handle.seat, handle.name = seat, seats.lock_name(handle.stem, seat)
+        if fd is not None:
+            handle.fd, handle.st = fd, os.fstat(fd)
+            return
         if seat > 1:
             seats.make_folder(handle.dir_fd, handle.stem)
         try:

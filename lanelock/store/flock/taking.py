@@ -95,6 +95,8 @@ def wait(store, handle, timeout: float | None, cancel=None) -> bool:
         got = None
         try:
             got = waiting.wait_any(opened, left, cancel)
+            if got is not None and _keep(store, handle, busy[got], opened[got]):
+                return True
         finally:
             _waited(opened, got)
         if got is None:
@@ -117,6 +119,8 @@ async def wait_async(store, handle, timeout: float | None) -> bool:
         got = None
         try:
             got = await waiting.wait_any_async(opened, left)
+            if got is not None and _keep(store, handle, busy[got], opened[got]):
+                return True
         finally:
             _waited(opened, got)
         if got is None:
@@ -136,11 +140,24 @@ def _round(store, handle):
             if seats.held(handle.dir_fd, handle.stem, seat)]
 
 
+def _keep(store, handle, seat: int, seat_file) -> bool:
+    """The wait got the seat's lock: keep it when the seat is within the count and taking it
+    makes no more holders than the count -- the usual hand-off, with no second look. The
+    descriptor is the handle's then; the walk checks it as any lock taken."""
+    if seat > handle.seats:
+        return False
+    store.on_seat(handle, seat, seat_file.fd)
+    seat_file.fd = None
+    if too_many(handle):
+        store.hand_on(handle)
+        return False
+    return True
+
+
 def _waited(opened: list, got: int | None) -> None:
-    """After a seat wait: a seat freed is let go again (the next look takes a seat in the turn's
-    order: a seat past the count is never taken, the freed one may be another session's), and
-    every file closed."""
-    if got is not None:
+    """After a seat wait: a seat freed and not kept is let go again (the next look takes a seat
+    in the turn's order: a seat past the count is never taken), and every file closed."""
+    if got is not None and opened[got].fd is not None:
         fcntl.flock(opened[got].fd, fcntl.LOCK_UN)
     for seat_file in opened:
         seat_file.close()
