@@ -331,12 +331,15 @@ def default_root(monkeypatch, default_lock_root) -> Path:
 
 
 def remove_lane_files(lock_path) -> None:
-    """A throwaway lane's files (lock, holder record, journal, counts), for a test that made one
-    in a shared root such as the default one."""
+    """A throwaway lane's files (lock, holder record, journal, counts, and its seats folder), for
+    a test that made one in a shared root such as the default one."""
     stem = Path(str(lock_path)[: -len(".lock")])
     for path in stem.parent.glob(f"{stem.name}.*"):
-        with contextlib.suppress(OSError):
-            path.unlink()
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 @pytest.fixture

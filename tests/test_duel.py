@@ -120,6 +120,9 @@ def test_duel_on_the_default_root(lanelock, default_root, lock_roots):
     # A throwaway lane on a random port in the real root: nobody else can be using it, so this
     # test (and only this test) removes its files, once the teardown check has seen it free.
     lock_roots.after(lambda: remove_lane_files(report["expected_lock_path"]))
+    seats_lane = report["expected_lock_path"].replace("~lanelock-duel.lock",
+                                                      "~lanelock-duel-seats.lock")
+    lock_roots.after(lambda: remove_lane_files(seats_lane))   # the seats step's own lane
     assert done.returncode == 0, report
     assert report["root_source"] == "default"
     assert report["expected_lock_path"].startswith(f"{default_root}/")
