@@ -81,30 +81,33 @@ def wait(store, handle, timeout: float | None, cancel=None) -> bool:
     checks it, as a single lock's wait), timeout passes or cancel is set (False). Each look tries
     every seat, then waits in the kernel on the seats that were held -- whichever frees first
     wakes it."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        busy = _round(store, handle)
-        if busy is True:
-            return True
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            return False
-        if not busy:
-            continue
-        opened = [_SeatFile(handle.dir_fd, seats.lock_name(handle.stem, seat)) for seat in busy]
-        got = None
-        try:
-            got = waiting.wait_any(opened, left, cancel)
-            if got is not None and _keep(store, handle, busy[got], opened[got]):
-                return True
-        finally:
-            _waited(opened, got)
-        if got is None:
-            return False
+    steps = _walk(store, handle, timeout)
+    try:
+        opened, left = next(steps)
+        while True:
+            opened, left = steps.send(waiting.wait_any(opened, left, cancel))
+    except StopIteration as done:
+        return done.value
+    finally:
+        steps.close()   # a wait that raised (or a cancelled task) closes its seat files now
 
 
 async def wait_async(store, handle, timeout: float | None) -> bool:
     """wait() for an asyncio task (no thread of its own while it waits)."""
+    steps = _walk(store, handle, timeout)
+    try:
+        opened, left = next(steps)
+        while True:
+            opened, left = steps.send(await waiting.wait_any_async(opened, left))
+    except StopIteration as done:
+        return done.value
+    finally:
+        steps.close()   # a wait that raised (or a cancelled task) closes its seat files now
+
+
+def _walk(store, handle, timeout: float | None):
+    """The seat wait's steps, for either driver: yields (the seat files to wait on, seconds
+    left) and is sent the index of the one got (None: timeout or cancel); returns the result."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         busy = _round(store, handle)
@@ -118,7 +121,7 @@ async def wait_async(store, handle, timeout: float | None) -> bool:
         opened = [_SeatFile(handle.dir_fd, seats.lock_name(handle.stem, seat)) for seat in busy]
         got = None
         try:
-            got = await waiting.wait_any_async(opened, left)
+            got = yield opened, left
             if got is not None and _keep(store, handle, busy[got], opened[got]):
                 return True
         finally:
