@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -41,6 +42,9 @@ needs_flock = pytest.mark.skipif(shutil.which("flock") is None,
                                  reason="flock(1) (util-linux) not found")
 TIMEOUT = 60.0          # no single process a test starts may run longer than this
 COLOUR_VARIABLES = ("NO_COLOR", "FORCE_COLOR", "CLICOLOR_FORCE")
+# Every process a test starts inherits this test's mark: the teardown check tells its lanes in a
+# shared root from those of other turns on the machine.
+TEST_MARK = "PYTEST_LANELOCK_MARK"
 
 # The held child: say so on stdout (the test reads it), then hold until the test writes a line or
 # closes our stdin; the line, if a number, is the exit status.
@@ -109,6 +113,7 @@ def isolated(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("LANELOCK_DIR", str(lock_dir))
     monkeypatch.setenv("LANELOCK_SYSTEM_CONFIG", str(tmp_path / "system-config.toml"))
     monkeypatch.setenv("LANELOCK_CONFIG", str(tmp_path / "user-config.toml"))
+    monkeypatch.setenv(TEST_MARK, f"{os.getpid()}-{uuid.uuid4().hex}")
     return lock_dir
 
 
@@ -235,9 +240,17 @@ class LockRoots:
         return sorted(found)
 
     def held(self) -> list[str]:
-        """What is left held: one line per lane."""
-        held = [f"{lock} (held by pid {flock_entries(lock)[0] or '?'})"
-                for lock in self.locks() if lane_held(lock) and not _another_workers(lock)]
+        """What is left held: one line per lane. In a shared root (the default one) a lane counts
+        only when this test holds it: a duel, another user's turn or another checkout's tests
+        there meanwhile are no test's error."""
+        shared = set(self.existing)
+        held = []
+        for lock in self.locks():
+            if not lane_held(lock):
+                continue
+            if lock.parent in shared and not _this_tests(lock):
+                continue
+            held.append(f"{lock} (held by pid {flock_entries(lock)[0] or '?'})")
         stores = set(self.stores)
         if os.environ.get("LANELOCK_STORE", "").startswith("postgres"):
             stores.add(os.environ["LANELOCK_STORE"])
@@ -256,24 +269,26 @@ class LockRoots:
                 cleanup()
 
 
-def _another_workers(lock: Path) -> bool:
-    """Under pytest-xdist the default root is shared by the workers running at once: a lane there
-    held only by processes of another worker (descendants of the controller, not of this worker)
-    is that worker's test's, checked at its own teardown. A holder no worker owns any more (an
-    orphan) counts here: it may be this test's."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return False
+def _this_tests(lock: Path) -> bool:
+    """Is a lane of a shared root held by this test? By this process (a leaked API turn), by one
+    of its descendants, or by a process that carries this test's mark in its environment (one
+    that left the tree: a daemon, an orphan). Another worker's or another suite's holder carries
+    another mark or none. A holder let go between the lock attempt and this look is nobody's."""
     holders = flock_entries(lock)[0]
-    if not holders:   # let go between the lock attempt and this look: nobody's now
-        return not lane_held(lock)
+    if not holders:
+        return lane_held(lock)
     for pid in holders:
+        if pid == os.getpid():
+            return True
         try:
-            ancestors = {parent.pid for parent in psutil.Process(pid).parents()}
+            process = psutil.Process(pid)
+            if os.getpid() in {parent.pid for parent in process.parents()}:
+                return True
+            if process.environ().get(TEST_MARK) == os.environ.get(TEST_MARK):
+                return True
         except psutil.Error:
-            return False
-        if os.getpid() in ancestors or os.getppid() not in ancestors:
-            return False
-    return True
+            continue
+    return False
 
 
 def store_holders(dsn: str) -> list[int]:

@@ -9,6 +9,7 @@ skip, and without Debian's postgresql package so does reachable_server.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -20,9 +21,30 @@ from conftest import LANELOCK, TIMEOUT
 from support import pg_server
 from support.engine import Engine
 
-# One /24 per pytest-xdist worker (10.213.77.0/24 for the first, or without xdist): two workers'
-# namespaces on one address would send each other's packets to the wrong link.
-NET = f"10.213.{77 + int(os.environ.get('PYTEST_XDIST_WORKER', 'gw0')[2:] or 0)}"
+
+
+def _claim_net() -> str:
+    """One /24 per test process on this machine, held by a flock for the process's life: two
+    processes' namespaces on one address (two xdist workers, or two checkouts' suites at once)
+    would send each other's packets to the wrong link. The kernel lets the claim go at exit."""
+    for third in range(77, 255):
+        path = f"/tmp/lanelock-tests-net-10.213.{third}.lock"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        _CLAIMS.append(fd)   # kept open: the claim lasts as long as this process
+        return f"10.213.{third}"
+    raise RuntimeError("no free 10.213.X.0/24 for test namespaces")
+
+
+_CLAIMS: list[int] = []
+NET = _claim_net()
 ENGINE_IP = f"{NET}.1"   # the engine box's address on the first host's link
 
 
