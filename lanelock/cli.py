@@ -494,7 +494,8 @@ def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fa
     """Serve the lane to HTTP clients: a loopback proxy that holds the lane per generation request.
 
     Point a client's base URL at it (http://127.0.0.1:8089/v1). A busy lane sends the request to
-    --fallback, or answers 503 with Retry-After. Needs: pip install 'lanelock[proxy]'.
+    --fallback, or answers 503 with Retry-After. Needs aiohttp: pip install '.[proxy]' in
+    lanelock's checkout.
     """
     import asyncio
 
@@ -505,7 +506,8 @@ def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fa
     try:
         import aiohttp  # noqa: F401
     except ImportError:
-        raise click.UsageError("the proxy needs aiohttp: pip install 'lanelock[proxy]'") from None
+        raise click.UsageError("the proxy needs aiohttp: pip install '.[proxy]' in lanelock's "
+                               "checkout (or pip install aiohttp)") from None
     from .proxy.app import ProxyOptions
     from .proxy.fallbacks import parse_fallback
     from .proxy.serve import build, serve

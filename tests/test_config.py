@@ -166,7 +166,7 @@ def test_config_path(lanelock, config_files):
                     "user": {"path": str(user), "exists": False}}
 
 
-# Every read command's --json keys: documented in README, stable.
+# Every read command's --json keys: documented in docs/json.md, stable.
 READ_COMMANDS = {
     ("where",): {"lane", "backend", "scope", "gated", "store", "root", "root_source", "root_detail",
                  "lock_path", "sidecar_path", "journal_path", "config_files", "warnings"},
@@ -185,9 +185,9 @@ def test_json_keys_are_stable_and_documented(lanelock, command):
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert READ_COMMANDS[command] <= set(data)
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "json.md").read_text()
     for key in READ_COMMANDS[command]:
-        assert f"`{key}`" in readme, f"{key} of {' '.join(command)} --json is not in README.md"
+        assert f"`{key}`" in readme, f"{key} of {' '.join(command)} --json is not in docs/json.md"
     if command == ("status",):
         lane_keys = {"lane", "lock_path", "state", "verdict", "message", "holders", "waiters",
                      "kernel_source", "holder", "last", "sidecar_problem", "exists", "sidecar_path"}

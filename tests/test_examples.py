@@ -1,5 +1,5 @@
-"""Every code block of README.md and of the man page's EXAMPLES runs here, and does what the text
-around it says.
+"""Every code block of README.md, of the reference pages in docs/ and of the man page's EXAMPLES
+runs here (or in the test KNOWN names), and does what the text around it says.
 
 KNOWN (support/doc_blocks.py) lists each block once: the test that runs it, or why it cannot run
 here. A block that is in neither (a new one, or one edited past recognition) fails
@@ -8,8 +8,9 @@ from what is tested.
 
 The commands the examples name (llm, summarise, job, ask-local.sh…) are stand-ins: tiny scripts
 that record that they ran, with LANELOCK_STATE and their arguments. /usr/local/bin/lanelock is
-the console script next to this Python (what the user installed); other /usr/local/bin/NAME paths
-are stand-ins. A busy lane is the conftest holder on another spelling of the same backend.
+the console script next to this Python (what the user installed), and so is the venv's
+/opt/lanelock/.venv/bin/lanelock the examples make for cron and services; other /usr/local/bin/NAME
+paths are stand-ins. A busy lane is the conftest holder on another spelling of the same backend.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ from pathlib import Path
 import pytest
 
 from conftest import TIMEOUT, environ, is_queued, is_waiting, read_line, wait_for
-from support.doc_blocks import KNOWN, MAN, NOT_RUN_INLINE, README, all_blocks, block, man_blocks
+from support.doc_blocks import (KNOWN, MAN, NOT_RUN_INLINE, README, TOP, all_blocks, block,
+                                 man_blocks)
 from support.ports import free_port
 from support.prometheus import tool
 
-TOP = Path(__file__).resolve().parent.parent
 SCRIPT = Path(sys.executable).parent / "lanelock"      # the console script users run
 CRON_PATH = "/usr/bin:/bin"                              # cron's PATH
 BUSY_LINE = re.compile(r"^lanelock: local_backend_busy: .*$", re.M)
@@ -66,9 +67,8 @@ def test_every_block_is_run_or_listed():
 
 
 def test_what_is_not_run_is_still_there():
-    readme = README.read_text()
-    for snippet, reason in NOT_RUN_INLINE.items():
-        assert snippet in readme, f"gone from README.md (not run: {reason}): {snippet}"
+    for (name, snippet), reason in NOT_RUN_INLINE.items():
+        assert snippet in (TOP / name).read_text(), f"gone from {name} (not run: {reason}): {snippet}"
 
 
 @pytest.mark.skipif(shutil.which("groff") is None, reason="groff is not installed")
@@ -138,7 +138,8 @@ def standins(tmp_path) -> StandIns:
 def localize(text: str, standins: StandIns) -> str:
     """Absolute paths of the examples made real: lanelock is the installed console script, any
     other /usr/local/bin/NAME a stand-in (made if the test has not made it)."""
-    text = re.sub(r"\$\(command -v lanelock\)|/usr/local/bin/lanelock\b", "\0", text)
+    text = re.sub(r"\$\(command -v lanelock\)|/usr/local/bin/lanelock\b|/opt/lanelock/\.venv/bin/"
+                  r"lanelock\b", "\0", text)
 
     def standin(match):
         path = standins.bin / match.group(1)

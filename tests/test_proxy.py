@@ -33,7 +33,7 @@ pytest.importorskip("aiohttp")
 
 PYTHON = sys.executable
 needs_curl = pytest.mark.skipif(shutil.which("curl") is None, reason="curl not found")
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parent.parent / "docs" / "proxy.md"   # the proxy's page
 
 
 # -- 1. streaming is relayed live ---------------------------------------------------------------

@@ -27,7 +27,7 @@ with Gate("127.0.0.1:8080").turn(session="stopped") as turn:
 
 def test_the_stop_points_are_the_documented_steps():
     assert stops.STEPS == ("before-acquire", "after-acquire", "during-release")
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "running.md").read_text()
     man = (ROOT / "man" / "lanelock.1").read_text()
     for step in stops.STEPS:
         assert f"`{step}`" in readme, step

@@ -1,4 +1,4 @@
-"""The threat model (README "Several users", man page THREAT MODEL): another local user may hold
+"""The threat model (docs/threat-model.md, man page THREAT MODEL): another local user may hold
 a shared lane, never split it unseen, switch the gate off for everyone, or make lanelock write
 through a link. Real processes under two throwaway users made here (useradd) and removed after.
 
@@ -507,14 +507,13 @@ def test_status_all_looks_at_a_bounded_number_of_engines_on_this_machine_only(lo
 
 # -- the threat model is written where users read -------------------------------------------------
 def test_the_threat_model_is_in_the_readme_and_the_man_page():
-    """README "Several users" and the man page's THREAT MODEL say who is trusted with what and
+    """docs/threat-model.md and the man page's THREAT MODEL say who is trusted with what and
     what another user can never make lanelock do, the same four things in both."""
     from pathlib import Path
 
     top = Path(__file__).resolve().parent.parent
-    readme = (top / "README.md").read_text()
+    section = (top / "docs" / "threat-model.md").read_text()
     man = (top / "man" / "lanelock.1").read_text()
-    section = readme.split("## Several users", 1)[1].split("\n## ", 1)[0]
     manual = man.split(".SH THREAT MODEL", 1)[1].split("\n.SH ", 1)[0]
     for text in (" ".join(section.split()), " ".join(manual.split())):   # lines joined
         assert "not with your files or your terminal" in text

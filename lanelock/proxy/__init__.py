@@ -3,7 +3,8 @@
 Long-lived HTTP clients (agent gateways, chat front ends, coding agents) talk to the proxy as their
 base URL. Each generation request takes the same lane as `lanelock run` and Gate.turn() (same lock,
 same store, same records) while the engine answers; a busy lane sends it to the fallback or answers
-503. Needs `pip install 'lanelock[proxy]'` (aiohttp); nothing here is imported by `lanelock run`.
+503. Needs aiohttp (`pip install '.[proxy]'` in lanelock's checkout); nothing here is imported by
+`lanelock run`.
 
 - routes.py          which requests hold the lane;
 - dialects.py        the API families: where session and model live, busy and error answers;
