@@ -187,7 +187,7 @@ def test_the_start_line_says_two_seats_and_pinning_and_v_names_seat_and_slot(pro
     status_of(proxy)   # a status poll: not logged
     status, headers, _ = request(proxy.port, "POST", CHAT, chat_body(),
                                  headers={"X-Lanelock-Session": "one"})
-    assert (status, headers["X-Lanelock-Seat"]) == (200, "1")
+    assert (status, headers["X-Lanelock-Seat"], headers["X-Lanelock-Slot"]) == (200, "1", "0")
     line = proxy.said("[one] POST").splitlines()[-1]
     assert f"[one] POST {CHAT} 200 held on seat 1, slot 0 (waited " in line, line
     assert "/lanelock/status" not in proxy.log()

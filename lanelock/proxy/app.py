@@ -36,7 +36,7 @@ from .logs import Incidents
 from .lost import REASON_LOST, Cut, LaneLost, ProxyWords, unwatch
 from .client_process import ClientProcess
 from .per_lane import Lanes
-from .proxied import CUT, REASON, SEAT, STATE, Timing
+from .proxied import CUT, REASON, SEAT, SLOT, STATE, Timing
 from .relay import Unreachable, error_response, relay, request_headers
 from .routes import Routes
 from .traffic import PROXIED, InFlight
@@ -253,10 +253,12 @@ class Proxy:
         on = proxied.seat = _seat_of(turn)
         seat = {SEAT: str(on)} if on is not None else {}
         body = await self._pinned(proxied, on)
+        slot = {SLOT: str(proxied.slot)} if proxied.slot is not None else {}
         watch, cut = self._watch(turn, proxied)
         try:
             return await relay(upstream, proxied, self.backend_url + proxied.target,
-                               body, forwarded, {STATE: turn.state, **seat, **fence, **applied},
+                               body, forwarded, {STATE: turn.state, **seat, **slot, **fence,
+                                                 **applied},
                                cut=cut, ending=ending if turn.state == HELD and not turn.nested
                                else None)
         except Unreachable as error:
@@ -273,10 +275,12 @@ class Proxy:
         names the seat's slot (pinning.py); every other request's as it came."""
         if self.pinning is None or seat is None or not pinning.pinned_path(proxied.path):
             return proxied.body
-        slot = proxied.slot = await self.pinning.slot_of(seat, self.witness)
-        if slot is None:
+        slot = await self.pinning.slot_of(seat, self.witness)
+        pinned = None if slot is None else pinning.with_slot(proxied.body, proxied.fields, slot)
+        if pinned is None:
             return proxied.body
-        return pinning.with_slot(proxied.body, proxied.fields, slot) or proxied.body
+        proxied.slot = slot   # the answer's X-Lanelock-Slot and the -v line say it
+        return pinned
 
     def _watch(self, turn, proxied) -> tuple:
         """(the lane watch, its cut) of a request that holds a lane its store can take away

@@ -19,6 +19,7 @@ from ..gate import HELD
 STATE = "X-Lanelock-State"
 REASON = "X-Lanelock-Reason"
 SEAT = "X-Lanelock-Seat"     # the seat a held request holds (1 on a lane of one seat)
+SLOT = "X-Lanelock-Slot"     # the engine slot a pinned request was sent to (--pin-slots)
 
 # How an answer that did not reach its end ended (the turn's release says it: never "cleanly").
 CUT = {"engine": "the engine cut the answer", "client": "the client hung up mid-answer",
