@@ -183,7 +183,7 @@ def _texts(check_one):
         for one in values:
             problem = _text(one) or check_one(one)
             if problem:
-                return f"{str(one)[:80]!r}: {problem}"
+                return f"{problem}; not {str(one)[:80]!r}"
         return None
     return check
 
