@@ -19,7 +19,8 @@ from ..errors import UsageProblem
 # Settings a running proxy cannot change: the socket, the lane and the gate it was built on, its
 # witness's thread and the listener's limits. A reload that changes one says so; a restart applies
 # it.
-AT_RESTART = ("proxy_listen", "backend", "key_by", "store", "lock_dir", "proxy_token_env",
+AT_RESTART = ("proxy_listen", "backend", "key_by", "store", "lock_dir", "priority_aging",
+              "proxy_token_env",
               "proxy_witness", "proxy_engine", "proxy_witness_interval",
               "proxy_max_connections", "proxy_header_timeout", "proxy_idle_timeout")
 
@@ -39,8 +40,8 @@ class Configured:
 
         rows = {}
         for setting in table.TABLE:
-            if setting.name.startswith("proxy_") or setting.name in ("backend", "key_by",
-                                                                    "store", "priority_aging"):
+            if setting.name.startswith("proxy_") or setting.name in (
+                    "backend", "key_by", "store", "lock_dir", "priority_aging"):
                 value, source = self.settings.lookup(setting.name)
                 rows[setting.name] = {"value": _public(setting.name, value), "source": source}
         return rows
