@@ -65,7 +65,7 @@ def test_the_fallback_from_the_config_file_answers_a_busy_request(procs, holder,
 def test_the_proxys_settings_in_status_never_say_a_secret(procs, config_files):
     engine = Engine(procs)
     _, user = config_files
-    user.write_text('proxy_fallback = ["https://me:hunter2@api.example.com/v1"]\n'
+    user.write_text('proxy_fallback = ["https://me:hunter2@api.example.com/v1?key=hunter2"]\n'
                     'proxy_fallback_key_env = ["CLOUD_KEY"]\nproxy_token_env = "PROXY_TOKEN"\n')
     proxy = Proxy(procs, engine.backend, env={"CLOUD_KEY": "sk-secret-1", "PROXY_TOKEN": "tok-2"})
     status, _, body = request(proxy.port, "GET", "/lanelock/status",

@@ -136,7 +136,8 @@ def _from(settings, name: str, problem: str) -> str:
 
 
 def _public(name: str, value):
-    """A setting's value as /lanelock/status may show it: a URL without its user and password."""
+    """A setting's value as /lanelock/status may show it: a URL without its user and password,
+    nor its query (a store's ?password=, a key in a query string)."""
     if name == "proxy_fallback" and isinstance(value, list):
         return [_no_userinfo(text) for text in value]
     if name in ("proxy_engine", "backend", "store") and isinstance(value, str):
@@ -149,4 +150,4 @@ def _no_userinfo(text: str) -> str:
     if not sep:
         return text
     authority, slash, path = rest.partition("/")
-    return f"{head}://{authority.rpartition('@')[2]}{slash}{path}"
+    return f"{head}://{authority.rpartition('@')[2]}{slash}{path.partition('?')[0]}"
