@@ -71,13 +71,19 @@ def setting_option(name: str):
                       flag_value=float("inf"))
     elif kind == "exit":
         kwargs["type"] = click.IntRange(0, 255)
+    elif kind == "interval":
+        kwargs["type"] = Interval(setting.flags[0], setting.most)
+    elif kind == "count":
+        kwargs["type"] = click.IntRange(1, setting.most)
+    elif kind == "multiple":   # () when not given: the files' list, then the default
+        kwargs.update(multiple=True, default=())
     if name == "backend":
         kwargs["shell_complete"] = complete_backend
     if kind == "gate":
         return click.option("--gate/--no-gate", "gate", **kwargs)
-    if kind == "switch":   # --NAME/--no-NAME; None: the setting's own value
+    if kind == "switch":   # --NAME/--no-NAME (and its short flag); None: the setting's own value
         flag = setting.flags[0]
-        return click.option(f"{flag}/--no-{flag[2:]}", name, **kwargs)
+        return click.option(f"{flag}/--no-{flag[2:]}", *setting.flags[1:], name, **kwargs)
     return click.option(*setting.flags, name, **kwargs)
 
 
@@ -429,126 +435,47 @@ def watch(backend, lock_dir, model, key_by, store, engine, interval, quiet):
     return run_watch(place, _engine_url(place, engine), interval, Say(quiet))
 
 
+# `lanelock proxy`'s options: every one a setting (proxy_OPTION in a config file), in this order.
+PROXY_OPTIONS = ("proxy_listen", "backend", "proxy_fallback", "proxy_fallback_model",
+                 "proxy_fallback_key_env", "proxy_fallback_timeout", "proxy_fallback_pass_auth",
+                 "proxy_wait", "proxy_max_wait", "proxy_priority", "proxy_max_priority",
+                 "proxy_linger", "proxy_session_header", "proxy_pin_slots", "proxy_token_env",
+                 "key_by", "store", "lock_dir", "proxy_witness", "proxy_engine",
+                 "proxy_witness_interval", "proxy_max_connections", "proxy_header_timeout",
+                 "proxy_idle_timeout", "proxy_quiet", "proxy_verbose")
+
+
+def proxy_options(function):
+    for name in reversed(PROXY_OPTIONS):
+        function = setting_option(name)(function)
+    return function
+
+
 @cli.command(context_settings=CONTEXT)
-@setting_option("proxy_listen")
-@setting_option("backend")
-@click.option("--fallback", "fallbacks", metavar="[KIND=]URL", multiple=True,
-              help="Where a busy lane's requests go: a base URL of an API of KIND (openai, the "
-                   "default: https://api.example.com/v1; anthropic: https://api.anthropic.com), "
-                   "serving that dialect's requests, or @HOST:PORT for another local engine on "
-                   "its own lane (every dialect); repeatable, tried in order.")
-@click.option("--fallback-model", metavar="[KIND=]NAME", multiple=True,
-              help="The model a URL fallback (of KIND, or every kind) is asked for (replaces the "
-                   "request's model); repeatable.")
-@click.option("--fallback-key-env", metavar="[KIND=]VAR", multiple=True,
-              help="Environment variable holding the API key of the URL fallbacks (of KIND, or "
-                   "every kind): sent as 'Authorization: Bearer' to openai, 'x-api-key' to "
-                   "anthropic; never logged; repeatable.")
-@click.option("--fallback-timeout", metavar="SECONDS", type=Interval("--fallback-timeout", None),
-              default=60.0, show_default=True,
-              help="A fallback that has not answered (status and headers) within this long is "
-                   "skipped and the next one tried.")
-@click.option("--fallback-pass-auth", "fallback_pass_auth", is_flag=True,
-              help="Send a URL fallback with no key of its own the client's credentials "
-                   "(Authorization, Cookie, X-Api-Key, api-key); by default they never leave "
-                   "the box.")
-@setting_option("proxy_wait")
-@setting_option("proxy_max_wait")
-@setting_option("proxy_priority")
-@click.option("--max-priority", type=click.Choice(list(SPELLED), case_sensitive=False),
-              default="interactive", show_default=True,
-              help="The highest class a request's X-Lanelock-Priority header may claim.")
-@setting_option("proxy_linger")
-@setting_option("proxy_session_header")
-@setting_option("proxy_pin_slots")
-@click.option("--token-env", metavar="VAR", default=None,
-              help="Require 'Authorization: Bearer $VAR' on every request (needed to listen "
-                   "beyond loopback).")
-@setting_option("key_by")
-@setting_option("store")
-@setting_option("lock_dir")
-@click.option("--no-witness", "no_witness", is_flag=True,
-              help="Do not witness the engine (by default the proxy reads its account and says "
-                   "when a generation no turn covered runs on it; see `lanelock watch`).")
-@click.option("--engine", metavar="URL", default=None,
-              help="The engine's base URL for the witness (default: the backend's).")
-@click.option("--witness-interval", metavar="SECONDS", type=Interval("--witness-interval"),
-              default=0.25, show_default=True, help="Seconds between the witness's looks.")
-@click.option("--max-connections", metavar="N", type=click.IntRange(1, 1 << 20), default=1024,
-              show_default=True,
-              help="Connections at once (fewer if the fd limit allows fewer); more wait in the "
-                   "listen backlog, and idle ones are closed to make room.")
-@click.option("--header-timeout", metavar="SECONDS", type=Interval("--header-timeout", 30),
-              default=10.0, show_default=True,
-              help="Close a connection that has not sent a complete request header by then.")
-@click.option("--idle-timeout", metavar="SECONDS", type=Interval("--idle-timeout", None),
-              default=15.0, show_default=True,
-              help="Close a keep-alive connection idle this long.")
-@click.option("--quiet", "-q", is_flag=True, help="No notes or warnings from lanelock.")
-@click.option("--verbose", "-v", is_flag=True, help="One line per request.")
-def proxy(proxy_listen, backend, fallbacks, fallback_model, fallback_key_env, fallback_timeout,
-          fallback_pass_auth, proxy_wait, proxy_max_wait, proxy_priority, max_priority,
-          proxy_linger, proxy_session_header, proxy_pin_slots,
-          token_env, key_by, store, lock_dir, no_witness, engine, witness_interval, max_connections, header_timeout,
-          idle_timeout, quiet, verbose):
+@proxy_options
+def proxy(**flags):
     """Serve the lane to HTTP clients: a loopback proxy that holds the lane per generation request.
 
     Point a client's base URL at it (http://127.0.0.1:8089/v1). A busy lane sends the request to
-    --fallback, or answers 503 with Retry-After. Needs aiohttp: pip install '.[proxy]' in
-    lanelock's checkout.
+    --fallback, or answers 503 with Retry-After. Every option is also a config key (proxy_OPTION;
+    SIGHUP reads the files again). Needs aiohttp: pip install '.[proxy]' in lanelock's checkout.
     """
     import asyncio
 
     from .errors import UsageProblem
-    from .say import Say
-    from .settings import Settings
 
     try:
         import aiohttp  # noqa: F401
     except ImportError:
         raise click.UsageError("the proxy needs aiohttp: pip install '.[proxy]' in lanelock's "
                                "checkout (or pip install aiohttp)") from None
-    from .proxy.app import ProxyOptions
-    from .proxy.fallbacks import parse_fallback
-    from .proxy.serve import build, serve
+    from .proxy.serve import serve, start
 
-    say = Say(quiet)
-    settings = Settings({"backend": backend, "store": store, "lock_dir": lock_dir or None,
-                         "key_by": key_by,
-                         "proxy_wait": proxy_wait, "proxy_max_wait": proxy_max_wait,
-                         "proxy_priority": proxy_priority, "proxy_listen": proxy_listen,
-                         "proxy_linger": proxy_linger,
-                         "proxy_session_header": proxy_session_header,
-                         "proxy_pin_slots": proxy_pin_slots})
-    # With lanes keyed by model, each request's own model keys its lane (proxy/per_lane.py):
-    # a proxy started with no model of its own is no mistake, and says nothing of it.
-    gate = strict_gate(None, None, None, None, settings=settings, warn=say.warn,
-                       no_model_said=True)
+    # Not given: None, so the files' value counts (a repeatable option's (), an empty --lock-dir).
+    flags = {name: None if value in ((), "") else list(value) if isinstance(value, tuple)
+             else value for name, value in flags.items()}
     try:
-        entries = [parse_fallback(text) for text in fallbacks]
-    except ValueError as error:
-        raise click.UsageError(str(error)) from None
-
-    def seconds(name):   # None: for ever (a bare --wait, --max-wait)
-        value = settings.get(name)
-        return None if value == float("inf") else float(value or 0)
-
-    options = ProxyOptions(fallbacks=entries, fallback_model=list(fallback_model) or None,
-                           wait=seconds("proxy_wait"), max_wait=seconds("proxy_max_wait"),
-                           priority=settings.get("proxy_priority"),
-                           linger=float(settings.get("proxy_linger")),
-                           session_header=settings.get("proxy_session_header"),
-                           cheap_paths=settings.get("proxy_cheap_paths"), quiet=quiet,
-                           verbose=verbose, fallback_timeout=fallback_timeout,
-                           max_priority=max_priority, fallback_pass_auth=fallback_pass_auth,
-                           max_connections=max_connections, header_timeout=header_timeout,
-                           idle_timeout=idle_timeout,
-                           pin_slots=bool(settings.get("proxy_pin_slots")),
-                           witness=None if no_witness or not gate.gated else (
-                               _engine_url(gate, engine), witness_interval))
-    try:
-        app, host, port = build(gate, options, say, settings.get("proxy_listen"), token_env,
-                                fallback_key_env)
+        app, host, port, say = start(flags)
     except UsageProblem as error:
         raise click.UsageError(str(error)) from None
     return asyncio.run(serve(app, host, port, say))

@@ -360,12 +360,12 @@ def look(url: str, timeout: float = TIMEOUT, known: str | None = None) -> dict:
     there is nothing to read). known: the source its witness read (Engine.known)."""
     engine = Engine(url, timeout, known)
     result = {"url": engine.url, "kind": None, "generating": None, "slots": None,
-              "problem": None}
+              "problem": None, "answers": True}
     try:
         account = engine.sample()
         result.update(kind=engine.kind, generating=account.generating, slots=account.slots)
     except CannotWitness as error:
         result.update(kind=error.kind or engine.kind, problem=f"cannot witness: {error}")
     except Unreadable as error:
-        result.update(kind=engine.kind, problem=f"not answering: {error}")
+        result.update(kind=engine.kind, problem=f"not answering: {error}", answers=False)
     return result

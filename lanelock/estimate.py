@@ -19,15 +19,20 @@ RECENT = 3600.0   # seconds of the journal a typical hold is read from
 
 
 def until_lane(typical: float, held_for: float | None, waiters_ahead: int, seats: int = 1,
-               others: tuple = ()) -> int:
+               others: tuple = (), medians: tuple = ()) -> int:
     """Seconds until the lane likely comes to a place: the rest of the holder's typical hold
     (none once it has held longer, or with no holder: held_for None), then a typical hold per
     waiter ahead; at least 1. On a lane of several seats (others: how long each other holder
     has held), each waiter ahead takes the seat that frees first, and so does the place; while
-    more hold than the count (made smaller under them), the first to end free no seat."""
+    more hold than the count (made smaller under them), the first to end free no seat.
+    medians: each holder's own session's median hold (holder first, then others; None: none
+    known), which its rest never promises less than -- a lane's typical hold of short turns
+    said 2 s while the holder's session went on 5 s and more."""
     import heapq
 
-    frees = sorted(max(0.0, typical - held) for held in (held_for, *others) if held is not None)
+    own = list(medians) + [None] * (1 + len(others) - len(medians))
+    frees = sorted(max(0.0, max(typical, mine or 0.0) - held)
+                   for held, mine in zip((held_for, *others), own) if held is not None)
     frees = frees[max(0, len(frees) - seats):]    # those past the count free no seat
     frees = [0.0] * (seats - len(frees)) + frees   # seats free now
     heapq.heapify(frees)
@@ -50,6 +55,28 @@ def typical_hold(events: list[dict]) -> float | None:
                  and isinstance(event.get("duration"), (int, float))
                  and not isinstance(event.get("duration"), bool)]
     return median(durations[-KEPT:])
+
+
+def session_typical(events: list[dict]) -> dict:
+    """{session: the median of its last KEPT holds} from the journal's `released` events."""
+    durations: dict = {}
+    for event in events[-1000:]:
+        value = event.get("duration")
+        if event.get("event") == "released" and isinstance(value, (int, float)) \
+                and not isinstance(value, bool) and isinstance(event.get("session"), str):
+            durations.setdefault(event["session"], []).append(value)
+    return {session: median(values[-KEPT:]) for session, values in durations.items()}
+
+
+def holders_medians(store, lane, holders: list) -> tuple:
+    """Each holder's own session's median hold of the last hour (None where none is known or
+    the journal cannot be read), in the holders' order."""
+    try:
+        events, _ = store.events(lane, time.time() - RECENT)
+    except Exception:  # noqa: BLE001 - any store's failure; an estimate is a nicety
+        return ()
+    typical = session_typical(events)
+    return tuple(typical.get((one or {}).get("session")) for one in holders)
 
 
 def journal_typical(store, lane) -> float | None:

@@ -25,8 +25,30 @@ def sanitize(text: object, limit: int = 300) -> str:
     return clean if len(clean) <= limit else clean[:limit] + "…"
 
 
-def line(message: str, limit: int = 2000) -> None:
-    _write(f"lanelock: {sanitize(message, limit)}\n")
+def line(message: str, limit: int = 2000, stamped: bool = False) -> None:
+    """stamped: the time first, ISO 8601 with its zone (a service's log: stamp())."""
+    _write(f"{stamp() + ' ' if stamped else ''}lanelock: {sanitize(message, limit)}\n")
+
+
+def stamp() -> str:
+    """Now, as a log line starts: 2026-05-01T14:02:03.123+02:00."""
+    from datetime import datetime
+
+    return datetime.now().astimezone().isoformat(timespec="milliseconds")
+
+
+def journald_stamps() -> bool:
+    """Is stderr the journal's stream, which stamps every line itself? systemd names the stream
+    it connected in JOURNAL_STREAM=DEVICE:INODE (systemd.exec(5)); a child whose stderr goes
+    elsewhere inherits the variable, so the stream is compared, not only the name."""
+    device, sep, inode = os.environ.get("JOURNAL_STREAM", "").partition(":")
+    if not (sep and device.isdigit() and inode.isdigit()):
+        return False
+    try:
+        found = os.fstat(2)
+    except OSError:
+        return False
+    return (found.st_dev, found.st_ino) == (int(device), int(inode))
 
 
 def usage_help(text: str) -> None:
@@ -54,18 +76,19 @@ def warn(message: str) -> None:
 
 
 class Say:
-    """The lines of one command: notes and warnings obey -q; errors always print."""
+    """The lines of one command: notes and warnings obey -q; errors always print. stamped: each
+    line starts with its time (a service's: the proxy's, unless journald stamps them)."""
 
-    def __init__(self, quiet: bool = False):
-        self.quiet = quiet
+    def __init__(self, quiet: bool = False, stamped: bool = False):
+        self.quiet, self.stamped = quiet, stamped
 
     def note(self, message: str) -> None:
         if not self.quiet:
-            line(message)
+            line(message, stamped=self.stamped)
 
     def warn(self, message: str) -> None:
         if not self.quiet:
-            warn(message)
+            line(f"warning: {message}", stamped=self.stamped)
 
     def error(self, message: str) -> None:
-        error(message)
+        line(message, stamped=self.stamped)

@@ -20,16 +20,16 @@ from __future__ import annotations
 import os
 
 from . import config as config_files
-from . import duration, exitcodes
+from . import exitcodes
 from .lanes import DEFAULT_BACKEND
 
 
 class Setting:
     __slots__ = ("name", "flags", "kind", "env", "default", "check", "help", "metavar", "shown",
-                 "read", "safe")
+                 "read", "safe", "most")
 
     def __init__(self, name, *, flags=(), kind="text", env=None, default=None, check=None,
-                 help="", metavar=None, shown=None, read=None, safe=True):
+                 help="", metavar=None, shown=None, read=None, safe=True, most=None):
         self.name = name
         self.flags = flags        # ("--backend", "-b"): the first is the long name
         self.kind = kind          # how a flag's text is read: see run/args.py
@@ -41,154 +41,15 @@ class Setting:
         self.shown = shown        # what `config show` says of a default that is computed
         self.read = read          # value -> the value it means (one spelling), from any source
         self.safe = safe          # a bad value from env or file falls to the default (module doc)
+        self.most = most          # the upper bound of an interval or a count (None: none)
 
 
-# -- checks: value -> None when valid, else the reason -------------------------------------------
-def _text(value) -> str | None:
-    if isinstance(value, str) and 0 < len(value) <= 4096 and "\x00" not in value:
-        return None
-    return "a non-empty string of at most 4096 characters"
-
-
-def relative_root(shown: str, value: str) -> str:
-    """Why a relative lock root is refused (LANELOCK_DIR=locks would be one gate per working
-    directory, each turn alone in its own)."""
-    why = f"{shown} is relative: the lock root must be an absolute path (one gate for every " \
-          "working directory)"
-    if value.startswith("~"):
-        why += "; ~ is not expanded (a root that followed HOME would be one gate per user)"
-    return why
-
-
-def _lock_dir(value) -> str | None:
-    if _text(value):
-        return f"{str(value)[:80]!r} is not a path: the lock root must be an absolute path"
-    return None if value.startswith("/") else relative_root(repr(value[:80]), value)
-
-
-def _seconds(value) -> str | None:
-    value = _seconds_read(value)
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 86400 * 365:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-        return "a number of seconds, not negative"
-    return f"a duration from 0 to one year: {duration.EXAMPLES}"
-
-
-def _seconds_read(value):
-    """A duration written as text ('30s', '2m', '90') as seconds; anything else as it is."""
-    if isinstance(value, str):
-        number = duration.seconds(value)
-        return value if number is None else number
-    return value
-
-
-def _exit_code(value) -> str | None:
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 255:
-        return None
-    return "an exit status from 0 to 255"
-
-
-def _journal_bytes(value) -> str | None:
-    if isinstance(value, int) and not isinstance(value, bool) and 4096 <= value <= 1 << 34:
-        return None
-    return "a size in bytes from 4096 to 16 GiB"
-
-
-def _choice(*allowed):
-    def check(value) -> str | None:
-        return None if value in allowed else " or ".join(repr(word) for word in allowed)
-    return check
-
-
-def _backend(value) -> str | None:
-    problem = _text(value)
-    if problem:
-        return "HOST:PORT, [V6]:PORT or a URL"
-    from .lanes import BackendError, lane_for
-
-    try:
-        lane_for(value)
-    except BackendError as error:
-        return str(error)
-    return None
-
-
-def store_problem(value) -> str | None:
-    """Why a store URL is not one lanelock can use (None: it is). Only the form is judged here; a
-    well-formed store that cannot be reached fails open at the turn."""
-    if _text(value):
-        return "a postgresql:// URL"
-    scheme, sep, rest = value.partition("://")
-    if not sep or scheme.lower() not in ("postgresql", "postgres"):
-        shown = scheme if sep else value
-        return (f"unsupported lane store {shown[:40]!r}: only postgresql://USER@HOST/DB is "
-                "supported (leave it unset for the flock store under the lock root)")
-    if any(ch.isspace() for ch in value):
-        return "a store URL cannot contain white space"
-    return None
-
-
-def _chains(value) -> str | None:
-    message = "named fallback chains: [[chains.NAME]] with command = ... and optional backend = ..."
-    if not isinstance(value, dict):
-        return message
-    for entries in value.values():
-        if not isinstance(entries, list):
-            return message
-        for entry in entries:
-            if not isinstance(entry, dict) or set(entry) - {"backend", "command"}:
-                return message
-            command = entry.get("command")
-            if not (_text(command) is None or (isinstance(command, list) and command
-                                               and all(_text(word) is None for word in command))):
-                return message
-            if "backend" in entry and _backend(entry["backend"]):
-                return f"chain entry backend {entry['backend']!r}: {_backend(entry['backend'])}"
-    return None
-
-
-def _listen(value) -> str | None:
-    if _text(value):
-        return "HOST:PORT"
-    from .errors import UsageProblem
-    from .lanes import listen_address
-
-    try:
-        listen_address(value)
-    except UsageProblem as error:
-        return str(error)
-    return None
-
-
-def _header_name(value) -> str | None:
-    import re
-
-    if isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}", value):
-        return None
-    return "an HTTP header name"
-
-
-def _cheap_paths(value) -> str | None:
-    if isinstance(value, list) and all(
-            isinstance(path, str) and path.startswith("/") and len(path) < 512 for path in value):
-        return None
-    return "a list of paths, each starting with /"
-
-
-from .priority import CLASSES, DEFAULT_AGING, DEFAULT_CLASS, class_named  # noqa: E402 - a leaf
-
-
-def _switch(value) -> str | None:
-    return None if isinstance(value, bool) else "true or false"
-
-
-def _class(value) -> str | None:
-    return None if class_named(value) else " or ".join(repr(name) for name in CLASSES)
-
-
-def _class_read(value):
-    return class_named(value) or value   # a class in any case; anything else stays, to be refused
+from .priority import DEFAULT_AGING, DEFAULT_CLASS
+from .setting_checks import (  # noqa: F401 - relative_root, store_problem: read from here
+    relative_root, store_problem, _text, _lock_dir, _seconds, _seconds_read, _exit_code,
+    _journal_bytes, _choice, _backend, _chains, _listen, _header_name, _cheap_paths, _switch,
+    _class, _class_read, _interval, _count, _texts, _texts_read, _fallback, _no_check,
+    _env_name, _url, _clients, _clients_read)
 
 DEFAULT_LISTEN = "127.0.0.1:8089"
 # A minute: long enough for a client that can wait (a cron job, a batch) to outlast one
@@ -284,6 +145,64 @@ TABLE = (
                   "/v1/responses/input_tokens /api/show",
             help="Paths whose requests never hold the lane (cheap: no generation); every other "
                  "request but GET, HEAD and OPTIONS holds it. A list; replaces the default."),
+    Setting("proxy_fallback", flags=("--fallback",), kind="multiple",
+            check=_texts(_fallback), read=_texts_read, metavar="[KIND=]URL", shown="none",
+            help="Where a busy lane's requests go: a base URL of an API of KIND (openai, the "
+                 "default: https://api.example.com/v1; anthropic: https://api.anthropic.com), "
+                 "serving that dialect's requests, or @HOST:PORT for another local engine on "
+                 "its own lane (every dialect); repeatable, tried in order."),
+    Setting("proxy_fallback_model", flags=("--fallback-model",), kind="multiple",
+            check=_texts(_no_check), read=_texts_read, metavar="[KIND=]NAME", shown="none",
+            help="The model a URL fallback (of KIND, or every kind) is asked for (replaces the "
+                 "request's model); repeatable."),
+    Setting("proxy_fallback_key_env", flags=("--fallback-key-env",), kind="multiple",
+            check=_texts(_no_check), read=_texts_read, metavar="[KIND=]VAR", shown="none",
+            help="Environment variable holding the API key of the URL fallbacks (of KIND, or "
+                 "every kind): sent as 'Authorization: Bearer' to openai, 'x-api-key' to "
+                 "anthropic; never logged; repeatable."),
+    Setting("proxy_fallback_timeout", flags=("--fallback-timeout",), kind="interval", default=60,
+            check=_interval(None), read=_seconds_read, metavar="SECONDS",
+            help="A fallback that has not answered (status and headers) within this long is "
+                 "skipped and the next one tried."),
+    Setting("proxy_fallback_pass_auth", flags=("--fallback-pass-auth",), kind="switch",
+            default=False, check=_switch,
+            help="Send a URL fallback with no key of its own the client's credentials "
+                 "(Authorization, Cookie, X-Api-Key, api-key); by default they never leave "
+                 "the box."),
+    Setting("proxy_max_priority", flags=("--max-priority",), kind="priority",
+            default="interactive", check=_class, read=_class_read, metavar="CLASS",
+            help="The highest class a request's X-Lanelock-Priority header may claim."),
+    Setting("proxy_clients", check=_clients, read=_clients_read, shown="none",
+            help="Per-client defaults: [[proxy_clients]] session = GLOB and/or program = GLOB, "
+                 "with wait, priority, max_wait, max_priority; the first rule that matches a "
+                 "request applies."),
+    Setting("proxy_token_env", flags=("--token-env",), check=_env_name, metavar="VAR",
+            shown="none",
+            help="Require 'Authorization: Bearer $VAR' on every request (needed to listen "
+                 "beyond loopback)."),
+    Setting("proxy_witness", flags=("--witness",), kind="switch", default=True, check=_switch,
+            help="Witness the engine: read its account and say when a generation no turn "
+                 "covered runs on it (see `lanelock watch`); --no-witness: do not."),
+    Setting("proxy_engine", flags=("--engine",), check=_url, metavar="URL",
+            shown="the backend's", help="The engine's base URL for the witness (default: the "
+                                        "backend's)."),
+    Setting("proxy_witness_interval", flags=("--witness-interval",), kind="interval",
+            default=0.25, check=_interval(60), read=_seconds_read, metavar="SECONDS", most=60,
+            help="Seconds between the witness's looks."),
+    Setting("proxy_max_connections", flags=("--max-connections",), kind="count", default=1024,
+            check=_count(1 << 20), metavar="N", most=1 << 20,
+            help="Connections at once (fewer if the fd limit allows fewer); more wait in the "
+                 "listen backlog, and idle ones are closed to make room."),
+    Setting("proxy_header_timeout", flags=("--header-timeout",), kind="interval", default=10,
+            check=_interval(30), read=_seconds_read, metavar="SECONDS", most=30,
+            help="Close a connection that has not sent a complete request header by then."),
+    Setting("proxy_idle_timeout", flags=("--idle-timeout",), kind="interval", default=15,
+            check=_interval(None), read=_seconds_read, metavar="SECONDS",
+            help="Close a keep-alive connection idle this long."),
+    Setting("proxy_quiet", flags=("--quiet", "-q"), kind="switch", default=False, check=_switch,
+            help="No notes or warnings from lanelock."),
+    Setting("proxy_verbose", flags=("--verbose", "-v"), kind="switch", default=False,
+            check=_switch, help="One line per request."),
 )
 SETTINGS = {setting.name: setting for setting in TABLE}
 # The settings `lanelock run` takes as flags (run/args.py and the click command read this).

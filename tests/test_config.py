@@ -323,6 +323,15 @@ BAD_VALUES = {   # setting: (the file's bad value as TOML, the environment's bad
     "proxy_pin_slots": ('"yes"', None),
     "proxy_cheap_paths": ("3", None), "proxy_wait": ('"soon"', None),
     "proxy_max_wait": ('"later"', None), "proxy_priority": ('"bogus"', None),
+    "proxy_fallback": ('["ftp://x"]', None), "proxy_fallback_model": ("[3]", None),
+    "proxy_fallback_key_env": ("[]", None),
+    "proxy_fallback_timeout": ("0", None), "proxy_fallback_pass_auth": ('"no"', None),
+    "proxy_max_priority": ('"top"', None), "proxy_clients": ('[{match = "llm"}]', None),
+    "proxy_token_env": ('"A B"', None), "proxy_witness": ("1", None),
+    "proxy_engine": ('"ftp://e"', None), "proxy_witness_interval": ("61", None),
+    "proxy_max_connections": ("0", None), "proxy_header_timeout": ("31", None),
+    "proxy_idle_timeout": ('"never"', None), "proxy_quiet": ('"yes"', None),
+    "proxy_verbose": ("2", None),
 }
 
 

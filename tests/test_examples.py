@@ -636,9 +636,9 @@ def test_proxy_recipe(procs, tmp_path):
     key_env = argv[argv.index("--fallback-key-env") + 1]
     proxy = procs.start([SCRIPT, *argv[1:]], env=environ({key_env: "sk-test"}),
                         stderr=subprocess.PIPE)
-    line = read_line(proxy.stderr)
+    line = re.sub(r"^\S+ ", "", read_line(proxy.stderr))   # its time first
     assert line.strip() == (f"lanelock: proxy listening on http://{host}:{port} for "
-                            "http://127.0.0.1:8080 (lane localhost:8080)"), line
+                            "http://127.0.0.1:8080 (lane localhost:8080): 1 seat, not pinned"), line
     with urllib.request.urlopen(base.rsplit("/v1", 1)[0] + "/lanelock/status",
                                 timeout=TIMEOUT) as answer:
         lanes = json.loads(answer.read())["lanes"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import re
 import subprocess
 
 import pytest
@@ -251,7 +252,9 @@ def test_a_proxy_on_a_port_in_use_says_so_with_its_own_status(lanelock):
     finally:
         taken.close()
     assert result.returncode == 69, result
-    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in one_line(result)
+    # the proxy's own lines start with their time (a service's log)
+    line = re.sub(r"^\S+ (?=lanelock: )", "", result.stderr)
+    assert line == f"lanelock: cannot listen on 127.0.0.1:{port}: Address already in use\n", line
 
 
 # -- what `run --help` says of its options -----------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -90,7 +91,8 @@ def test_status_shows_the_queue_in_order(store, holder, procs, tmp_path, laneloc
     assert [entry["pid"] for entry in shown] == [waiters[1].pid, waiters[0].pid]
     assert all(entry["waited"] >= 0 for entry in shown)
     plain = lanelock("status", env=NO_AGING).stdout
-    assert "[2 waiting]\n  1. interactive pid " in plain   # a line per waiter, in order
+    # a line per waiter, in order (after the lane's line: its waiters, then its engine)
+    assert re.search(r"\[2 waiting\](; engine[^\n]*)?\n  1\. interactive pid ", plain), plain
     assert plain.index("session chat") < plain.index("session cron")
     assert first.release() == 0
     finished(waiters)

@@ -230,7 +230,7 @@ def test_the_verbose_line_names_the_session_and_the_fallback_that_answered(procs
     assert busy.release() == 0
     proxy.until(lambda log: log.count("proxy: [") == 2, "two request lines")
     lines = [line for line in proxy.stderr().splitlines() if "proxy: [" in line]
-    assert "proxy: [chat-1] POST /v1/chat/completions 200 held (" in lines[0], lines
+    assert "proxy: [chat-1] POST /v1/chat/completions 200 held on seat 1 (" in lines[0], lines
     assert f"proxy: [cron-2] POST /v1/chat/completions 200 deflected by fallback 1 {cloud.url}/v1 (" \
         in lines[1], lines
 

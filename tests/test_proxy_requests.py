@@ -335,7 +335,7 @@ def test_retry_after_counts_holds_not_the_time_requests_waited(procs, holder):
     assert second.release() == 0
     proxy.until(lambda log: log.count("] POST ") == 9, "nine request lines")
     lines = [line for line in proxy.stderr().splitlines() if "] POST " in line]   # [session]
-    times = [re.search(r" 200 held \(waited (\d+\.\d+)s, held (\d+\.\d+)s\)$", line)
+    times = [re.search(r" 200 held on seat 1 \(waited (\d+\.\d+)s, held (\d+\.\d+)s\)$", line)
              for line in lines[:8]]
     assert all(times), lines
     waited = [float(found.group(1)) for found in times]

@@ -17,7 +17,8 @@ import pytest
 from conftest import TIMEOUT, read_all, read_line, wait_for
 from support.engine import Engine
 from support.ports import free_port
-from support.proxy import CHAT, Proxy, chat_body, history, open_stream, read_until, request
+from support.proxy import (CHAT, Proxy, chat_body, history, open_stream, read_until, request,
+                           unstamped)
 
 pytest.importorskip("aiohttp")
 
@@ -89,7 +90,7 @@ def test_an_unreachable_fallback_is_said_once_per_incident_in_lanelocks_words(pr
                f"127.0.0.1:{gone}: connection refused" in body.decode()   # every client is told
     log = proxy.until(lambda text: text.count("still unreachable") == 2, "the third busy line")
     assert "ssl:default" not in log and "Cannot connect to host" not in log, log
-    warnings = [line for line in log.splitlines() if "unreachable:" in line]
+    warnings = [unstamped(line) for line in log.splitlines() if "unreachable:" in line]
     assert warnings == [f"lanelock: warning: fallback 1 http://127.0.0.1:{gone}/v1 unreachable: "
                         f"cannot connect to 127.0.0.1:{gone}: connection refused; trying the "
                         "next (said once: every request still tries it, and a line says when "

@@ -250,7 +250,7 @@ def test_the_readme_seated_views_block(lanelock, holder):
         args = words.replace("./ask-local.sh", "true").split()
         done = lanelock(*args)
         said = (done.stderr if args[0] == "run" else done.stdout).splitlines()[0]
-        said = said.split("; engine http")[0]   # a stand-in some other test runs on 8080
+        said = said.split("; engine")[0]   # nothing on 8080 here, or another test's stand-in
         assert _shape(shown).fullmatch(said), (shown, said)
 
 

@@ -265,7 +265,7 @@ def test_a_waiting_turn_is_shown_as_a_waiter(lanelock, holder, procs, lock_dir):
     assert [w["pid"] for w in lane["waiters"]] == [waiter.pid]
     assert lane["waiters"][0]["lanelock"] is True
     lines = status_lines(lanelock)   # the lane's line, then one line per waiter
-    assert lines[0].endswith(" [1 waiting]"), lines
+    assert lines[0].endswith(" [1 waiting]; engine: nothing answers on 127.0.0.1:8080"), lines
     assert re.fullmatch(rf"  1\. normal pid {waiter.pid} \(session [^)]+\), waited \d+\.\ds, no "
                         r"estimate of the lane \(no hold in the last hour to go by\)", lines[1]), \
         lines
@@ -631,7 +631,7 @@ def test_plain_status_gives_each_waiter_its_line_and_estimate(lanelock, holder, 
     waiters = queue_of(procs, lock_dir, ["batch", "normal", "interactive", "batch", "normal"])
     lane = one_lane(lanelock)
     lines = status_lines(lanelock)
-    assert len(lines) == 6 and lines[0].endswith(" [5 waiting]"), lines
+    assert len(lines) == 6 and " [5 waiting]; engine: " in lines[0], lines
     assert max(len(line) for line in lines[1:]) < 120, lines
     order = [row["pid"] for row in lane["queue"]]
     assert order == [waiters[index].pid for index in (2, 1, 4, 0, 3)]   # class, then arrival
@@ -720,3 +720,17 @@ def test_status_all_on_a_root_not_made_yet_says_so(lanelock, tmp_path):
     root.mkdir()
     done = lanelock("status", "--all", "--lock-dir", str(root))
     assert done.stdout == f"no lanes yet under the lock root {root}\n"
+
+
+def test_a_lane_whose_engine_does_not_answer_says_so(lanelock):
+    """`status -b 127.0.0.1:18439` on a wrong port said "free; no turn has used this lane yet",
+    exit 0, and no engine line: a typo looked like a quiet lane."""
+    from support.ports import free_port
+
+    port = free_port()
+    done = lanelock("status", "-b", f"127.0.0.1:{port}")
+    assert done.returncode == 0, done.stderr     # the lane's state is still what status judges
+    assert done.stdout == (f"localhost:{port}: free; no turn has used this lane yet; engine: "
+                           f"nothing answers on 127.0.0.1:{port}\n"), done.stdout
+    engine = json.loads(lanelock("status", "-b", f"127.0.0.1:{port}", "--json").stdout)
+    assert engine["lanes"][0]["engine"]["answers"] is False

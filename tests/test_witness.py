@@ -537,14 +537,15 @@ def test_status_history_and_metrics_show_an_unseen_generation(procs, lanelock, t
 
 
 def test_status_says_when_no_engine_answers(lanelock):
-    """In the JSON; the plain line leaves out an engine nobody runs or ever witnessed. Its
-    kind unknown, no endpoint is named (the first one detection asks is llama-swap's)."""
+    """In the JSON, and in the plain line: nothing answers there (a wrong port must not read as
+    a quiet lane). Its kind unknown, no endpoint is named (the first one detection asks is
+    llama-swap's)."""
     engine = engine_of(json_of, "127.0.0.1:1")
     assert engine["problem"].startswith("not answering: http://127.0.0.1:1: "), engine
     assert (engine["url"], engine["generating"], engine["unseen"], engine["witness"]) == \
         ("http://127.0.0.1:1", None, 0, None)
     plain = lanelock("status", "-b", "127.0.0.1:1").stdout
-    assert "engine" not in plain, plain
+    assert plain.endswith("; engine: nothing answers on 127.0.0.1:1\n"), plain
 
 
 def test_one_witness_per_lane_the_other_stands_by_and_takes_over(procs, tmp_path):

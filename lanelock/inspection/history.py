@@ -65,7 +65,10 @@ def from_events(events: list[dict], bad: int, now: float | None = None) -> dict:
     _mark_way_back(events)
     _mark_endings(events, time.time() if now is None else now)
     _mark_lost(events)
-    return {"events": events, "unreadable_lines": bad, "summary": summarise(events)}
+    from .usage import sessions
+
+    return {"events": events, "unreadable_lines": bad, "summary": summarise(events),
+            "sessions": sessions(events)}
 
 
 def _settle(events: list[dict]) -> list[dict]:
@@ -265,30 +268,49 @@ def timeline(events: list[dict]) -> list[tuple[str, list[str]]]:
     time shown (a turn whose end is unknown shows in the minute it began)."""
     if not events:
         return []
-    spans = holds(events) + [(e["ts"], e["ts"], e) for e in events
-                             if e["event"] == "acquired" and e.get("held") is None]
-    unseen = [(e["ts"], e["ts"] + (_number(e.get("duration")) or 0.0)) for e in events
-              if e["event"] == "unseen"]
+    spans, unseen = _spans(events)
     first_hour = int(events[0]["ts"] // 3600) * 3600
     last_hour = int(events[-1]["ts"] // 3600) * 3600
     rows = []
     for hour in range(first_hour, last_hour + 3600, 3600):
-        # Turns per minute and kind: a local turn counts in every minute it held the lane, a
-        # deflection in the minute it was sent away.
-        counts = [{LOCAL: 0, DEFLECTED: 0, BUSY: 0} for _ in range(60)]
-        for start, end, _ in spans:
-            for minute in _minutes(hour, start, end):
-                counts[minute][LOCAL] += 1
-        for event in events:
-            if event["event"] == "deflected" and hour <= event["ts"] < hour + 3600:
-                counts[int((event["ts"] - hour) // 60)][outcome(event)] += 1
-        cells = [_most(count) for count in counts]
-        _mark(cells, hour, unseen, UNSEEN)   # what nobody gated outranks all the gate did
         label = time.strftime("%Y-%m-%d %H:00 %Z", time.localtime(hour))
-        rows.append((label, cells))
+        rows.append((label, minute_cells(events, spans, unseen, hour)))
         if len(rows) >= 48:   # two days of bars is a glance; --since narrows it
             break
     return rows
+
+
+def last_hour(events: list[dict], now: float) -> tuple[float, list[str]]:
+    """(its first minute's start, 60 cells): the hour up to the current minute, as timeline()
+    draws each hour (the proxy's page)."""
+    start = (now // 60 + 1) * 60 - 3600
+    spans, unseen = _spans(events)
+    return start, minute_cells(events, spans, unseen, start)
+
+
+def _spans(events: list[dict]) -> tuple[list, list]:
+    """(the local turns' (start, end, event), the unseen generations' (start, end))."""
+    spans = holds(events) + [(e["ts"], e["ts"], e) for e in events
+                             if e["event"] == "acquired" and e.get("held") is None]
+    unseen = [(e["ts"], e["ts"] + (_number(e.get("duration")) or 0.0)) for e in events
+              if e["event"] == "unseen"]
+    return spans, unseen
+
+
+def minute_cells(events: list[dict], spans: list, unseen: list, start: float) -> list[str]:
+    """The 60 one-minute cells from start: turns per minute and kind -- a local turn counts in
+    every minute it held the lane, a deflection in the minute it was sent away -- each cell
+    what most of them were, and unseen over all (what nobody gated outranks all the gate did)."""
+    counts = [{LOCAL: 0, DEFLECTED: 0, BUSY: 0} for _ in range(60)]
+    for begin, end, _ in spans:
+        for minute in _minutes(start, begin, end):
+            counts[minute][LOCAL] += 1
+    for event in events:
+        if event["event"] == "deflected" and start <= event["ts"] < start + 3600:
+            counts[int((event["ts"] - start) // 60)][outcome(event)] += 1
+    cells = [_most(count) for count in counts]
+    _mark(cells, start, unseen, UNSEEN)
+    return cells
 
 
 def _most(count: dict) -> str:

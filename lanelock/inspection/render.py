@@ -149,13 +149,14 @@ def _status_lines(result: dict) -> str:
 
 def engine_words(engine: dict | None, quiet: bool = False) -> str | None:
     """'engine http://127.0.0.1:8080 (llama.cpp): 1 of 2 slots generating; unseen: ...'. quiet
-    (the plain line): nothing for an engine that does not answer and that no witness ever
-    watched -- a lane with no server behind it, which the JSON still says."""
+    (the plain line): an engine that refuses the connection and that no witness ever watched
+    is 'engine: nothing answers on HOST:PORT' -- a wrong port, or a server not started, must not
+    read as a quiet lane."""
     if not engine:
         return None
     if quiet and not engine.get("witness") and not engine.get("unseen") \
-            and (engine.get("problem") or "").startswith("not answering"):
-        return None
+            and "refused" in (engine.get("problem") or "").lower():
+        return f"engine: nothing answers on {_host_port(engine.get('url'))}"
     url = engine.get("url") or "?"
     if engine.get("problem"):
         now = f"engine {url}: {engine['problem']}"
@@ -177,6 +178,15 @@ def engine_words(engine: dict | None, quiet: bool = False) -> str | None:
     if count == 0 and witness:
         return f"{now}; unseen: none (witnessed by {witness.get('witness')} pid {witness.get('pid')})"
     return f"{now}; no witness has watched it (lanelock watch, or the proxy)"
+
+
+def _host_port(url: str | None) -> str:
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(url).netloc or str(url)
+    except (TypeError, ValueError):
+        return str(url)
 
 
 def _waiting(result: dict) -> int:

@@ -37,7 +37,7 @@ def add_estimates(status: dict, store, lane=None) -> None:
     one per waiter going first; a stopped waiter is passed over, and has none: null), and on the
     lane "typical_hold" (null when the journal knows no hold of the last hour: then no waiter
     has an estimate)."""
-    from ..estimate import journal_typical, until_lane
+    from ..estimate import holders_medians, journal_typical, until_lane
     from ..lanes import BackendError, lane_named
 
     if lane is None or lane.name != status["lane"]:
@@ -50,8 +50,12 @@ def add_estimates(status: dict, store, lane=None) -> None:
     holder = status.get("holder") or {}
     held_for = (holder.get("held_for") or 0.0) if status["state"] == "held" else None
     # A lane of seats: how long each other seat's holder has held, for the seat freed first.
-    others = tuple((seat.get("holder") or {}).get("held_for") or 0.0
-                   for seat in status.get("by_seat") or () if seat.get("state") == "held")[1:]
+    seated = [seat.get("holder") or {} for seat in status.get("by_seat") or ()
+              if seat.get("state") == "held"]
+    others = tuple(one.get("held_for") or 0.0 for one in seated)[1:]
+    # Never less than each holder's own session's median hold (the proxy's Retry-After's rule).
+    medians = holders_medians(store, lane, [holder, *seated[1:]]) \
+        if lane is not None and held_for is not None else ()
     rows, going_first = [], 0
     for row in status["queue"]:
         row = dict(row)
@@ -59,7 +63,7 @@ def add_estimates(status: dict, store, lane=None) -> None:
         if not row.get("stopped"):
             if typical is not None:
                 row["estimate"] = until_lane(typical, held_for, going_first,
-                                             status.get("seats") or 1, others)
+                                             status.get("seats") or 1, others, medians)
             going_first += 1
         rows.append(row)
     status["queue"] = rows
@@ -122,10 +126,10 @@ def engine_status(facts, counts: dict, lane=None, looks: list | None = None) -> 
         unasked = _unasked(url, looks) if listing else None
     if unasked is not None:
         found = {"url": url, "kind": None, "generating": None, "slots": None,
-                 "problem": f"not looked at: {unasked}"}
+                 "problem": f"not looked at: {unasked}", "answers": None}
     elif url is None:
         found = {"url": None, "kind": None, "generating": None, "slots": None,
-                 "problem": "on another machine: its witness reports here"}
+                 "problem": "on another machine: its witness reports here", "answers": None}
     else:   # named by the endpoint its witness read, should it not answer
         found = engine.look(url, known=watched.get("source") if watched.get("url") == url
                             else None)

@@ -27,5 +27,10 @@ same store, same records) while the engine answers; a busy lane sends it to the 
 - traffic.py         the in-flight count and the -v line (middleware);
 - listener.py        the listening socket: connections capped, slow and idle ones closed;
 - logs.py            trouble said once per incident (aiohttp's and asyncio's lines too);
-- serve.py           listening, security checks, the app, signals and shutdown.
+- serve.py           listening, security checks, the app, signals and shutdown;
+- configured.py      its options from the settings table (proxy_OPTION in a config file);
+- reload.py          SIGHUP: the config files read again, for the next request;
+- clients.py         waits and classes per client ([[proxy_clients]]);
+- own.py             its own routes: status (state.py), health (health.py), metrics, the page
+                     (page.py and page/: HTML, script and style served by the proxy itself).
 """

@@ -17,7 +17,6 @@ Never logged: Authorization headers, bodies, the fallback key.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 from aiohttp import ClientSession, web
@@ -37,7 +36,7 @@ from .logs import Incidents
 from .lost import REASON_LOST, Cut, LaneLost, ProxyWords, unwatch
 from .client_process import ClientProcess
 from .per_lane import Lanes
-from .proxied import CUT, REASON, SEAT, STATE, Timing
+from .proxied import CUT, REASON, SEAT, SLOT, STATE, Timing
 from .relay import Unreachable, error_response, relay, request_headers
 from .routes import Routes
 from .traffic import PROXIED, InFlight
@@ -63,7 +62,7 @@ class ProxyOptions:
                  quiet=False, verbose=False, max_body=32 << 20, fallback_timeout=60.0,
                  max_priority="interactive", witness=None, fallback_pass_auth=False,
                  max_connections=MAX_CONNECTIONS, header_timeout=HEADER_TIMEOUT,
-                 idle_timeout=IDLE_TIMEOUT, pin_slots=False):
+                 idle_timeout=IDLE_TIMEOUT, pin_slots=False, clients=None):
         self.fallbacks = list(fallbacks)
         # fallback_model and fallback_key: {kind or None (every kind): value}
         self.fallback_model = _per_kind(fallback_model)
@@ -88,6 +87,7 @@ class ProxyOptions:
         self.max_priority = max_priority   # the highest class a request's header may claim
         self.witness = witness   # (engine URL, interval) to witness the engine, or None
         self.pin_slots = pin_slots   # a llama.cpp engine's slot is the seat (pinning.py)
+        self.clients = clients   # per-client waits and classes (clients.Rules), or None
 
     def own_credentials(self) -> tuple:
         """Request headers never sent on to a local engine: the proxy's own token's."""
@@ -95,7 +95,8 @@ class ProxyOptions:
 
 
 class Proxy:
-    """One proxy's state and its three routes: status, metrics and every other request."""
+    """One proxy's state and the handler of every request for the engine (its own answers:
+    own.py)."""
 
     def __init__(self, gate: Gate, options: ProxyOptions, say, backend_url: str):
         self.gate, self.options, self.say = gate, options, say
@@ -113,6 +114,7 @@ class Proxy:
         self.incidents = Incidents(say)   # trouble said once per incident (logs.py)
         self.pinning = pinning.Pinning(self.backend_url, say) if options.pin_slots else None
         self.finishing = Finishing()   # each session's turns whose answers are ending
+        self.configured = None   # the settings it runs with, and since when (configured.py)
 
     # -- warnings ------------------------------------------------------------------------------
     def _gate_warning(self, message: str) -> None:
@@ -123,21 +125,7 @@ class Proxy:
         self.say.warn(message)
 
     # -- the routes ----------------------------------------------------------------------------
-    # Each route is judged on the raw target (request.raw_path), never on the path aiohttp's
-    # router resolved: a target that only resolves to /metrics or /lanelock/status (a dot
-    # segment, a percent-encoding) is a request for the engine, as every other.
-    async def status_route(self, request: web.Request) -> web.StreamResponse:
-        proxied = request[PROXIED]
-        if proxied.path != "/lanelock/status":
-            return await self._request(proxied)
-        return await self._status()
-
-    async def metrics_route(self, request: web.Request) -> web.StreamResponse:
-        proxied = request[PROXIED]
-        if proxied.path != "/metrics":
-            return await self._request(proxied)
-        return await self.metrics(request.app[UPSTREAM])
-
+    # Its own answers (status, health, metrics, the page) are own.py's routes.
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """Every request that is not for the proxy itself: gated or forwarded."""
         return await self._request(request[PROXIED])
@@ -146,6 +134,7 @@ class Proxy:
         # Decided on the raw target, forwarded as the raw target: the path judged is the path the
         # engine is asked (routes.py).
         proxied.read_fields(await proxied.http.read())
+        proxied.options = self.options   # a reload (reload.py) leaves this request as it came
         upstream = proxied.http.app[UPSTREAM]
         if not self.options.routes.is_gated(proxied.method, proxied.path):
             return await self._forward(upstream, proxied)
@@ -198,6 +187,10 @@ class Proxy:
         session = proxied.session = (
             request.headers.get(self.options.session_header) or dialect.session_of(proxied.fields)
             or await _client_session(client) or proxied.remote)
+        if self.options.clients:   # the client's rule, when one matches (clients.py)
+            asked = proxied.asked = await self.options.clients.applied(
+                self.options, request.headers, session, client, asked)
+            applied = asked.headers()
         # A turn of this session whose answer is ending lets its seat go first (finishing.py).
         key = (gate.lane.name, session)
         await self.finishing.wait(key)
@@ -257,13 +250,15 @@ class Proxy:
         forwarded = request_headers(proxied.http,
                                     drop=(*self.options.own_credentials(), FENCE.lower()),
                                     set_=fence)
-        on = _seat_of(turn)
+        on = proxied.seat = _seat_of(turn)
         seat = {SEAT: str(on)} if on is not None else {}
         body = await self._pinned(proxied, on)
+        slot = {SLOT: str(proxied.slot)} if proxied.slot is not None else {}
         watch, cut = self._watch(turn, proxied)
         try:
             return await relay(upstream, proxied, self.backend_url + proxied.target,
-                               body, forwarded, {STATE: turn.state, **seat, **fence, **applied},
+                               body, forwarded, {STATE: turn.state, **seat, **slot, **fence,
+                                                 **applied},
                                cut=cut, ending=ending if turn.state == HELD and not turn.nested
                                else None)
         except Unreachable as error:
@@ -281,9 +276,11 @@ class Proxy:
         if self.pinning is None or seat is None or not pinning.pinned_path(proxied.path):
             return proxied.body
         slot = await self.pinning.slot_of(seat, self.witness)
-        if slot is None:
+        pinned = None if slot is None else pinning.with_slot(proxied.body, proxied.fields, slot)
+        if pinned is None:
             return proxied.body
-        return pinning.with_slot(proxied.body, proxied.fields, slot) or proxied.body
+        proxied.slot = slot   # the answer's X-Lanelock-Slot and the -v line say it
+        return pinned
 
     def _watch(self, turn, proxied) -> tuple:
         """(the lane watch, its cut) of a request that holds a lane its store can take away
@@ -410,21 +407,6 @@ class Proxy:
         status, payload = dialects.busy_answer(dialect, REASON_BUSY, message)
         return _answer(status, payload, {STATE: BUSY, REASON: REASON_BUSY, **applied,
                                          **NO_RETRY})
-
-    async def _status(self) -> web.Response:
-        from ..inspection.status import statuses
-
-        gates = [lane.gate for lane in self.lanes]
-        lanes = await asyncio.to_thread(
-            lambda: [found for gate in gates for found in statuses(gate.store, gate.lane, True)])
-        here = {"in_flight": self.in_flight.count - 1,   # less this one
-                "taking_the_lane": self.waiting}
-        if self.witness is not None:   # the witness now: what it saw last, or why it cannot
-            here["witness"] = self.witness.now()
-        from ..inspection.render import valid_text   # strict parsers reject lone surrogates
-
-        return web.json_response(valid_text({"lanes": lanes, "proxy": here}),
-                                 dumps=lambda data: json.dumps(data, indent=2, sort_keys=True))
 
 
 # The app's Proxy (serve.py's middlewares read it).

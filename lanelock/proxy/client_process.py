@@ -60,6 +60,19 @@ class ClientProcess:
         except OSError:   # /proc unreadable now (out of descriptors): named by its address
             return None
 
+    def program(self) -> str | None:
+        """The name of a loopback client's process, as ps shows it (/proc/PID/comm), None when
+        there is none to find (a per-client rule names it: clients.py)."""
+        from ..proc import name
+
+        try:
+            if not _loopback(self.peer) or not isinstance(self.local, tuple):
+                return None
+            pids = self._owners()
+        except OSError:
+            return None
+        return name(min(pids)) if pids else None
+
     def askers(self) -> list[Asker | None]:
         try:
             return self._askers()

@@ -196,22 +196,25 @@ class Chain:
         headers on a fallback's answer (the class and wait applied)."""
         failures = Attempts()
         answer_headers = {STATE: DEFLECTED, REASON: why.reason, **extra}
-        for index, fallback in enumerate(self.options.fallbacks, 1):
+        # The request's own options: those in force when it came, whatever a reload said since.
+        options = proxied.options or self.options
+        for index, fallback in enumerate(options.fallbacks, 1):
             if not fallback.serves(proxied.dialect):
                 continue
             if fallback.backend is not None:
                 response = await self._local(upstream, proxied, fallback, index, why, failures,
-                                             answer_headers)
+                                             answer_headers, options)
             else:
                 response = await self._url(upstream, proxied, fallback, index, why, failures,
-                                           answer_headers)
+                                           answer_headers, options)
             if response is not None:
                 proxied.fallback = f"fallback {index} {fallback.text}"   # the -v line says it
                 return response, failures
         return None, failures
 
-    async def _url(self, upstream, proxied, fallback, index, why, failures, answer_headers):
-        options, say = self.options, self.say
+    async def _url(self, upstream, proxied, fallback, index, why, failures, answer_headers,
+                   options):
+        say = self.say
         url = fallback.target(proxied.target)
         body = proxied.body
         model = options.fallback_model.get(fallback.kind, options.fallback_model.get(None))
@@ -238,7 +241,8 @@ class Chain:
         self._answered(name)
         return response
 
-    async def _local(self, upstream, proxied, fallback, index, why, failures, answer_headers):
+    async def _local(self, upstream, proxied, fallback, index, why, failures, answer_headers,
+                     options):
         from ..fallback_lane import busy_fallback, fallback_gate
 
         say = self.say
@@ -272,9 +276,9 @@ class Chain:
                 response = await relay(upstream, proxied, origin(gate.lane.given) + proxied.target,
                                        proxied.body,
                                        request_headers(proxied.http,
-                                                       drop=self.options.own_credentials()),
+                                                       drop=options.own_credentials()),
                                        answer_headers,
-                                       answer_within=self.options.fallback_timeout)
+                                       answer_within=options.fallback_timeout)
             except Unreachable as error:
                 self._unreachable(f"fallback {index} @{fallback.backend}", error, failures)
                 return None

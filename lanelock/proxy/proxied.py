@@ -19,6 +19,7 @@ from ..gate import HELD
 STATE = "X-Lanelock-State"
 REASON = "X-Lanelock-Reason"
 SEAT = "X-Lanelock-Seat"     # the seat a held request holds (1 on a lane of one seat)
+SLOT = "X-Lanelock-Slot"     # the engine slot a pinned request was sent to (--pin-slots)
 
 # How an answer that did not reach its end ended (the turn's release says it: never "cleanly").
 CUT = {"engine": "the engine cut the answer", "client": "the client hung up mid-answer",
@@ -32,7 +33,7 @@ class Proxied:
 
     __slots__ = ("http", "target", "path", "body", "fields", "dialect", "model", "session",
                  "asked", "turn", "state", "status", "done", "cut", "timing", "fallback",
-                 "lane")
+                 "lane", "options", "seat", "slot", "own")
 
     def __init__(self, http):
         self.http = http
@@ -52,6 +53,10 @@ class Proxied:
         self.timing: Timing | None = None      # a gated request's wait and hold
         self.fallback: str | None = None       # the fallback that answered ("fallback 1 URL")
         self.lane = None                       # per_lane.Lane of a gated request: its lane's
+        self.options = None                    # the ProxyOptions in force when it came
+        self.seat: int | None = None           # the seat a held request ran on
+        self.slot: int | None = None           # the engine slot it was pinned to (--pin-slots)
+        self.own = False                       # the proxy's own answer (own.py): not logged
 
     @property
     def method(self) -> str:
@@ -75,13 +80,18 @@ class Proxied:
         return CUT["client"] if self.status is not None else GONE_BEFORE
 
     def log_line(self, response, started: float) -> str:
-        """The -v line: [session] (a gated request's), method, target, status, state, the
-        fallback that answered, time."""
+        """The -v line: [session] (a gated request's), method, target, status, state, the seat
+        and pinned slot it held, the fallback that answered or how it was cut, time."""
         state = response.headers.get(STATE, "-") if response is not None else self.state or "-"
         # A stream relayed to its last byte is an answer even if the client hung up before the
-        # handler returned (curl closes right after [DONE]).
+        # handler returned (curl closes right after [DONE]); one the engine cut is the engine's.
         status = response.status if response is not None else (
-            self.status if self.done else "client gone")
+            self.status if self.done or self.cut == CUT["engine"] else "client gone")
+        if self.seat is not None:
+            state += f" on seat {self.seat}" + (f", slot {self.slot}" if self.slot is not None
+                                                 else "")
+        if self.cut == CUT["engine"] and not self.done:
+            state += f", {CUT['engine']}"
         # A gated request's wait and hold apart: a long time in the queue is the others'
         # holds, not this one's.
         took = f"{time.monotonic() - started:.3f}s" if self.timing is None else str(self.timing)

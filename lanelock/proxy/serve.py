@@ -11,6 +11,9 @@
   one line per incident, never a request's bytes (logs.py).
 - SIGTERM/SIGINT: stop accepting, let in-flight answers finish for up to SHUTDOWN seconds, then
   close; a lingering lane is let go. kill -9 frees the lane at once (the kernel, as always).
+  SIGHUP: the config files read again (reload.py).
+- Its lines start with their time (say.py), unless journald stamps them; the start line says the
+  lane's seats and whether requests are pinned to the engine's slots.
 """
 
 from __future__ import annotations
@@ -34,7 +37,24 @@ MAX_FIELDS = 256           # header fields in one request
 PARSER_MAX_HEADERS = MAX_HEADERS
 
 
-def build(gate, options, say, listen: str, token_env: str | None, fallback_key_env: str | None):
+def start(flags: dict):
+    """`lanelock proxy` with these flags (None: not given) over the config files: (the Proxy,
+    host, port, its Say), everything checked before a socket is opened (UsageProblem: exit 2)."""
+    from ..say import Say, journald_stamps
+    from ..settings import Settings
+    from .configured import Configured, gate_of, options_of
+
+    settings = Settings(flags)
+    say = Say(bool(settings.get("proxy_quiet")), stamped=not journald_stamps())
+    gate = gate_of(settings, say)
+    options = options_of(settings, gate)
+    proxy, host, port = build(gate, options, say, settings.get("proxy_listen"),
+                              settings.get("proxy_token_env"))
+    proxy.configured = Configured(flags, settings)
+    return proxy, host, port, say
+
+
+def build(gate, options, say, listen: str, token_env: str | None):
     """(Proxy, host, port): everything checked before a socket is opened (UsageProblem: exit 2)."""
     from .app import Proxy
 
@@ -50,20 +70,6 @@ def build(gate, options, say, listen: str, token_env: str | None, fallback_key_e
         raise UsageProblem(f"--listen {listen} is not a loopback address: the proxy would be an "
                            "open relay; give --token-env VAR (clients then send "
                            "'Authorization: Bearer $VAR'), or listen on 127.0.0.1")
-    keys = {}
-    from .dialects import FALLBACK_KINDS
-
-    for given in ([fallback_key_env] if isinstance(fallback_key_env, str)
-                  else fallback_key_env or ()):
-        kind, sep, name = given.partition("=")
-        kind = kind.lower() if sep and kind.lower() in FALLBACK_KINDS else None
-        name = name if kind else given
-        key = os.environ.get(name)
-        if not key:
-            raise UsageProblem(f"--fallback-key-env {given}: the variable is unset or empty")
-        keys[kind] = key
-    if keys:
-        options.fallback_key = keys
     from ..lanes import origin
     from .fallbacks import local_hint
 
@@ -106,6 +112,28 @@ def _bad_request(dialect, message: str, param: str | None = None):
                         content_type="application/json")
 
 
+PAGE = "/lanelock/"   # the proxy's own page and its data: a browser may sign in with Basic
+
+
+def authorised(request, token: str) -> bool:
+    """Does the request carry the token? 'Authorization: Bearer TOKEN' (RFC 7235: the scheme in
+    any case, the token as it is); under /lanelock/ also Basic with the token as the password
+    (any user name), which is what a browser can send for the page."""
+    import base64
+    import binascii
+
+    scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
+    scheme, given = scheme.lower(), given.strip()
+    if scheme == "basic" and request.raw_path.startswith(PAGE):
+        try:
+            given = base64.b64decode(given, validate=True).decode("utf-8").partition(":")[2]
+        except (binascii.Error, UnicodeDecodeError):
+            return False
+    elif scheme != "bearer":
+        return False
+    return hmac.compare_digest(given.encode(), token.encode())
+
+
 def make_app(proxy):
     """The aiohttp app: the guard, then the in-flight count and the access log (middlewares);
     one route per path -- the proxy's status, the metrics, and every other target."""
@@ -128,15 +156,14 @@ def make_app(proxy):
             return error_response(431, "request_header_fields_too_large",
                                   f"request headers are limited to {MAX_FIELDS} fields, "
                                   f"{MAX_FIELD} bytes a field and {MAX_HEADERS} in all")
-        if proxy.options.token is not None:
-            # RFC 7235: the scheme is case-insensitive (bearer, BEARER); the token is not.
-            scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                    given.strip().encode(), proxy.options.token.encode()):
-                from .relay import error_response
+        if proxy.options.token is not None and not authorised(request, proxy.options.token):
+            from .relay import error_response
 
-                return error_response(401, "unauthorized", "this lanelock proxy needs "
-                                      "'Authorization: Bearer TOKEN' (its --token-env)")
+            # A browser asks for the page's password (the token) when told how: Basic.
+            challenge = {"WWW-Authenticate": 'Basic realm="lanelock proxy"'} \
+                if request.raw_path.startswith(PAGE) else None
+            return error_response(401, "unauthorized", "this lanelock proxy needs "
+                                  "'Authorization: Bearer TOKEN' (its --token-env)", challenge)
         listener = proxy.listener
         if listener is not None:
             listener.started(request.protocol)
@@ -151,19 +178,19 @@ def make_app(proxy):
             if listener is not None:
                 listener.ended(request.protocol)
 
-    access = traffic.middleware(proxy.in_flight, proxy.say, proxy.options.verbose)
+    access = traffic.middleware(proxy.in_flight, proxy.say, lambda: proxy.options.verbose)
     app = web.Application(middlewares=[guard, access], client_max_size=proxy.options.max_body,
                           handler_args={"max_field_size": PARSER_LIMIT,
                                         "max_line_size": PARSER_LIMIT,
                                         "max_headers": PARSER_MAX_HEADERS,
                                         "keepalive_timeout": proxy.options.idle_timeout})
     app[PROXY] = proxy
-    # One route per path. The proxy's own two answer only their raw spelling (a target the
-    # router resolves to them, /lanelock/%73tatus, goes to the engine: app.py); another method
-    # falls through to the catch-all (the router tries later routes when only the method
-    # differs).
-    app.router.add_route("GET", "/lanelock/status", proxy.status_route)
-    app.router.add_route("GET", "/metrics", proxy.metrics_route)
+    # One route per path. The proxy's own answer only their raw spelling (a target the router
+    # resolves to them, /lanelock/%73tatus, goes to the engine: own.py); another method falls
+    # through to the catch-all (the router tries later routes when only the method differs).
+    from . import own
+
+    own.add(app)
     app.router.add_route("*", "/{tail:.*}", proxy.handle)
 
     async def upstream(app):
@@ -200,6 +227,9 @@ async def serve(proxy, host: str, port: int, say) -> int:
     loop = asyncio.get_running_loop()
     for signo in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signo, stop.set)
+    from .reload import reload
+
+    loop.add_signal_handler(signal.SIGHUP, reload, proxy)
     listener = proxy.listener = Listener(runner.server, host, port, cap=cap,
                                          header_timeout=options.header_timeout,
                                          incidents=proxy.incidents)
@@ -214,7 +244,8 @@ async def serve(proxy, host: str, port: int, say) -> int:
     bound = listener.address
     shown = f"[{bound[0]}]" if ":" in str(bound[0]) else bound[0]
     say.note(f"proxy listening on http://{shown}:{bound[1]} for {proxy.backend_url} "
-             f"(lane {proxy.gate.lane.name}{'' if proxy.gate.gated else ', ungated'})")
+             f"(lane {proxy.gate.lane.name}{'' if proxy.gate.gated else ', ungated'})"
+             f"{start_words(proxy, await asyncio.to_thread(_seats, proxy.gate))}")
     if cap < options.max_connections:
         say.warn(f"at most {cap} connections at once, not {options.max_connections}: the "
                  f"file descriptor limit is {soft} (raise it: LimitNOFILE=, ulimit -Hn)")
@@ -227,6 +258,33 @@ async def serve(proxy, host: str, port: int, say) -> int:
         if witness is not None:
             await asyncio.to_thread(witness.close, 1.0)
     return 0
+
+
+def start_words(proxy, seats: int | None) -> str:
+    """What the start line says after the lane: its seats and whether requests are pinned to
+    the engine's slots ('' for an ungated lane)."""
+    if not proxy.gate.gated:
+        return ""
+    if proxy.lanes.keyed:
+        said = "each model's lane its own seats"
+    elif seats is None:
+        said = "seats unknown (the store cannot say)"
+    else:
+        said = f"{seats} seat{'' if seats == 1 else 's'}"
+    pinned = ("each request pinned to its seat's engine slot (--pin-slots)"
+              if proxy.options.pin_slots else "not pinned")
+    return f": {said}, {pinned}"
+
+
+def _seats(gate) -> int | None:
+    """The lane's seat count for the start line (None: the store cannot say)."""
+    from ..errors import GateUnavailable
+    from ..seat_count import read
+
+    try:
+        return read(gate) if gate.gated else None
+    except GateUnavailable:
+        return None
 
 
 def _witness(proxy, say):

@@ -2,7 +2,8 @@
 
 The middleware makes each request's proxied.Proxied (request[PROXIED]), counts it in flight until
 its handler returns, and, with --verbose, says one line for it -- also when its client hung up and
-the handler was cancelled. Requests the guard refuses (serve.py: malformed, too large, no token)
+the handler was cancelled -- but for the proxy's own answers (status, health, metrics, the page:
+own.py), whose polls would drown the requests. Requests the guard refuses (serve.py: malformed, too large, no token)
 never reach it: they are neither counted nor logged.
 """
 
@@ -49,8 +50,9 @@ class InFlight:
             self._idle.set()
 
 
-def middleware(in_flight: InFlight, say, verbose: bool):
-    """The in-flight count and the access log (-v), as one aiohttp middleware."""
+def middleware(in_flight: InFlight, say, verbose):
+    """The in-flight count and the access log (-v), as one aiohttp middleware. verbose(): whether
+    to log, asked per request (a reload may change it); the proxy's own answers never are."""
 
     @web.middleware
     async def in_flight_and_access_log(request, handler):
@@ -63,7 +65,7 @@ def middleware(in_flight: InFlight, say, verbose: bool):
             return response
         finally:
             in_flight.left()
-            if verbose:
+            if verbose() and not proxied.own:
                 say.note(proxied.log_line(response, started))
 
     return in_flight_and_access_log

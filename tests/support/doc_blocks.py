@@ -164,6 +164,9 @@ KNOWN = [
           test="test_systemd_units_verify",
           not_run="starting it as a service (no systemd here); the proxy itself runs in "
                   "test_proxy_recipe"),
+    Known("proxy-config", "docs/proxy.md", r"^# /etc/lanelock/config\.toml \(or ",
+          test="test_proxy_service.py::test_the_readme_config_file_and_unit_run_a_proxy",
+          not_run="a deflection to api.openai.com (network)"),
     Known("unseen-line", "docs/witness.md", r"^lanelock: unseen generation on ",
           test="test_watch_unit_and_its_unseen_line"),   # the line a witness prints, compared there
     Known("watch-unit", "docs/witness.md", r"^\[Unit\]\nDescription=lanelock watch",

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from conftest import LANELOCK, TIMEOUT, Server, answer, read_all, read_line
 
+STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d ")
 LISTENING = re.compile(r"proxy listening on http://127\.0\.0\.1:(\d+) for (\S+) \(lane ([^)]+)\)")
 CHAT = "/v1/chat/completions"
 
@@ -92,6 +93,11 @@ class Proxy(Server):
 
     def stderr(self) -> str:
         return self.log()
+
+
+def unstamped(line: str) -> str:
+    """A proxy's log line without its time (each starts with one: ISO 8601 with its zone)."""
+    return STAMP.sub("", line)
 
 
 # -- clients -----------------------------------------------------------------------------------
