@@ -356,8 +356,8 @@ def metrics(backend, lock_dir, model, key_by, store, all_lanes, textfile):
                                          write_textfile)
         import prometheus_client  # noqa: F401
     except ImportError:
-        raise click.UsageError("metrics need prometheus-client: pip install "
-                               "'lanelock[metrics]'") from None
+        raise click.UsageError("metrics need prometheus-client: pip install '.[metrics]' in "
+                               "lanelock's checkout (or pip install prometheus-client)") from None
     if textfile is not None and not os.path.isdir(textfile):
         raise click.UsageError(f"--textfile {textfile}: not a directory")
     gate = strict_place(backend, lock_dir, model, key_by, store=store)

@@ -109,7 +109,7 @@ def released_ago(record: dict | None) -> float | None:
     return None if released is None else max(0.0, time.time() - released)
 
 
-# Keys of the holder facts; documented under JSON output in the README.
+# Keys of the holder facts; documented in docs/json.md.
 RECORD_KEYS = ("pid", "session", "model", "user", "acquired_at", "released_at", "exit_status",
                "held_seconds", "backend", "hostname")
 

@@ -206,9 +206,9 @@ def test_missing_driver_names_the_extra(lanelock, tmp_path):
     env = {"PYTHONPATH": tmp_path / "block"}
     done = lanelock("run", "--", "echo", "ran", env=env)
     assert done.returncode == 0 and done.stdout.strip() == "ran"
-    assert "pip install 'lanelock[postgres]'" in done.stderr
+    assert "pip install '.[postgres]' in lanelock's checkout" in done.stderr
     probe = lanelock("probe", env=env)
-    assert probe.returncode == 2 and "lanelock[postgres]" in probe.stderr
+    assert probe.returncode == 2 and "'.[postgres]'" in probe.stderr
 
 
 def test_a_killed_run_hands_the_lane_on_only_once_its_command_is_gone(lanelock, holder, postgres,

@@ -4,7 +4,7 @@ The lock's own truth (the kernel's /proc/locks, or the server's pg_locks) says w
 held and by whom; the holder record only labels that holder, and only when it agrees with it. Every
 store's facts go through here, so `status` says the same thing in the same words whatever the store.
 
-Verdicts (documented under `status --json` in the README):
+Verdicts (documented under `status --json` in docs/json.md):
   held, held-foreign, held-unlabelled, lock-file-replaced, ending   -- state "held"
   released, died, releasing, sidecar-stale, sidecar-bad, never-used, collision   -- state "free"
   bad-lock-file, gate-unavailable, error   -- state "unknown"
@@ -198,7 +198,7 @@ def _held(result: dict, facts, record, released: bool, stale: str | None) -> dic
             holder["ungated_seconds"] = ungated
             message += f"; ungated {ungated:.1f}s while the lane store restarted"
         fence = field(record, "fence", int)
-        if fence is not None:   # the store's generation of this turn (README "Several hosts")
+        if fence is not None:   # the store's generation of this turn (docs/hosts.md)
             holder["fence"] = fence
             message += f"; fence {fence}"
         message += _took_over(record, holder)

@@ -2,7 +2,7 @@
 (counters and histograms from the store's cumulative counts, which never go backwards).
 
 Labels are of low cardinality only: lane, outcome, reason -- never a pid, session or argv. The
-text comes from prometheus-client (`pip install 'lanelock[metrics]'`), not a formatter of ours.
+text comes from prometheus-client (`pip install '.[metrics]'` in lanelock's checkout), not a formatter of ours.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from .status import statuses
 
 TEXTFILE = "lanelock.prom"
 REASON = re.compile(r"[a-z][a-z_]{0,63}")
-NEEDS = "metrics need prometheus-client: pip install 'lanelock[metrics]'"
+NEEDS = ("metrics need prometheus-client: pip install '.[metrics]' in lanelock's checkout "
+         "(or pip install prometheus-client)")
 
 
 def snapshot(store, lane=None) -> list[tuple[dict, dict]]:

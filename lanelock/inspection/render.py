@@ -1,4 +1,4 @@
-"""Human and JSON views of the same dicts. JSON keys are stable and documented in the README.
+"""Human and JSON views of the same dicts. JSON keys are stable and documented in docs/json.md.
 
 Plain text here (the run path and the small read commands must not pay for rich); the richer views
 of status and history import rich lazily, only on a terminal.

@@ -55,7 +55,8 @@ CREATE TABLE IF NOT EXISTS lanelock_kept (name text PRIMARY KEY, value jsonb NOT
 CROWDED_STATES = frozenset({"53300", "53400"})
 CROWDED_WORDS = ("too many clients", "too many connections", "connection slots are reserved",
                  "no more connections allowed")
-MISSING_DRIVER = "the PostgreSQL store needs psycopg: pip install 'lanelock[postgres]'"
+MISSING_DRIVER = ("the PostgreSQL store needs psycopg: pip install '.[postgres]' in lanelock's "
+                  "checkout (or pip install 'psycopg[binary]')")
 
 
 def driver():
