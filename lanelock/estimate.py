@@ -79,6 +79,16 @@ def holders_medians(store, lane, holders: list) -> tuple:
     return tuple(typical.get((one or {}).get("session")) for one in holders)
 
 
+def journal_figures(store, lane) -> tuple:
+    """(typical_hold, session_typical) of the lane's journal over the last hour, from one read;
+    (None, {}) when it cannot be read."""
+    try:
+        events, _ = store.events(lane, time.time() - RECENT)
+    except Exception:  # noqa: BLE001 - any store's failure; an estimate is a nicety
+        return None, {}
+    return typical_hold(events), session_typical(events)
+
+
 def journal_typical(store, lane) -> float | None:
     """typical_hold() of the lane's journal over the last hour; None when it cannot be read
     (an estimate is a nicety: none is always honest)."""

@@ -19,7 +19,9 @@ import time
 import pytest
 
 from lanelock.store.flock import store as lock_store
-from conftest import STEM, TIMEOUT, is_waiting, needs_flock, wait_for
+from support.cli import STEM, TIMEOUT, needs_flock
+from support.kernel_locks import is_waiting
+from support.processes import wait_for
 from lanelock import BUSY_WORDS, REASON_BUSY, Gate
 from lanelock.lanes import BackendError
 

@@ -21,7 +21,9 @@ import time
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, is_waiting, probe_in_process, wait_for
+from support.cli import LANELOCK, TIMEOUT, probe_in_process
+from support.kernel_locks import is_waiting
+from support.processes import wait_for
 from lanelock import Gate, locks
 
 BACKEND = "127.0.0.1:8080"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LANELOCK
+from support.cli import LANELOCK
 
 
 def show(lanelock) -> dict:

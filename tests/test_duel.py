@@ -12,7 +12,8 @@ import pexpect
 import psutil
 import pytest
 
-from conftest import environ, remove_lane_files
+from support.cli import environ
+from support.roots import remove_lane_files
 from support.ports import free_port
 
 

@@ -18,8 +18,9 @@ import threading
 
 import pytest
 
-from conftest import (HOLD_SCRIPT, LANELOCK, TIMEOUT, environ, json_of, read_line, wait_exit,
-                      wait_for)
+from support.cli import LANELOCK, TIMEOUT, environ, json_of
+from support.holding import HOLD_SCRIPT
+from support.processes import read_line, wait_exit, wait_for
 
 BUSY = 75
 

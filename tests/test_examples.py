@@ -32,7 +32,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TIMEOUT, environ, is_queued, is_waiting, read_line, wait_for
+from support.cli import TIMEOUT, environ
+from support.kernel_locks import is_queued, is_waiting
+from support.processes import read_line, wait_for
 from support.doc_blocks import (KNOWN, MAN, NOT_RUN_INLINE, README, TOP, all_blocks, block,
                                  man_blocks)
 from support.ports import free_port

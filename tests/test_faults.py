@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from conftest import HOLD_SCRIPT, LANELOCK, STEM, ExitWatch, signalled_hold, wait_for, wait_stopped
+from support.cli import LANELOCK, STEM
+from support.holding import HOLD_SCRIPT, signalled_hold
+from support.processes import ExitWatch, wait_for, wait_stopped
 from lanelock import testing
 from lanelock.store.flock import journal, sidecar
 

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT
+from support.cli import LANELOCK, TIMEOUT
 
 RESOURCES = 71   # exitcodes.RESOURCES: EX_OSERR, too few descriptors (or no memory) to start
 BUSY = 75
@@ -130,7 +130,9 @@ def test_a_crowded_turn_never_takes_the_lane_past_a_queue_it_cannot_read(run_cmd
     import os
     import signal
 
-    from conftest import STEM, is_waiting, wait_for, wait_stopped
+    from support.cli import STEM
+    from support.kernel_locks import is_waiting
+    from support.processes import wait_for, wait_stopped
 
     held = holder()
     waiter = procs.start([*LANELOCK, "run", "-w", "60", "--", "true"],
@@ -186,7 +188,9 @@ def test_a_queue_asked_without_descriptors_neither_drops_nor_skips_a_live_waiter
     """Out of descriptors, a live waiter's entry cannot be asked: that is crowded, not 'gone'
     (its file was removed: the waiter lost its place) nor 'no waiter's entry' (skipped: the
     asking turn took the lane past it). The asker hears the error; the entry stays."""
-    from conftest import STEM, is_waiting, wait_for
+    from support.cli import STEM
+    from support.kernel_locks import is_waiting
+    from support.processes import wait_for
 
     held = holder()
     waiter = procs.start([*LANELOCK, "run", "-w", "60", "--", "true"],

@@ -19,7 +19,8 @@ import threading
 
 import pytest
 
-from conftest import LANELOCK, STEM, TIMEOUT, read_line
+from support.cli import LANELOCK, STEM, TIMEOUT
+from support.processes import read_line
 from lanelock import Gate
 
 BACKEND = "127.0.0.1:8080"

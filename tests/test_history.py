@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LANE, LANELOCK, STEM, TIMELINE, TIMEOUT, ExitWatch, history_json, wait_for
+from support.cli import LANE, LANELOCK, STEM, TIMELINE, TIMEOUT, history_json
+from support.processes import ExitWatch, wait_for
 from lanelock import locks
 
 BUSY = 75

@@ -14,7 +14,8 @@ import time
 
 import pexpect
 
-from conftest import TIMELINE, environ, history_json, wait_for
+from support.cli import TIMELINE, environ, history_json
+from support.processes import wait_for
 
 BUSY = 75
 

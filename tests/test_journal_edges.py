@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LANE, LANELOCK, STEM, TIMEOUT, environ, history_json
+from support.cli import LANE, LANELOCK, STEM, TIMEOUT, environ, history_json
 
 PAGE = 4096
 

@@ -11,7 +11,9 @@ import subprocess
 
 import pytest
 
-from conftest import LANELOCK, STEM, TIMEOUT, environ, is_queued, read_line, wait_for
+from support.cli import LANELOCK, STEM, TIMEOUT, environ
+from support.kernel_locks import is_queued
+from support.processes import read_line, wait_for
 
 
 def one_line(result) -> str:

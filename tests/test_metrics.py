@@ -42,8 +42,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import (LANE, LANELOCK, STEM, TIMEOUT, Server, cli_in_process, is_queued, is_waiting,
-                      json_of, wait_for)
+from support.cli import LANE, LANELOCK, STEM, TIMEOUT, cli_in_process, json_of
+from support.kernel_locks import is_queued, is_waiting
+from support.processes import wait_for
+from support.server import Server
 from lanelock import __version__ as lanelock_version
 from support.engine import Engine
 from support.prometheus import tool

@@ -11,7 +11,7 @@ import socket
 
 import pytest
 
-from conftest import LANELOCK
+from support.cli import LANELOCK
 from support.engine import Engine
 from support.kinds import KindEngine
 from support.proxy import CHAT, Proxy, chat_body, open_stream, raw_request, read_until, request
@@ -277,7 +277,8 @@ def test_the_witness_holds_each_llama_swap_model_against_its_own_lane(procs, hol
                                                                       lanelock):
     import subprocess
 
-    from conftest import environ, read_line
+    from support.cli import environ
+    from support.processes import read_line
 
     engine = KindEngine(procs, tmp_path, "--kind", "llama-swap", "--name", "model-a", delay=1.0)
     watch = procs.start([*LANELOCK, "watch", "-b", engine.backend, "--key-by", "model",

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT
+from support.cli import LANELOCK, TIMEOUT
 
 ORDER_DRIVER = str(Path(__file__).parent / "support" / "order_driver.py")
 STORE_DRIVER = str(Path(__file__).parent / "support" / "store_driver.py")

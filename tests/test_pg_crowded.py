@@ -12,7 +12,8 @@ import subprocess
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, environ, wait_for
+from support.cli import LANELOCK, TIMEOUT, environ
+from support.processes import wait_for
 
 pg_server = pytest.importorskip("support.pg_server")
 psycopg = pytest.importorskip("psycopg")
@@ -150,7 +151,8 @@ def test_twenty_five_waiting_requests_through_the_proxy_past_max_connections(pro
     import json
 
     pytest.importorskip("aiohttp")
-    from conftest import Server, send_waiting
+    from support.http import send_waiting
+    from support.server import Server
     from support.engine import Engine
     from support.proxy import CHAT, LISTENING, chat_body
 

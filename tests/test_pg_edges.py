@@ -15,7 +15,8 @@ import uuid
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, environ, read_line
+from support.cli import LANELOCK, TIMEOUT, environ
+from support.processes import read_line
 from support.netns import namespace, reachable_server  # noqa: F401
 
 pg_server = pytest.importorskip("support.pg_server")

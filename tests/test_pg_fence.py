@@ -28,7 +28,9 @@ import sys
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, Server, environ, read_line
+from support.cli import LANELOCK, TIMEOUT, environ
+from support.processes import read_line
+from support.server import Server
 from support.netns import namespace, reachable_server  # noqa: F401 - fixtures
 
 pg_server = pytest.importorskip("support.pg_server")

@@ -13,7 +13,8 @@ from urllib.parse import quote
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, wait_stopped
+from support.cli import LANELOCK, TIMEOUT
+from support.processes import wait_stopped
 
 psycopg = pytest.importorskip("psycopg")
 BACKEND = "localhost:7033"

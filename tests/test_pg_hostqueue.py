@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, environ, json_of, wait_for
+from support.cli import LANELOCK, TIMEOUT, environ, json_of
+from support.processes import wait_for
 
 pg_server = pytest.importorskip("support.pg_server")
 psycopg = pytest.importorskip("psycopg")
@@ -144,7 +145,8 @@ def test_twenty_five_waiting_requests_through_the_proxy_hold_one_connection(proc
     import json
 
     pytest.importorskip("aiohttp")
-    from conftest import Server, send_waiting
+    from support.http import send_waiting
+    from support.server import Server
     from support.engine import Engine
     from support.proxy import CHAT, LISTENING, chat_body
 

@@ -17,7 +17,9 @@ import time
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, Server, environ, read_line, wait_for
+from support.cli import LANELOCK, TIMEOUT, environ
+from support.processes import read_line, wait_for
+from support.server import Server
 from support.netns import namespace, reachable_server  # noqa: F401 - fixtures
 
 pg_server = pytest.importorskip("support.pg_server")

@@ -29,7 +29,9 @@ import time
 import psutil
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, ExitWatch, Server, read_line, wait_for
+from support.cli import LANELOCK, TIMEOUT
+from support.processes import ExitWatch, read_line, wait_for
+from support.server import Server
 from support.netns import Host, lan_engine, two_hosts
 
 pytest.importorskip("aiohttp")

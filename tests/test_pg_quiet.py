@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, environ, wait_for
+from support.cli import LANELOCK, TIMEOUT, environ
+from support.processes import wait_for
 
 psycopg = pytest.importorskip("psycopg")
 BACKEND = "localhost:7032"

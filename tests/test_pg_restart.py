@@ -13,7 +13,8 @@ import subprocess
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, environ, read_line, wait_for
+from support.cli import LANELOCK, TIMEOUT, environ
+from support.processes import read_line, wait_for
 
 pg_server = pytest.importorskip("support.pg_server")
 psycopg = pytest.importorskip("psycopg")

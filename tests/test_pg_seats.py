@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, ExitWatch, json_of, read_line, wait_for
+from support.cli import LANELOCK, TIMEOUT, json_of
+from support.processes import ExitWatch, read_line, wait_for
 from support.netns import ENGINE_IP, Host, two_hosts
 
 pg_server = pytest.importorskip("support.pg_server")

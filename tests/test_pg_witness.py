@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, read_line
+from support.cli import LANELOCK, TIMEOUT
+from support.processes import read_line
 from support.netns import Host, lan_engine, two_hosts
 
 pytest.importorskip("psycopg")

@@ -12,7 +12,9 @@ import time
 
 import pytest
 
-from conftest import ESCAPING_HOLD, LANELOCK, TIMEOUT, environ, read_line, wait_for
+from support.cli import LANELOCK, TIMEOUT, environ
+from support.holding import ESCAPING_HOLD
+from support.processes import read_line, wait_for
 from lanelock.store.pg.store import lane_key
 
 

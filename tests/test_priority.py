@@ -20,7 +20,8 @@ import threading
 
 import pytest
 
-from conftest import LANELOCK, STEM, TIMEOUT, wait_for, wait_stopped
+from support.cli import LANELOCK, STEM, TIMEOUT
+from support.processes import wait_for, wait_stopped
 from lanelock import Gate
 
 BACKEND = "127.0.0.1:8080"

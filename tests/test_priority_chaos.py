@@ -58,7 +58,7 @@ import time
 
 import pytest
 
-from conftest import TIMEOUT
+from support.cli import TIMEOUT
 from support.chaos import (AGING, API_WORKER, ASYNC_WORKER, CLASSES, HANGUP_SEEN_WITHIN, LOAD_LIMIT,
                            PROXY_CLIENT, SLACK, STALL, TARGET, THINK, ChaosEngine, FlockRecords,
                            Load, PgRecords, ProxyHost, Worker, effective, watch_for_stalls)

@@ -32,7 +32,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, ExitWatch, is_waiting, json_of, wait_for
+from support.cli import LANELOCK, TIMEOUT, json_of
+from support.kernel_locks import is_waiting
+from support.processes import ExitWatch, wait_for
 from support.netns import ENGINE_IP, Host, two_hosts
 from support.other_users import launcher, shared_root, users  # noqa: F401 - fixtures
 

@@ -22,7 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, is_waiting, read_all, read_line, wait_for
+from support.cli import LANELOCK, TIMEOUT
+from support.http import read_all
+from support.kernel_locks import is_waiting
+from support.processes import read_line, wait_for
 from lanelock import locks
 from support.engine import Engine
 from support.ports import free_port

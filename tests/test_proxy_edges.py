@@ -19,7 +19,10 @@ import time
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, Server, answer, read_all, send_waiting, wait_for
+from support.cli import LANELOCK, TIMEOUT
+from support.http import answer, read_all, send_waiting
+from support.processes import wait_for
+from support.server import Server
 from support.engine import Engine
 from support.ports import free_port
 from support.proxy import CHAT, LISTENING, Proxy, Recorder, chat_body, request

@@ -16,7 +16,9 @@ import subprocess
 
 import pytest
 
-from conftest import TIMEOUT, read_all, wait_for
+from support.cli import TIMEOUT
+from support.http import read_all
+from support.processes import wait_for
 from lanelock import Gate
 from support.engine import Engine
 from support.ports import free_port

@@ -14,7 +14,9 @@ import threading
 
 import pytest
 
-from conftest import TIMEOUT, is_waiting, wait_for
+from support.cli import TIMEOUT
+from support.kernel_locks import is_waiting
+from support.processes import wait_for
 from support.engine import Engine
 from support.proxy import CHAT, Proxy, chat_body, history, lock_path, request
 
@@ -198,7 +200,7 @@ def test_a_stream_the_client_read_to_its_end_is_not_journaled_as_cut(procs, lane
     up: the answer, complete, was journaled "the client hung up mid-answer" and -v said "client
     gone". A stream relayed to its terminal event is whole."""
     pytest.importorskip("openai")
-    from conftest import read_line
+    from support.processes import read_line
 
     engine = procs.start([sys.executable, "-c", LATE_END_ENGINE], stdout=subprocess.PIPE)
     port = int(read_line(engine.stdout))

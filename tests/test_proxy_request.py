@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import read_line
+from support.processes import read_line
 from support.proxy import Proxy, raw_request
 
 pytest.importorskip("aiohttp")

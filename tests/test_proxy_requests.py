@@ -18,7 +18,9 @@ import threading
 
 import pytest
 
-from conftest import TIMEOUT, read_all, read_line, wait_for
+from support.cli import TIMEOUT
+from support.http import read_all
+from support.processes import read_line, wait_for
 from support.engine import Engine
 from support.ports import free_port
 from support.proxy import (CHAT, Proxy, Recorder, chat_body, history, open_stream, probe, raw_request,

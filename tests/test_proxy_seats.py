@@ -17,7 +17,8 @@ import threading
 
 import pytest
 
-from conftest import TIMEOUT, wait_for
+from support.cli import TIMEOUT
+from support.processes import wait_for
 from support.proxy import CHAT, Proxy, chat_body, history, open_stream, read_until, request
 from support.standin_kind import Served
 

@@ -17,7 +17,8 @@ import sys
 
 import pytest
 
-from conftest import LANELOCK, environ, read_line, wait_for
+from support.cli import LANELOCK, environ
+from support.processes import read_line, wait_for
 from support.engine import Engine
 from support.proxy import (CHAT, LISTENING, Proxy, Recorder, chat_body, open_stream, read_until,
                            request)

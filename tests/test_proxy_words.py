@@ -14,7 +14,9 @@ import sys
 
 import pytest
 
-from conftest import TIMEOUT, read_all, read_line, wait_for
+from support.cli import TIMEOUT
+from support.http import read_all
+from support.processes import read_line, wait_for
 from support.engine import Engine
 from support.ports import free_port
 from support.proxy import (CHAT, Proxy, chat_body, history, open_stream, read_until, request,

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TIMEOUT, environ, read_line, wait_for
+from support.cli import TIMEOUT, environ
+from support.processes import read_line, wait_for
 from support.doc_blocks import README, block
 from support.engine import Engine
 from support.ports import free_port

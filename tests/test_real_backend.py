@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from conftest import LANELOCK
+from support.cli import LANELOCK
 from support.real_backend import CLIENT, servers, slots_busy  # noqa: F401 - servers is a fixture
 
 pytestmark = pytest.mark.real
@@ -76,7 +76,7 @@ def start_proxy(procs, local: str, *extra) -> int:
     proxy = procs.start([*LANELOCK, "proxy", "--listen", "127.0.0.1:0", "-b",
                          local.removeprefix("http://"), *extra],
                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    from conftest import read_line
+    from support.processes import read_line
 
     said = []   # a URL fallback on this machine is said first (used ungated: the hint)
     while not said or "proxy listening on" not in said[-1]:

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, read_line
+from support.cli import LANELOCK, TIMEOUT
+from support.processes import read_line
 from support.real_backend import CLIENT, llama_server, slots_busy, two_slots  # noqa: F401
 
 pytestmark = pytest.mark.real

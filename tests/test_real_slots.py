@@ -12,7 +12,8 @@ import urllib.request
 
 import pytest
 
-from conftest import TIMEOUT, wait_for
+from support.cli import TIMEOUT
+from support.processes import wait_for
 from lanelock.engine_slots import slot_count
 from support.real_backend import two_slots  # noqa: F401 - a fixture
 from support.standin_kind import Served

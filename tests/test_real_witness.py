@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, json_of, read_line
+from support.cli import LANELOCK, TIMEOUT, json_of
+from support.processes import read_line
 from support.real_backend import CLIENT, servers, slots_busy  # noqa: F401 - servers is a fixture
 
 pytestmark = pytest.mark.real

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, is_waiting, needs_flock, read_line, wait_for
+from support.cli import LANELOCK, TIMEOUT, needs_flock
+from support.kernel_locks import is_waiting
+from support.processes import read_line, wait_for
 
 ENV_DUMP = [sys.executable, "-c",
             "import json, os; print(json.dumps({k: v for k, v in os.environ.items() "

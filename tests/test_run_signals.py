@@ -15,9 +15,10 @@ import pexpect
 import psutil
 import pytest
 
-from conftest import (ESCAPING_HOLD, HOLD_SCRIPT, LANELOCK, TIMEOUT, ExitWatch, environ,
-                      flock_entries, is_queued, is_waiting, pid_gone, read_line, signalled_hold,
-                      wait_for, wait_stopped)
+from support.cli import LANELOCK, TIMEOUT, environ
+from support.holding import ESCAPING_HOLD, HOLD_SCRIPT, signalled_hold
+from support.kernel_locks import flock_entries, is_queued, is_waiting
+from support.processes import ExitWatch, pid_gone, read_line, wait_for, wait_stopped
 from lanelock import Gate
 
 

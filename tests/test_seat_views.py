@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from conftest import LANE, LANELOCK, TIMEOUT, history_json, read_line
+from support.cli import LANE, LANELOCK, TIMEOUT, history_json
+from support.processes import read_line
 
 # A held command that says its seat: "ready PID SEAT", then holds until told its exit status.
 SEATED = ["sh", "-c", 'echo "ready $$ $LANELOCK_SEAT"; read code; exit "${code:-0}"']

@@ -15,8 +15,10 @@ import sys
 
 import pytest
 
-from conftest import (LANE, LANELOCK, STEM, TIMEOUT, ExitWatch, is_queued, is_waiting, read_line,
-                      remove_lane_files, wait_for)
+from support.cli import LANE, LANELOCK, STEM, TIMEOUT
+from support.kernel_locks import is_queued, is_waiting
+from support.processes import ExitWatch, read_line, wait_for
+from support.roots import remove_lane_files
 
 # A held command that says its seat: "ready PID SEAT", then holds until told its exit status.
 SEATED = ["sh", "-c", 'echo "ready $$ $LANELOCK_SEAT"; read code; exit "${code:-0}"']

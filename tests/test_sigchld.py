@@ -13,7 +13,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import TIMEOUT
+from support.cli import TIMEOUT
 
 SLOW_TO_WAIT = """
 import sys, threading, time

@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from conftest import wait_for
+from support.processes import wait_for
 
 NAME = "tiny/model-1"          # a slash in it, as llama-swap model ids may have
 ACCOUNTED = ("llama.cpp", "llama.cpp-legacy", "llama-swap", "vllm", "sglang")

@@ -27,7 +27,9 @@ import pexpect
 import psutil
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, environ, is_waiting, pid_gone, wait_for
+from support.cli import LANELOCK, TIMEOUT, environ
+from support.kernel_locks import is_waiting
+from support.processes import pid_gone, wait_for
 from lanelock import locks
 
 PR_SET_CHILD_SUBREAPER = 36

@@ -23,8 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (HOLD_SCRIPT, LANE, LANELOCK, STEM, TIMEOUT, ExitWatch, is_queued, read_line,
-                      wait_exit, wait_for)
+from support.cli import LANE, LANELOCK, STEM, TIMEOUT
+from support.holding import HOLD_SCRIPT
+from support.kernel_locks import is_queued
+from support.processes import ExitWatch, read_line, wait_exit, wait_for
 from lanelock import locks, proc
 
 ESCAPE = "\x1b"

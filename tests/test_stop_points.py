@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_stopped
+from support.processes import wait_stopped
 from lanelock.turn import stops
 
 ROOT = Path(__file__).resolve().parent.parent

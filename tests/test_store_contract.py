@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TIMEOUT
+from support.cli import TIMEOUT
 from lanelock import Gate
 from lanelock.inspection.status import statuses
 from lanelock.store.base import LaneStore

@@ -19,7 +19,8 @@ import sys
 
 import pytest
 
-from conftest import LANE, STEM, read_line
+from support.cli import LANE, STEM
+from support.processes import read_line
 from support.other_users import AS_USER, shared_root  # noqa: F401 - a fixture
 
 NOWHERE = "/nonexistent-lanelock"   # config files another user could not read: none at all
@@ -374,7 +375,7 @@ def test_another_users_killed_turn_keeps_the_lane_while_its_group_runs(two_users
     the record names (before: mallory's turn took the lane beside it)."""
     import signal
 
-    from conftest import ExitWatch
+    from support.processes import ExitWatch
 
     mallory, alice = two_users
     held = holder("-b", LANE, command=["sh", "-c", 'sleep 600 & echo "ready $$ $!"; wait'],

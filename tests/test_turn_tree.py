@@ -27,8 +27,9 @@ import pexpect
 import psutil
 import pytest
 
-from conftest import (LANELOCK, TIMEOUT, ExitWatch, environ, flock_entries, is_waiting,
-                      pid_gone, read_line, wait_exit, wait_for)
+from support.cli import LANELOCK, TIMEOUT, environ
+from support.kernel_locks import flock_entries, is_waiting
+from support.processes import ExitWatch, pid_gone, read_line, wait_exit, wait_for
 
 # The stand-in engine, its port on stdout once it listens: a stream of (practically) endless
 # tokens, one every 50 ms, until the client hangs up.

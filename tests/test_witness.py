@@ -15,7 +15,8 @@ import urllib.request
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, environ, json_of, read_line, wait_for
+from support.cli import LANELOCK, TIMEOUT, environ, json_of
+from support.processes import read_line, wait_for
 
 PYTHON = sys.executable
 INTERVAL = 0.2

@@ -13,7 +13,8 @@ import urllib.request
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT, json_of, read_line
+from support.cli import LANELOCK, TIMEOUT, json_of
+from support.processes import read_line
 
 PYTHON = sys.executable
 INTERVAL = 0.2

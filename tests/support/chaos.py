@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 
 
-from conftest import LANELOCK, TIMEOUT, flock_entries, json_of, read_line
+from support.cli import LANELOCK, TIMEOUT, json_of
+from support.kernel_locks import flock_entries
+from support.processes import read_line
 from lanelock import Gate
 from lanelock.store.flock import journal
 from lanelock.store.pg.session import CLIENT_CHECK_MS

@@ -9,7 +9,8 @@ import json
 import subprocess
 import sys
 
-from conftest import TIMEOUT, read_line
+from support.cli import TIMEOUT
+from support.processes import read_line
 
 # address: where it listens (a netns host's LAN address, or loopback); the port is the kernel's.
 ENGINE_SCRIPT = """

@@ -9,7 +9,7 @@ import sys
 import time
 import urllib.request
 
-from conftest import TIMEOUT
+from support.cli import TIMEOUT
 
 
 class KindEngine:

@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from conftest import LANELOCK, TIMEOUT
+from support.cli import LANELOCK, TIMEOUT
 from support import pg_server
 from support.engine import Engine
 

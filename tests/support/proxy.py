@@ -14,7 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import LANELOCK, TIMEOUT, Server, answer, read_all, read_line
+from support.cli import LANELOCK, TIMEOUT
+from support.http import answer, read_all
+from support.processes import read_line
+from support.server import Server
 
 STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d ")
 LISTENING = re.compile(r"proxy listening on http://127\.0\.0\.1:(\d+) for (\S+) \(lane ([^)]+)\)")

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import urllib.request
 
-from conftest import wait_for
+from support.processes import wait_for
 
 
 class Served:
