@@ -87,8 +87,7 @@ def process(pid: int, sent: str | None = None) -> Asker | None:
     if sent is not None:
         return Asker(pid, tokens(sent), sent=True)
     try:
-        with open(f"/proc/{pid}/environ", "rb") as handle:
-            raw = handle.read(1 << 20)
+        raw = proc.environ(pid)
     except OSError:
         return None
     prefix = VARIABLE.encode() + b"="

@@ -334,7 +334,7 @@ def test_the_sidecar_of_a_cli_turn(lanelock, lock_dir):
     assert isinstance(record["start_ticks"], int)
     assert gate.sidecar_path == str(lock_dir / "localhost-8080.json")
     mode = os.stat(gate.sidecar_path).st_mode & 0o777
-    assert mode == 0o666   # every user of the lane records its turns here (issue 15, item 10)
+    assert mode == 0o666   # every user of the lane records its turns here
     assert not [name for name in os.listdir(lock_dir) if name.endswith(".tmp")]
 
 
@@ -357,7 +357,7 @@ def test_a_broken_config_fails_open_with_one_warning(monkeypatch, tmp_path, lock
     assert not (lock_dir / "localhost-8080.lock").exists()
 
 
-# -- the API's arguments are checked at the call (issue 31 item 11) ---------------------------------
+# -- the API's arguments are checked at the call ---------------------------------
 # Gate(8080) raised an AttributeError from deep inside; turn(wait="5") passed until the lane was
 # busy and then failed in the wait; wait=-1 was taken. Each is a TypeError or ValueError at once.
 LANE_SPELLING = "127.0.0.1:8080"
@@ -406,7 +406,7 @@ def test_a_gates_priority_is_its_turns_class_unless_the_turn_says(lanelock, tmp_
 
 
 def test_a_turns_steps_are_the_asyncio_drivers_not_public_api():
-    """issue 30: take/commit/prepare/conclude (and abandon, own_by, cancel_wait) were public
+    """Take/commit/prepare/conclude (and abandon, own_by, cancel_wait) were public
     names for what only asyncturn.py calls; a caller takes a turn with `with`, `async with`, or
     acquire() and release()."""
     from lanelock.gate import Turn
@@ -417,7 +417,7 @@ def test_a_turns_steps_are_the_asyncio_drivers_not_public_api():
 
 
 def test_a_turn_given_up_in_a_thread_leaves_no_kernel_wait(holder, lock_dir, procs):
-    """issue 31 item 6: a turn that stops waiting calls its kernel wait off (store/flock/
+    """A turn that stops waiting calls its kernel wait off (store/flock/
     interrupt.py: a signal to the waiter thread). The signal's handler can be installed only
     from the main thread: a program whose turns wait only in threads it started (a worker pool)
     kept the abandoned wait until the holder let go, a phantom waiter in /proc/locks. The gate,

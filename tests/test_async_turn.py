@@ -179,7 +179,7 @@ def test_cancelling_a_waiting_task_abandons_the_wait(holder, lanelock, lock_dir)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        # Nothing waits in the kernel for it any more (issue 31 item 6: the waiter thread stayed
+        # Nothing waits in the kernel for it any more (the waiter thread stayed
         # blocked in flock(2) until the lane freed).
         assert not is_waiting(lock_path(lock_dir), os.getpid())
         return time.monotonic() - cancelled_at
@@ -240,7 +240,7 @@ def test_the_same_task_nests_and_another_task_is_a_separate_turn(lanelock, lock_
 
 
 def test_a_wait_cancelled_as_the_lane_frees_is_never_journaled_as_a_turn(procs, lock_dir):
-    """Issue 23, item 11: waiters cancelled the moment the lane freed were journaled as
+    """Waiters cancelled the moment the lane freed were journaled as
     acquired/released although their block never ran. Here 3 tasks wait in each of 100 rounds;
     the holder (flock(1), quick to start) lets go and every task is cancelled as soon as this
     process learns it did, racing the hand-off. A turn in the journal is a block that ran."""
@@ -341,7 +341,7 @@ def counts_held_by_another_process(gate, procs, store: str, request):
 
 @pytest.mark.parametrize("store", ["flock", "postgresql"])
 def test_a_stalled_store_stalls_threads_never_the_loop(store, request, monkeypatch, procs):
-    """Issue 25, the decisive form of the lag test: another process keeps the lane's counts
+    """The decisive form of the lag test: another process keeps the lane's counts
     locked for a second while tasks take turns, release (which counts) and deflect (and settle
     their counts). A store call on the loop would freeze the ticker for the whole second; here
     the ticker never lags by even a quarter of it, and every turn finishes once the lock goes."""
@@ -391,7 +391,7 @@ def p99(values: list[float]) -> float:
 
 @pytest.mark.parametrize("store", ["flock", "postgresql"])
 def test_the_event_loop_never_waits_for_the_store(store, request, monkeypatch):
-    """Issue 25: settling a deflected turn's count and the proxy's Retry-After ran store work on
+    """Settling a deflected turn's count and the proxy's Retry-After ran store work on
     the loop. 50 tasks (20 on PostgreSQL) take turns and as many deflect, round after round, while
     a 1 ms ticker measures the loop's lag over 1,000 ticks: p99 under 100 ms. Measured on the
     2-core machine: 8-10 ms idle, 16 ms beside two busy loops, 35 ms on a CI box also running a

@@ -46,7 +46,7 @@ def test_bad_set_is_a_usage_error_and_leaves_the_file_untouched(lanelock, config
     assert user.read_bytes() == before
 
 
-# -- config set edits the file in place: comments, spacing and order stay (issue 23 item 12) -------
+# -- config set edits the file in place: comments, spacing and order stay -------
 HAND_WRITTEN = """\
 # lanelock settings for this workstation
 #   edited by hand: keep the comments
@@ -222,7 +222,7 @@ def test_version(lanelock):
     assert done.returncode == 0 and done.stdout.startswith("lanelock, version ")
 
 
-# -- a relative lock root is refused (issue 23 item 4) -----------------------------------------------
+# -- a relative lock root is refused -----------------------------------------------
 # LANELOCK_DIR=locks, --lock-dir locks and a file's lock_dir = "locks" made one gate per working
 # directory. Every spelling, asked from two working directories: the read commands exit 2 with one
 # line naming the setting and where it came from, `run` fails open with one warning (the command's
@@ -306,7 +306,7 @@ def test_a_retired_setting_is_ignored_with_a_note_never_an_ungated_turn(config_f
 
 
 # -- a bad value of a setting with a safe default is that default, with one warning ----------------
-# (issue 31 item 4) LANELOCK_PRIORITY=bogus stopped every command (exit 2: a crontab's typo stopped
+# LANELOCK_PRIORITY=bogus stopped every command (exit 2: a crontab's typo stopped
 # the job) and `priority = "bogus"` in a file ran every turn ungated. Walked over the whole table:
 # a bad value from the environment or a file is passed over with ONE warning line, the rest of the
 # file still applies and the turn is gated (held). backend, lock_dir and store say where the gate

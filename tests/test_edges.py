@@ -1,4 +1,4 @@
-"""Issue 15: edges where the gate broke as a new user met it -- a terminal hangup with lanelock as
+"""Edges where the gate broke as a new user met it -- a terminal hangup with lanelock as
 the session leader, lanelock's own output failing, long prompts in argv, loopback shorthands, store
 URL typos, bad config values, a stopped holder. Every test here failed on the code before its fix.
 """
@@ -134,7 +134,7 @@ def test_read_commands_end_with_their_own_status_when_the_reader_goes(command, s
                                                                       run_cmd):
     """A reader that went away (`| true`, `| head -c 1`) or a closed stderr leaves the status as
     it is; a closed stdout is output that could not be written: one line, and 1 (probe: 2, its
-    error status), as coreutils do (issue 31 item 11; tests/test_messages.py has /dev/full)."""
+    error status), as coreutils do (tests/test_messages.py has /dev/full)."""
     line = f"{sys.executable} -m lanelock {command} -b localhost:7013" if command not in (
         "config show", "config path", "--version") else f"{sys.executable} -m lanelock {command}"
     shell = {"stdout-closed": f"{line} >&-; echo \"rc=$?\" >&2",
@@ -269,7 +269,7 @@ def test_status_and_deflections_say_the_holder_is_stopped(holder, lanelock):
 
 @pytest.mark.parametrize("stop", ["command SIGSTOP", "job kill -TSTP"])
 def test_following_status_advice_ends_a_stopped_holder(stop, holder, lanelock, run_cmd):
-    """Issue 23, item 6: `status` says how to end a stopped holder; doing exactly that ends it and
+    """`status` says how to end a stopped holder; doing exactly that ends it and
     frees the lane (a TERM forwarded to a stopped command used to wait for a resume forever)."""
     held = holder("-b", "localhost:7018", "-s", "paused-agent")
     if stop == "command SIGSTOP":

@@ -173,7 +173,7 @@ def test_unsafe_root_of_another_user_is_not_trusted(lanelock, tmp_path, monkeypa
     assert not (root / LOCK).exists()
 
 
-# -- a broken gate says so where people look (issue 23, item 3) ---------------------------------
+# -- a broken gate says so where people look ---------------------------------
 # A root no turn can lock: every turn there fails open. probe, status and metrics must say so
 # instead of "free" (probe and status said "free; no turn has used this lane yet", exit 0).
 GATE_UNAVAILABLE = 69   # exitcodes.GATE_UNAVAILABLE: status of a lane whose turns run ungated
@@ -417,7 +417,7 @@ def test_garbage_config_fails_open_for_run_and_exits_2_elsewhere(lanelock, tmp_p
                          ids=["bad-value", "unknown-key", "bad-chain"])
 def test_a_bad_setting_in_a_config_file_is_its_default_and_the_gate_stays_on(
         lanelock, lock_dir, tmp_path, monkeypatch, holder, text):
-    """issue 31: a bad value (or an unknown key) of a setting with a safe default is that
+    """A bad value (or an unknown key) of a setting with a safe default is that
     setting's default with one warning -- never an ungated turn, never a stopped command."""
     config = tmp_path / "system.toml"
     config.write_text(text)

@@ -1,4 +1,4 @@
-"""Nesting by hand-over only (issue 23, item 1): a process is part of a turn only when the turn
+"""Nesting by hand-over only: a process is part of a turn only when the turn
 handed it over -- `lanelock run`'s command and its descendants, or a subprocess given `turn.env`.
 
 Every way in that ancestry alone used to let through is tried with real processes: a job started

@@ -388,7 +388,7 @@ def test_rotation_keeps_every_line_across_both_files(lanelock, lock_dir, tmp_pat
     assert data["summary"]["turns"] == turns == data["summary"]["local"]
 
 
-# -- issue 23 item 8: a killed turn is not a long one ------------------------------------------------
+# -- a killed turn is not a long one ------------------------------------------------
 def test_a_killed_turn_shows_as_died_and_is_not_the_longest_hold(lanelock, holder, lock_dir):
     """A turn kill -9'd never writes `released`: history used to stretch it to the journal's last
     event (a 1 s turn became "longest hold 10.4 s; busy 100%"). It is died, bounded by the next
@@ -470,7 +470,7 @@ def test_an_unreleased_turn_is_judged_by_its_holders_liveness(case, lanelock, ru
     assert data["summary"]["holding"] == (LIVENESS[case] == "holding")
 
 
-# -- issue 31 item 8: history says what the metrics say ----------------------------------------------
+# -- history says what the metrics say ----------------------------------------------
 def plain_rows(lanelock, *args) -> list[list[str]]:
     """The plain table's rows, split in words (time is three: date, clock, zone), header and
     summary left out."""

@@ -1,4 +1,4 @@
-"""The package's import graph has no circles, and so no import that runs back up (issue 25).
+"""The package's import graph has no circles, and so no import that runs back up.
 
 Rooms as a reader of `ls lanelock/` sees them: each top-level module is one, each sub-package
 (store/, run/, proxy/, inspection/, testing/) is one. An import anywhere in a file -- at the top or

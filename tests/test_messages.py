@@ -1,4 +1,4 @@
-"""Issue 16, items 3 and 4: messages that used to send a user the wrong way, and small things a
+"""Messages that used to send a user the wrong way, and small things a
 user notices. Each asserts the one `lanelock:` line and the exit status."""
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def test_reading_a_public_backend_says_it_has_no_lane(command, lanelock):
     assert (local.returncode, local.stderr) == (0, "")
 
 
-# -- issue 23 item 10: a group called without its command prints its help, readably ---------------
+# -- a group called without its command prints its help, readably ---------------
 @pytest.mark.parametrize("group", [[], ["config"]], ids=["lanelock", "lanelock config"])
 def test_a_group_without_its_command_prints_its_help_on_several_lines(group, lanelock):
     """A missing command is a usage error (2, as click does); its help is the one message that is
@@ -151,7 +151,7 @@ def test_an_unknown_command_stays_one_line(args, lanelock):
     assert "No such command 'nosuchcmd'" in one_line(result)
 
 
-# -- issue 31 item 11: small things, each said in words that help -----------------------------------
+# -- small things, each said in words that help -----------------------------------
 @pytest.mark.parametrize("args", [
     ["run", "--wait", "nan", "--", "true"], ["run", "-w", "NaN", "--", "true"],
     ["run", "--wait=nan", "--", "true"], ["proxy", "--wait", "nan"], ["proxy", "--linger", "nan"],

@@ -1,4 +1,4 @@
-"""`lanelock metrics` (issue 18), checked by Prometheus's own tools and by what really happened.
+"""`lanelock metrics`, checked by Prometheus's own tools and by what really happened.
 
 1. promtool accepts the exposition in every state a lane can be in (never used, held, stopped,
    waited for, deflected from) and the proxy's GET /metrics.
@@ -417,7 +417,7 @@ def test_counts_and_histograms_match_the_turns_that_ran(lanelock, holder, procs,
 
 
 def test_the_waiters_gauge_counts_the_turns_status_counts(lanelock, holder, procs, lock_dir):
-    """Issue 31 item 6: a waiter is a turn that still wants the lane -- its queue entry says so.
+    """A waiter is a turn that still wants the lane -- its queue entry says so.
     lanelock_lane_waiters counted processes blocked on the lane's own lock (/proc/locks), which
     is only the first of the queue: 1 while `status` said [3 waiting]."""
     lock = lock_dir / f"{STEM}.lock"
@@ -535,7 +535,7 @@ def test_a_turn_killed_while_counting_never_resets_the_counts(lanelock, run_cmd,
     assert scrape(lanelock).turns(LANE) == outcomes(local=4)
 
 
-# Counts that cannot be read (issue 23 item 9): a damaged STEM.counts read as no counts at all --
+# Counts that cannot be read: a damaged STEM.counts read as no counts at all --
 # every counter back to 0, which Prometheus takes for a reset -- with exit 0, and the next turn
 # wrote its one turn over it, silently. Now: `metrics` says so once and leaves those series out
 # (lanelock_counts_readable 0), a turn says once that it was not counted and leaves the file alone.

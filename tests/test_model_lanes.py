@@ -1,4 +1,4 @@
-"""Lanes as the GPUs are (issue 38): with lanes keyed by model, each model's turns hold a lane of
+"""Lanes as the GPUs are: with lanes keyed by model, each model's turns hold a lane of
 their own -- through `run`, the API and one proxy alike, which reads each request's model from
 its body (or llama-swap's /upstream/MODEL/ path); models that share a GPU share a lane through the
 model map (`lanelock models`), one value every process reads; lanes keyed by model with no model

@@ -1,4 +1,4 @@
-"""One order above every store (store/order.py, issue 30): the waiting walk is the same on the
+"""One order above every store (store/order.py): the waiting walk is the same on the
 flock store, on PostgreSQL, and on support/contract_store.py's store given only a medium for it
 (OrderedContractStore), so the same real-process scenes hold on all three.
 
@@ -150,7 +150,7 @@ def test_a_queue_that_breaks_while_a_turn_waits_never_lets_it_run_beside_the_hol
 @pytest.mark.parametrize("kind", ["flock", "postgresql", "contract-ordered"])
 def test_a_stopped_waiter_is_passed_over_and_goes_next_once_continued(kind, tmp_path, backend,
                                                                      procs, request):
-    """issue 31: kill -STOP (or ^Z) of the first waiter held every turn back -- those queued
+    """kill -STOP (or ^Z) of the first waiter held every turn back -- those queued
     behind it, and every plain turn (no barging past it) -- until someone found it. Passed over
     while stopped, it keeps its arrival and class and goes next once continued."""
     where = request.getfixturevalue("postgres").dsn if kind == "postgresql" \

@@ -1,4 +1,4 @@
-"""Crowded is not broken on the PostgreSQL store (PITFALLS 27): a server that refuses a connection
+"""Crowded is not broken on the PostgreSQL store: a server that refuses a connection
 for load -- "sorry, too many clients already", "remaining connection slots are reserved" -- is
 working and busy. Its refused turns wait (a turn with a wait tries again, backing off) or deflect
 (gate_crowded), never run beside the holder. A server that cannot be reached at all still fails

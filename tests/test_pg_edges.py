@@ -1,4 +1,4 @@
-"""Issue 15, the PostgreSQL store's edges: the first turns on a fresh database, and a holder whose
+"""The PostgreSQL store's edges: the first turns on a fresh database, and a holder whose
 host vanishes mid-turn (a network namespace whose link is cut). A real server from Debian's
 postgresql package; skipped without it unless LANELOCK_REQUIRE_PG is set.
 """

@@ -1,4 +1,4 @@
-"""Issue 25, item 4: the async turn and the proxy on PostgreSQL, end to end. Two `lanelock proxy`
+"""The async turn and the proxy on PostgreSQL, end to end. Two `lanelock proxy`
 processes on two hosts share one PostgreSQL store and one engine: many streaming clients through
 both, and the engine never sees two generations at once; `kill -9` of the proxy that holds the lane
 frees it within the documented bound, and the other host's proxy then holds it.

@@ -1,4 +1,4 @@
-"""The witness on the PostgreSQL store, across hosts (issue 29): host A's `lanelock watch` reads
+"""The witness on the PostgreSQL store, across hosts: host A's `lanelock watch` reads
 the engine box's account and the lane through the store, so a turn held on host B covers the
 engine's generation -- and a client of host B that bypasses lanelock is still seen.
 

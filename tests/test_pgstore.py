@@ -241,7 +241,7 @@ def test_a_killed_run_hands_the_lane_on_only_once_its_command_is_gone(lanelock, 
 
 def test_a_deflection_whose_fallbacks_all_fail_is_busy_in_history_too(postgres, lanelock, holder,
                                                                         monkeypatch):
-    """issue 31 (items 6 and 8): events no lock handle carries -- a deflection settled busy, an
+    """Events no lock handle carries -- a deflection settled busy, an
     abandoned wait -- were never journaled on this store (no event handle): a turn whose every
     fallback failed read as deflected here and as busy on the flock store."""
     import json

@@ -1,4 +1,4 @@
-"""Who goes next (issue 26): priority classes and a fair queue for the turns that wait.
+"""Who goes next: priority classes and a fair queue for the turns that wait.
 
 Every waiter is a real `lanelock run` process (or a turn of this process where the API is the
 point); the order they are served in is the order their commands append to a file. Arrival order
@@ -258,7 +258,7 @@ def test_a_bad_class_flag_is_a_usage_error_and_a_bad_variable_the_default(lanelo
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and "urgent" in done.stderr
     assert "Traceback" not in done.stderr
-    # a crontab's typo must not stop the job (issue 31 item 4): normal, with one warning
+    # a crontab's typo must not stop the job: normal, with one warning
     done = lanelock("run", "--", "printenv", "LANELOCK_STATE", env={"LANELOCK_PRIORITY": "urgent"})
     assert (done.returncode, done.stdout) == (0, "held\n"), done.stderr
     assert done.stderr.count("\n") == 1 and "urgent" in done.stderr and "'normal'" in done.stderr
@@ -358,7 +358,7 @@ def test_asyncio_tasks_wait_in_class_order(holder):
 
 @pytest.mark.skipif(not shutil.which("strace"), reason="needs strace")
 def test_a_deflection_never_reads_proc_locks(holder, procs, tmp_path, run_cmd):
-    """issue 30: a turn that deflects named its holder from /proc/locks (and its queue from it
+    """A turn that deflects named its holder from /proc/locks (and its queue from it
     too), a cold read of 8-15 ms that stalls every flock() on the machine -- the hand-off under
     way included (bench measure 9: +3.7 ms above flock(1) with turns deflecting, +2.0 without).
     It now names the holder from its record (a live turn's, on this lock file) and asks each queue
@@ -377,7 +377,7 @@ def test_a_deflection_never_reads_proc_locks(holder, procs, tmp_path, run_cmd):
 
 @pytest.mark.skipif(not shutil.which("strace"), reason="needs strace")
 def test_a_waiting_turn_never_reads_proc_locks(holder, procs, tmp_path):
-    """issue 30: the waiter that got the lane read /proc/locks to see which queue entries lived
+    """The waiter that got the lane read /proc/locks to see which queue entries lived
     (8-15 ms cold, every flock() on the machine waiting meanwhile). A waiter queued behind
     another, then first, then holding: each entry is asked itself, and /proc/locks never."""
     order, trace = tmp_path / "order", tmp_path / "trace"

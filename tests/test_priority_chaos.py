@@ -1,4 +1,4 @@
-"""Who goes next (issue 26) under chaos: three classes of turns from every kind of client at once,
+"""Who goes next under chaos: three classes of turns from every kind of client at once,
 random kill -9 of holders and waiters, and the order proven from the records afterwards.
 
 One stand-in engine (the contention detector, lanelock/testing/standin.py) stands behind one lane.
@@ -41,7 +41,7 @@ so, as inotify's, an upper bound on when the entry became visible. And on Postgr
 no turn fails open or says "gate unavailable" or "deadlock detected", and the server logs no
 "you don't own a lock" (an unlock of an advisory lock its session does not hold).
 
-What must hold (issue 26): no two generations at once (an overlap the engine counts only because it
+What must hold: no two generations at once (an overlap the engine counts only because it
 had not yet noticed that a killed holder's generation was over is told apart and shown); FIFO
 within a class; no later arrival, and no barging turn, granted past a waiter that counted (after
 aging) as at least its class; every batch turn served within two aging steps plus the holds of the

@@ -1,4 +1,4 @@
-"""Who goes next (issue 26) across hosts and across users: the queue of test_priority.py, with its
+"""Who goes next across hosts and across users: the queue of test_priority.py, with its
 waiters spread over two hosts sharing one PostgreSQL store, and over three users sharing one flock
 root.
 

@@ -1,4 +1,4 @@
-"""`lanelock proxy` end to end (issue 17): real processes, real clients, no mocks.
+"""`lanelock proxy` end to end: real processes, real clients, no mocks.
 
 Every engine here is the contention-detecting stand-in (lanelock.testing.standin) or a tiny
 recorder of request headers, each in its own process; every proxy is `python -m lanelock proxy`,
@@ -318,7 +318,7 @@ def test_busy_answers_leave_no_waits_behind(procs, lanelock, holder, lock_dir):
     threads = len(os.listdir(f"/proc/{proxy.proc.pid}/task"))
     descriptors = len(os.listdir(f"/proc/{proxy.proc.pid}/fd"))
     assert busy.release() == 0
-    # Nothing waits in the kernel for a request that has been answered (issue 31 item 6).
+    # Nothing waits in the kernel for a request that has been answered.
     left = view.waiters.count(proxy.proc.pid)
     assert left == 0 and threads < 10 and descriptors < 20, (view, threads, descriptors)
 
@@ -332,7 +332,7 @@ def waiting_gauge(lanelock, backend) -> float:
 
 @pytest.mark.parametrize("wait", ["0", "0.3"])
 def test_a_busy_answer_leaves_no_phantom_waiter(procs, lanelock, holder, lock_dir, wait):
-    """Issue 31 item 6: a 503 -- after --wait 0's grace, or after waiting all of its wait --
+    """A 503 -- after --wait 0's grace, or after waiting all of its wait --
     left the proxy's waiter thread blocked in flock(2) until the holder let go, and `status` said
     [1 waiting] and lanelock_lane_waiters 1 with nobody waiting. The answer is sent once nothing
     waits for it any more: no kernel wait, no queue entry, and every view says so."""
@@ -377,7 +377,7 @@ def test_client_hang_up_mid_stream_frees_the_lane_at_once(procs, lanelock, lock_
 
 
 def test_client_hang_up_while_waiting_abandons_the_wait(procs, lanelock, holder, lock_dir):
-    """Issue 31 item 6: the hung-up request's wait stayed blocked in the kernel (status: [1
+    """The hung-up request's wait stayed blocked in the kernel (status: [1
     waiting]) until the holder let go, and history never showed it. Now nothing waits for it
     once the proxy has seen it go, and the journal says it was abandoned, after how long."""
     engine = Engine(procs, delay=0.01)
@@ -633,7 +633,7 @@ def test_sigterm_lets_the_answer_in_flight_finish(procs, lanelock):
 
 @pytest.mark.slow   # it waits out the whole 10 s bound, which is what it proves: CI's slow tier
 def test_sigterm_with_a_longer_stream_in_flight_ends_within_the_documented_bound(procs, lanelock):
-    """README: SIGTERM lets answers in flight finish for up to 10 s, then closes (issue 24: 21-22 s,
+    """README: SIGTERM lets answers in flight finish for up to 10 s, then closes (21-22 s,
     past the systemd unit's TimeoutStopSec=15). A 20 s stream is cut, the lane is let go."""
     bound = float(re.search(r"finish for up to (\d+) s", README.read_text()).group(1))
     unit_stop = float(re.search(r"TimeoutStopSec=(\d+)", README.read_text()).group(1))

@@ -1,7 +1,7 @@
 """`lanelock proxy` at its edges: crowded is not broken, idle connections are closed, llama-swap's
 /upstream is gated, the log never carries a request's bytes, malformed requests answer 400 in the
 family's shape, a URL fallback never gets the client's credentials unless asked, a bad --engine is
-a usage error (issue 35). Real processes: the stand-in engine, `lanelock run` holders, proxies
+a usage error. Real processes: the stand-in engine, `lanelock run` holders, proxies
 started under prlimit, raw sockets.
 """
 

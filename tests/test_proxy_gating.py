@@ -60,7 +60,7 @@ def test_ungated_paths_pass_through_without_touching_the_lane(procs, lanelock, h
     assert proxy.stop() == 0
 
 
-# -- a request from inside a turn (issue 23, item 2) ----------------------------------------------
+# -- a request from inside a turn ----------------------------------------------
 def curl_chat(proxy) -> list[str]:
     """curl posting one chat request to the proxy, printing the status and X-Lanelock-State."""
     return ["curl", "-s", "-o", "/dev/null", "-D", "-", "-H", "Content-Type: application/json",
@@ -117,7 +117,7 @@ def test_a_client_handed_an_api_turn_passes_the_proxy_as_part_of_it(procs, lanel
     assert engine.stats()["total"] == 1
 
 
-# -- gate by default, every spelling, every dialect (issue 24) ------------------------------------
+# -- gate by default, every spelling, every dialect ------------------------------------
 SPELLINGS = ["/./v1/chat/completions", "/v1/../v1/chat/completions", "//v1/chat/completions",
              "/v1/chat/completions/", "/v1/chat%2Fcompletions", "/V1/chat/completions",
              "/v1/chat/completions?stream=false", "/v1/messages", "/messages", "/responses",
@@ -274,7 +274,7 @@ def test_verbose_says_200_for_a_stream_read_to_its_end(procs):
 
 @pytest.mark.slow   # a stress: 200 waiting requests
 def test_two_hundred_waiting_requests_cost_a_bounded_number_of_threads(procs, holder):
-    """Issue 24: every waiting request cost a thread (202 threads for 200). Now the wait costs
+    """Every waiting request cost a thread (202 threads for 200). Now the wait costs
     none: the proxy stays at <= 24 threads however many wait, and all are served one at a time
     once the lane frees."""
     engine = Engine(procs, delay=0.001)
@@ -332,7 +332,7 @@ def test_the_anthropic_and_openai_sdks_understand_the_busy_answers(procs, holder
     assert busy.release() == 0 and engine.stats()["total"] == 0
 
 
-# -- issue 26: the proxy's requests queue by class ---------------------------------------------------
+# -- the proxy's requests queue by class ---------------------------------------------------
 def test_requests_queue_by_their_class_capped_by_max_priority(procs, lanelock, holder):
     """X-Lanelock-Priority sets a waiting request's class, capped by --max-priority (and the
     answer says so); the lane goes to the higher class first; a busy answer's Retry-After counts

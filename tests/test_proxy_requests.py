@@ -1,4 +1,4 @@
-"""What a request asks of `lanelock proxy`, and what it is told (issue 31): an API turn's own
+"""What a request asks of `lanelock proxy`, and what it is told: an API turn's own
 requests (turn.headers), the class and wait headers, Retry-After, and an engine that is down.
 
 Real processes and real clients as in test_proxy.py (its engines, proxies and helpers): the

@@ -1,4 +1,4 @@
-"""What `lanelock proxy` tells people (issue 31): how a turn it relayed ended (a client that hung
+"""What `lanelock proxy` tells people: how a turn it relayed ended (a client that hung
 up, an engine that cut the answer: never "released cleanly"), the Anthropic busy answer's status
 line, and a URL fallback that cannot be reached -- in lanelock's words, once per incident.
 

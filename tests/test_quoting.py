@@ -1,4 +1,4 @@
-"""The fallback splitter reads bash's quoting (issue 23 item 7): whatever real bash's `printf %q`
+"""The fallback splitter reads bash's quoting: whatever real bash's `printf %q`
 writes for a prompt -- `$'…'` as soon as the prompt has a newline, a tab or any control
 character -- comes back as that prompt, byte for byte, so README's recipe
 `--fallback "cmd $(printf %q "$PROMPT")"` carries any prompt. Every other line reads as shlex read

@@ -166,7 +166,7 @@ def wait_generating(watch: SlotWatch, thread: threading.Thread) -> None:
 
 
 def test_real_clients_of_every_dialect_are_busy_in_their_own_dialect(servers, procs):
-    """Issue 24: llama-server generates on /v1/messages (Anthropic) and /v1/responses (OpenAI
+    """llama-server generates on /v1/messages (Anthropic) and /v1/responses (OpenAI
     Responses); through the proxy, while one request streams, the anthropic SDK (messages.create,
     streamed and not) gets Anthropic's overloaded error (529) and the openai SDK's Responses API
     the OpenAI-style busy error, and the engine's /slots never shows two processing."""

@@ -522,7 +522,7 @@ def test_watch_on_a_terminal_refreshes_when_the_lane_changes(procs, holder):
 
 # A reader that went away is not lanelock's error: the watch ends at once with 0, as a read
 # command whose reader goes does (test_edges), and says nothing about it. A stdout closed from the
-# start is another thing: nothing can be written, so it says so and fails (issue 31).
+# start is another thing: nothing can be written, so it says so and fails.
 WATCH_READERS = {
     "plain-into-head": ("status --watch | head -1", 1),
     "json-into-head": ("status --json --watch | head -1", 1),
@@ -537,7 +537,7 @@ def test_watch_ends_when_its_reader_goes_away(case, run_cmd, lock_dir):
     program = " ".join(map(shlex.quote, LANELOCK))
     done = run_cmd(["bash", "-c", f"{program} {command}; echo \"rc=${{PIPESTATUS[0]}}\" >&2"],
                    timeout=30)   # the old watch ran until killed here
-    if case == "stdout-closed":   # nothing can be written at all: said, and a failure (issue 31)
+    if case == "stdout-closed":   # nothing can be written at all: said, and a failure
         said = done.stderr.splitlines()
         assert said[-1] == "rc=1" and len(said) == 2, done.stderr
         assert said[0].startswith("lanelock: cannot write the output: "), done.stderr
@@ -589,7 +589,7 @@ def test_no_color_on_a_terminal_has_no_colour_codes(lanelock, procs, lock_dir):
 
 @pytest.mark.skipif(not shutil.which("strace"), reason="needs strace")
 def test_status_of_one_backend_reads_only_its_own_lanes(lanelock, lock_dir, run_cmd, tmp_path):
-    """Issue 25: `status -b X` judged every lane under the root to find X's lanes keyed another
+    """`status -b X` judged every lane under the root to find X's lanes keyed another
     way (--key-by model). It now asks the store for the lanes' names and judges only X's: with 40
     other lanes' holder records on the root, it opens none of them, and still names the lane of
     X keyed by model."""
@@ -609,7 +609,7 @@ def test_status_of_one_backend_reads_only_its_own_lanes(lanelock, lock_dir, run_
     assert opened == [], opened[:3]
 
 
-# -- issue 31 item 9: reading the queue --------------------------------------------------------------
+# -- reading the queue --------------------------------------------------------------
 def queue_of(procs, lock_dir, classes) -> list[subprocess.Popen]:
     """One `run --wait` turn per class, each queued (its entry file there) before the next."""
     lock = lock_dir / f"{STEM}.lock"

@@ -1,7 +1,7 @@
 """The store contract (lanelock/store/base.py), held to the same tests on every store: flock(2),
 PostgreSQL, and support/contract_store.py -- a store of the twelve abstract methods alone, on a
 medium neither real store uses (OFD record locks). What passes on all three is what the gate, the
-judge and the read commands get from any store that keeps the contract (issue 25).
+judge and the read commands get from any store that keeps the contract.
 
 Turns are taken by real processes (support/store_driver.py) and by this one; nothing here reaches
 into a store's own files or tables."""

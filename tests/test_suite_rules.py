@@ -35,3 +35,13 @@ def test_conftest_holds_fixtures_only_and_nothing_imports_it():
     importers = [path.name for path in sorted(TESTS.rglob("*.py"))
                  if re.search(r"^\s*(from conftest import|import conftest)", path.read_text(), re.M)]
     assert (helpers, importers) == ([], [])
+
+
+def test_tests_say_what_they_hold_not_which_ticket_asked():
+    """A test names the behaviour it holds; a ticket's number means nothing to a reader of the
+    suite (the tracker is not in the repository)."""
+    found = [f"{path.relative_to(TESTS)}:{number}"
+             for path in sorted(TESTS.rglob("*.py")) if path.name != "test_docs.py"
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"\b[Ii]ssue \d+|\bPITFALLS\b", line)]
+    assert found == []

@@ -354,7 +354,7 @@ def test_another_users_holder_is_named_without_reading_proc_locks(two_users, sha
                                                                  tmp_path):
     """alice holds; mallory's turn may not look at alice's open files, yet names her turn from
     its record (a lanelock process of the uid the record names) without the kernel's lock table,
-    which no turn may read (PITFALLS 22)."""
+    which no turn may read."""
     mallory, alice = two_users
     held = holder("-b", LANE, "-s", "alices", launcher=[sys.executable, launcher_script, alice])
     trace = tmp_path / "trace"

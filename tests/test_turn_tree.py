@@ -1,4 +1,4 @@
-"""A turn is its command's whole process tree (issue 35): `lanelock run` runs its command in a
+"""A turn is its command's whole process tree: `lanelock run` runs its command in a
 process group of its own, and the lane is not free while any process of that group runs --
 whether the wrapper is alive (the command ended first), sent SIGTERM (the whole group ends), or
 killed outright (the holder record names the group; the next turn waits until it is empty). A

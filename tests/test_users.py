@@ -1,4 +1,4 @@
-"""Issue 15, item 10: several users on one lane. The root is shared by every user (as it must be);
+"""Several users on one lane. The root is shared by every user (as it must be);
 whichever user took the lane first, every other user's turn must record its holder facts where
 `status` and deflections find them, with no warning. Real processes under two non-root users and
 root, in every order.

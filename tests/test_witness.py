@@ -1,4 +1,4 @@
-"""The witness (issue 29): every generation the engine runs is a turn the gate saw, or lanelock
+"""The witness: every generation the engine runs is a turn the gate saw, or lanelock
 says so. Real processes: the stand-in engine (lanelock.testing serve, with llama.cpp's /slots and
 the documented shapes of llama-swap, vLLM, SGLang and Ollama -- servers this machine cannot run),
 `lanelock watch`, `lanelock proxy`, `lanelock run` and the API."""

@@ -106,11 +106,10 @@ class ClientProcess:
 def session_of(pid: int) -> str | None:
     """LANELOCK_SESSION from pid's environment (as it was at exec), else user@NAME/PID; None
     when the process is gone."""
-    from ..proc import files_uid, name
+    from ..proc import environ, files_uid, name
 
     try:
-        with open(f"/proc/{pid}/environ", "rb") as handle:
-            raw = handle.read(1 << 20)
+        raw = environ(pid)
     except OSError:
         raw = b""   # another user's, for a proxy that is not root: its name and pid still
     for entry in raw.split(b"\0"):
