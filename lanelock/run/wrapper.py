@@ -170,7 +170,7 @@ def _watch(turn: Turn | None, options: Options, say: Say, group: list[int]):
     """The lane's watch (lanewatch.py) for a holder whose store can take the lane away (a
     PostgreSQL session); None for a flock lane, which nothing takes away. With --on-lost stop,
     a lane lost for good stops the command's process group: SIGTERM, then SIGKILL after
-    --kill-after if it is still there. From the watch's thread, not through the wrapper's own
+    --kill-after (at the latest before a leased lane's lease ends) if it is still there. From the watch's thread, not through the wrapper's own
     signals: a signal sent to the wrapper just as the command ended would still be pending when
     runner.run unblocks them, and kill the wrapper before it releases."""
     if turn is None or not turn.held or turn.nested or turn.handle is None or \
@@ -184,7 +184,12 @@ def _watch(turn: Turn | None, options: Options, say: Say, group: list[int]):
         if not stop or not group:
             return
         runner.end_group(group[0])
-        if options.kill_after is not None and not watch.stopped_within(options.kill_after):
+        # A leased lane: the command is gone before another host may take the lane, whatever
+        # --kill-after says (store/pg/lease.py's margin).
+        after, bound = options.kill_after, watch.kill_within()
+        if bound is not None:
+            after = bound if after is None else min(after, bound)
+        if after is not None and not watch.stopped_within(after):
             runner.end_group(group[0], kill=True)
 
     watch = LaneWatch(turn, say.warn, Words(stop=stop), on_lost=lost)

@@ -242,6 +242,24 @@ class LaneStore(ABC):
         ask again. Default: lost for good."""
         return False
 
+    # A leased hold (store/pg/lease.py): the watch renews it, and a lost lease counts as lost
+    # DECIDE s before it ends, its command killed by KILL_BY s before it ends.
+    DECIDE = 0.0
+    KILL_BY = 0.0
+
+    def renews(self, handle) -> float | None:
+        """Seconds between the watch's renewals of this hold; None: nothing to renew."""
+        return None
+
+    def renew(self, handle) -> bool:
+        """Renew the hold; False: not answered in time (the link counts as lost)."""
+        return True
+
+    def lease_deadline(self, handle) -> float | None:
+        """The monotonic moment another turn may take the lane after this hold is lost; None:
+        not leased."""
+        return None
+
     # -- the turn's records (RecordNotWritten on failure) --------------------------------------------
     @abstractmethod
     def write_holder(self, handle, record: dict) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from ...errors import GateUnavailable, RecordNotWritten, ServerCrowded
 from .. import order, outlived
-from . import outage
+from . import lease, outage
 from . import queue as pg_queue
 from ..base import LaneFacts, LaneStore, LockHandle
 from ...priority import DEFAULT_AGING
@@ -72,6 +72,10 @@ class PgHandle(LockHandle):
     unreleased: dict | None = None  # the row of a turn that never released, when this one took
     cut_off: bool = False          # the session's link timed out (lost(): a partition)
     local: object = None           # its place on the host lane (hostqueue.Local), or None
+    # The lease (lease.py): renewed by the watch's thread while the turn holds the lane.
+    lease: float | None = None     # seconds the row's lease lasts after a renewal (None: none)
+    lease_from: float | None = None  # monotonic: when the last answered renewal was sent
+    frozen: bool = False           # a renewal went unanswered: the session is not trusted
     exists = True                  # a lock row exists as soon as anyone asks
     # The hand-off's round trips (handoff.py): what the try that took the lock read after it,
     # the queue leave and the release that go with the session's next statement.
@@ -398,6 +402,19 @@ class PgStore(LaneStore):
     def retake(self, handle: PgHandle) -> bool | None:
         return outage.retake(self, handle)
 
+    # -- the lease (lease.py): a lost link is not a restart ---------------------------------------
+    DECIDE = lease.DECIDE
+    KILL_BY = lease.KILL_BY
+
+    def renews(self, handle: PgHandle) -> float | None:
+        return lease.RENEW if handle.conn is not None and handle.held else None
+
+    def renew(self, handle: PgHandle) -> bool:
+        return lease.renew(handle)
+
+    def lease_deadline(self, handle: PgHandle) -> float | None:
+        return lease.deadline(handle)
+
     def _join(self, handle: PgHandle, rank: int, waited: float = 0.0) -> int | None:
         """This turn's ticket; None when the queue cannot be used (said once: the wait then
         takes the server's order, the lane's own lock alone)."""
@@ -540,30 +557,39 @@ class PgStore(LaneStore):
             return None, None
         record, here, claim = row
         claim = claim if claim is not None and claim > 0 else None
+        if claim is not None and here and _ended_here(record):
+            claim = None   # its turn died on this host: nothing will take the lane back
         if claim is None and isinstance(record, dict):
             handle.unreleased = record
         return record if here and isinstance(record, dict) else None, claim
 
     def release(self, handle: PgHandle, count: dict | None = None) -> None:
-        from .handoff import let_go, write_alone
-
         local = handle.local
         try:
-            if handle.held and local is not None:   # no gap for another host's later waiter
-                from ...facts import hostname
-                from . import hostqueue
-
-                # each look lets go in its own round trip once a head of this host has joined
-                hostqueue.await_next_head(local, lambda: let_go(self, handle, hostname()))
-            # Only a lock this session holds: a turn that deflected or gave its wait up holds
-            # none, and the server warns of every unlock of a lock not held ("you don't own a
-            # lock"). The release's row and events go first, in the same round trip.
-            if handle.held:
-                let_go(self, handle)
-            elif handle.releasing is not None:   # the lock gone meanwhile: written all the same
-                write_alone(self, handle)
+            with lease.Bounded(handle):
+                self._let_go(handle, local)
         except GateUnavailable:
             pass   # the session is gone, and the lock with it
+        self._released(handle, local, count)
+
+    def _let_go(self, handle: PgHandle, local) -> None:
+        from .handoff import let_go, write_alone
+
+        if handle.held and local is not None:   # no gap for another host's later waiter
+            from ...facts import hostname
+            from . import hostqueue
+
+            # each look lets go in its own round trip once a head of this host has joined
+            hostqueue.await_next_head(local, lambda: let_go(self, handle, hostname()))
+        # Only a lock this session holds: a turn that deflected or gave its wait up holds
+        # none, and the server warns of every unlock of a lock not held ("you don't own a
+        # lock"). The release's row and events go first, in the same round trip.
+        if handle.held:
+            let_go(self, handle)
+        elif handle.releasing is not None:   # the lock gone meanwhile: written all the same
+            write_alone(self, handle)
+
+    def _released(self, handle: PgHandle, local, count: dict | None) -> None:
         # The count after the unlock, on the same connection: the next turn starts while this
         # one counts (the hand-off waits for no bookkeeping), and it is counted before release
         # returns.
@@ -650,6 +676,7 @@ class PgStore(LaneStore):
 
         params = holder_params(handle, record)
         psycopg = driver()
+        sent = time.monotonic()   # the row's updated_at renews a lease too (lease.py)
         try:
             with handle.conn.cursor() as cursor:
                 handle.fence = None
@@ -661,6 +688,8 @@ class PgStore(LaneStore):
                     return
                 try:   # the queue left by a turn that took the lane, in the same round trip
                     handle.fence = with_leave(handle, WRITE_FENCED, params)
+                    if handle.lease:
+                        handle.lease_from = sent
                 except psycopg.errors.UndefinedColumn:   # the column dropped since: the same
                     flush_leave(handle)
                     cursor.execute(WRITE_UNFENCED, params)
@@ -906,6 +935,19 @@ def _lockers(cursor, key: tuple[int, int]) -> list[tuple]:
         "AND l.classid = %s AND l.objid = %s AND l.objsubid = 2",
         (key[0] & 0xFFFFFFFF, key[1] & 0xFFFFFFFF))
     return cursor.fetchall()
+
+
+def _ended_here(record) -> bool:
+    """Has the turn of this host a holder row names ended (its process gone, or another process
+    since under its pid)? A lease or a restart's claim keeps the lane for a holder that can
+    still take it back, never for one that is gone."""
+    from ...proc import start_ticks
+
+    if not isinstance(record, dict) or not isinstance(record.get("pid"), int):
+        return False
+    ticks = record.get("start_ticks")
+    now = start_ticks(record["pid"])
+    return now is None or (ticks is not None and now != ticks)
 
 
 def _timed_out(fd: int | None) -> bool:
