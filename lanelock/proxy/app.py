@@ -36,6 +36,7 @@ from .logs import Incidents
 from .lost import REASON_LOST, Cut, LaneLost, ProxyWords, unwatch
 from .client_process import ClientProcess
 from .per_lane import Lanes
+from .request_model import Disagree
 from .proxied import CUT, REASON, SEAT, SLOT, STATE, Timing
 from .relay import Unreachable, error_response, relay, request_headers
 from .routes import Routes
@@ -46,6 +47,7 @@ from .traffic import PROXIED, InFlight
 # A client's own is never forwarded: only the proxy says it.
 FENCE = "X-Lanelock-Fence"
 BUSY = "busy"
+DOWN = "down"   # the engine refused or dropped the connection: whatever the lane, it ran nothing
 GONE = "client_gone"   # the reason of an abandoned wait: the client hung up
 DEFAULT_PROXY_MAX_WAIT = 60.0   # the settings' proxy_max_wait default, for the API
 # An answer a retry cannot change (the client holds the lane itself; it sent a malformed header):
@@ -180,8 +182,12 @@ class Proxy:
         except class_and_wait.Malformed as error:
             return self._refused(dialect, error)
         applied = asked.headers()
-        model = proxied.model = dialect.model_of(proxied.fields)
-        lane = proxied.lane = self.lanes.of(model, proxied.path)
+        try:
+            model = proxied.model = await self.lanes.model_of(upstream, proxied,
+                                                              self._asking_headers(request))
+        except Disagree as error:
+            return self._refused_body(dialect, error)
+        lane = proxied.lane = self.lanes.of(model)
         gate = lane.gate
         client = ClientProcess(request, gate.lock_path)
         session = proxied.session = (
@@ -304,6 +310,20 @@ class Proxy:
                                      f"{CUT['lost']}; the request was cut, try again")
         return _answer(503, body, {STATE: proxied.turn.state, REASON: REASON_LOST, **applied})
 
+    def _refused_body(self, dialect, error) -> web.Response:
+        """A body two readers read differently (request_model.py): which model the engine
+        would run cannot be told, so it runs nothing -- 400 in the client's dialect."""
+        body = dialects.error_answer(dialect, 400, "ambiguous_request_body",
+                                     f"lanelock cannot tell which model this request names: "
+                                     f"{error}", "model")
+        return _answer(400, body, NO_RETRY)
+
+    def _asking_headers(self, request) -> dict:
+        """The client's credentials, for asking the engine its models (llama-swap's
+        /v1/models may need its API key) -- unless they are the proxy's own token."""
+        given = request.headers.get("Authorization")
+        return {"Authorization": given} if given and not self.options.token else {}
+
     def _refused(self, dialect, error: class_and_wait.Malformed) -> web.Response:
         """A malformed X-Lanelock-* header: 400 in the client's dialect, naming the header,
         before the lane is asked (the caps said, so the client sees what it may ask)."""
@@ -338,14 +358,14 @@ class Proxy:
         except Unreachable as error:
             self.incidents("engine-down", f"backend {url.split('?')[0]} unreachable: {error}")
             return error_response(502, "backend_unreachable",
-                                  f"the local engine at {self.backend_url} did not answer: {error}")
+                                  f"the local engine at {self.backend_url} did not answer: {error}",
+                                  {STATE: DOWN, REASON: REASON_DOWN})
 
     async def _down(self, upstream, proxied, reused, error, applied) -> web.StreamResponse:
         """The local engine did not answer (refused, or reset before a byte came back): the lane
         goes at once (nothing runs on it, and no linger keeps it), then the fallback chain; 502
         naming each attempt when none is left."""
         turn = proxied.turn
-        state = turn.state
         proxied.status = 502
         proxied.lane.linger.forget(reused)
         await asyncturn.release(turn, 502)
@@ -359,7 +379,7 @@ class Proxy:
             f"no fallback for {proxied.method} {proxied.path[:200]}: 502"))
         body = dialects.error_answer(proxied.dialect, 502, REASON_DOWN,
                                      why.words + (f"; {failed}" if failed else ""))
-        return _answer(502, body, {STATE: state, REASON: REASON_DOWN, **applied})
+        return _answer(502, body, {STATE: DOWN, REASON: REASON_DOWN, **applied})
 
     async def _deflected(self, upstream, proxied, client, applied) -> web.StreamResponse:
         """A busy lane: the fallback chain; none left, the dialect's busy answer, naming what
