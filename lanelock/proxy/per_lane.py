@@ -79,8 +79,11 @@ class Lanes:
                 or request_model.query_model(proxied.target)
         else:
             model = proxied.dialect.model_of(fields)
-        if model and (kind == OLLAMA or proxied.dialect is dialects.OLLAMA):
-            model = ollama_name(model)
+        if kind == OLLAMA or proxied.dialect is dialects.OLLAMA:
+            # Go's encoding/json matches `Model` too (one spelling only: request_model.py).
+            model = model or next((value for name, value in fields.items()
+                                   if name.lower() == "model" and isinstance(value, str)), None)
+            model = model and ollama_name(model)
         return model
 
     def of(self, model: str | None) -> Lane:

@@ -6,7 +6,8 @@ readers read differently:
 
 - a JSON body is read once, by Python's json, with every object's keys checked: a repeated key is
   refused (llama-swap's gjson takes the first `model`, Python's json the last: `{"model": "A",
-  ..., "model": "B"}` would hold B's lane while the engine runs A); so is a body with a `{` that
+  ..., "model": "B"}` would hold B's lane while the engine runs A), as is one repeated in another
+  case (Go's encoding/json, Ollama's, reads `Model` as `model`); so is a body with a `{` that
   is no JSON object to json (gjson still reads a `model` out of `{"model": "A",}`), and a model
   that is no UTF-8 text (a lone surrogate: gjson reads U+FFFD there);
 - a multipart form (llama-swap's /v1/audio/transcriptions and /v1/images/edits): the first field
@@ -61,11 +62,14 @@ def json_fields(body: bytes) -> dict:
 
 
 def _unique(pairs: list) -> dict:
-    seen = {}
+    """An object whose keys are all different, in any case: Go's encoding/json (Ollama) reads
+    `Model` as `model`, and the last of them; gjson the first exact one; Python the last."""
+    seen, folded = {}, set()
     for name, value in pairs:
-        if name in seen:
-            raise Disagree(f"the key {name[:100]!r} is repeated in one JSON object (readers "
-                           "differ on which one counts)")
+        if name.lower() in folded:
+            raise Disagree(f"the key {name[:100]!r} is repeated in one JSON object (in some "
+                           "case: readers differ on which one counts)")
+        folded.add(name.lower())
         seen[name] = value
     return seen
 
