@@ -74,9 +74,13 @@ class Proxied:
     @property
     def fields(self) -> dict:
         if self._fields is None:
-            from .request_model import json_fields
+            from . import request_model
 
-            self._fields = json_fields(self.body)
+            # A form where the engine reads a form is no JSON; anywhere else gjson would still
+            # look for a JSON object in it (request_model.py).
+            form = self.path in request_model.FORM_PATHS and request_model.is_form(
+                self.http.headers.get("Content-Type", ""))
+            self._fields = {} if form else request_model.json_fields(self.body)
         return self._fields
 
     def ended(self) -> str | None:
