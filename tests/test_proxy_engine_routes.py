@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
+import time
 
 import pytest
 
@@ -187,3 +189,75 @@ def test_an_engine_refusing_the_connection_is_down_whatever_the_lane(procs):
         status, answer, _ = ask(proxy.port, method, target, body)
         assert (status, answer.get("x-lanelock-state"), answer.get("x-lanelock-reason")) == \
             (502, "down", "local_backend_down"), (method, target, answer)
+
+
+# -- bodies held back ------------------------------------------------------------------------------
+def slow_body(port: int, target: str = CHAT) -> socket.socket:
+    """A connection that sent a whole header and a Content-Length, and holds its body back."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(f"POST {target} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: 100\r\n\r\n{{\"mo".encode())
+    return sock
+
+
+def test_a_body_held_back_is_answered_408_and_closed(procs):
+    from support.engine import Engine
+    from support.proxy import Proxy
+
+    engine = Engine(procs, delay=0.01)
+    proxy = Proxy(procs, engine.backend, "--header-timeout", "1", "--no-witness")
+    with slow_body(proxy.port) as sock:
+        started = time.monotonic()
+        answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+        assert b'"request_timeout"' in answer
+        assert 0.5 < time.monotonic() - started < 10
+        while sock.recv(65536):
+            pass   # then closed
+    assert engine.stats()["total"] == 0
+
+
+def test_bodies_held_back_count_toward_the_cap_and_make_room_for_the_proxys_own(procs):
+    from support.engine import Engine
+    from support.proxy import Proxy, request
+
+    engine = Engine(procs, delay=0.01)
+    proxy = Proxy(procs, engine.backend, "--max-connections", "4", "--header-timeout", "30",
+                  "--no-witness")
+    held = [slow_body(proxy.port) for _ in range(6)]
+    try:
+        for _ in range(3):
+            started = time.monotonic()
+            status, _, body = request(proxy.port, "GET", "/lanelock/status")
+            assert status == 200, body
+            assert time.monotonic() - started < 5
+    finally:
+        for sock in held:
+            sock.close()
+
+
+@pytest.mark.slow   # a stress: 1,100 connections holding their bodies back
+def test_a_proxy_without_a_token_answers_its_status_through_1100_held_back_bodies(procs):
+    from support.engine import Engine
+    from support.proxy import Proxy, request
+
+    engine = Engine(procs, delay=0.01)
+    proxy = Proxy(procs, engine.backend, "--header-timeout", "30", "--no-witness")
+    held, slowest = [], 0.0
+    try:
+        for index in range(1100):
+            held.append(slow_body(proxy.port))
+            if index % 100 == 99:
+                started = time.monotonic()
+                status, _, body = request(proxy.port, "GET", "/lanelock/status")
+                slowest = max(slowest, time.monotonic() - started)
+                assert status == 200, body
+        for _ in range(5):
+            started = time.monotonic()
+            assert request(proxy.port, "GET", "/lanelock/status")[0] == 200
+            slowest = max(slowest, time.monotonic() - started)
+    finally:
+        for sock in held:
+            sock.close()
+    assert slowest < 1.0, slowest
+    assert "Traceback" not in proxy.log(), proxy.log()

@@ -135,12 +135,29 @@ class Proxy:
     async def _request(self, proxied) -> web.StreamResponse:
         # Decided on the raw target, forwarded as the raw target: the path judged is the path the
         # engine is asked (routes.py).
-        proxied.read_fields(await proxied.http.read())
+        body = await self._body(proxied)
+        if body is None:
+            return _late_body(proxied, self.options.header_timeout)
+        proxied.read_fields(body)
         proxied.options = self.options   # a reload (reload.py) leaves this request as it came
         upstream = proxied.http.app[UPSTREAM]
         if not self.options.routes.is_gated(proxied.method, proxied.path):
             return await self._forward(upstream, proxied)
         return await self._gated(upstream, proxied)
+
+    async def _body(self, proxied) -> bytes | None:
+        """The request's body, complete within the header's time again (None: it was not).
+        While it comes, its connection may be closed for a new one at the cap (listener.py)."""
+        listener, handler = self.listener, proxied.http.protocol
+        if listener is not None:
+            listener.reading(handler, True)
+        try:
+            return await asyncio.wait_for(proxied.http.read(), self.options.header_timeout)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            if listener is not None:
+                listener.reading(handler, False)
 
     async def metrics(self, upstream) -> web.Response:
         """lanelock's exposition for the lanes this proxy serves (with lanes keyed by model,
@@ -440,6 +457,18 @@ def _answer(status: int, body: bytes, headers: dict) -> web.Response:
                             body=body, content_type="application/json")
     for name, value in headers.items():
         response.headers[name] = value
+    return response
+
+
+def _late_body(proxied, seconds: float) -> web.Response:
+    """408 for a body that did not come in time, in the family's shape; the connection closes
+    (the rest of the body is never read)."""
+    dialect = dialects.of(proxied.path)
+    body = dialects.error_answer(dialect, 408, "request_timeout",
+                                 f"the request body did not arrive within {seconds:g} s of its "
+                                 "header (--header-timeout)")
+    response = _answer(408, body, {})
+    response.force_close()
     return response
 
 
