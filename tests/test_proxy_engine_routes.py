@@ -137,6 +137,36 @@ def test_a_model_added_to_llama_swap_later_is_read_again_on_a_miss(procs, tmp_pa
     assert held.release() == 0
 
 
+def test_requests_that_come_while_llama_swap_is_first_asked_wait_for_its_answer(procs, tmp_path,
+                                                                             holder):
+    """The proxy's first requests all come before it knows llama-swap's models: each waits for
+    the one look at its list, so none takes the lane of 'author' beside author/model's holder."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from support.proxy import Proxy
+
+    engine = RoutedEngine(procs, tmp_path, "llama-swap", "A,author/model", delay=0.05)
+    proxy = Proxy(procs, engine.backend, *KEYED)
+    held = holder("-b", engine.backend, "--key-by", "model", "-m", "author/model")
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: ask(proxy.port, "POST",
+                                              "/upstream/author/model/v1/chat/completions",
+                                              b"{}")[0], range(8)))
+    assert answers == [503] * 8, answers
+    assert engine.ran("author/model") == 0
+    assert held.release() == 0
+
+
+def test_models_alias_puts_a_name_on_its_models_lane(lanelock):
+    assert lanelock("models", "share", "gpu0", "qwen").returncode == 0
+    assert lanelock("models", "alias", "q", "qwen").stdout == "localhost:8080#gpu0: q, qwen\n"
+    shown = lanelock("models", "alias", "l", "llama")   # a model of a lane of its own
+    assert shown.stdout == "localhost:8080#gpu0: q, qwen\nlocalhost:8080#llama: l, llama\n"
+    for words in (["alias", "x"], ["alias", "x", "y", "z"], ["alias", "", "y"]):
+        result = lanelock("models", *words)
+        assert result.returncode == 2 and result.stderr.startswith("lanelock: "), result
+
+
 OLLAMA_SPELLINGS = ['"llama3"', '"llama3:latest"', '"Llama3"', '"library/llama3:latest"',
                     '"registry.ollama.ai/library/llama3"']
 

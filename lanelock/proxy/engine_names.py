@@ -72,30 +72,46 @@ class EngineNames:
         self._kind_at = float("-inf")
         self._ids: frozenset = frozenset()
         self._ids_at = float("-inf")
+        # One question at a time: a request that comes while the engine is asked waits for its
+        # answer, never goes on with what was known before (two lanes for one model).
+        self._asking = None
+
+    def _lock(self):
+        import asyncio
+
+        if self._asking is None:
+            self._asking = asyncio.Lock()
+        return self._asking
 
     async def find_kind(self, session, headers) -> str | None:
         """The engine's kind (None: it has not answered yet)."""
-        now = time.monotonic()
-        if self.kind is not None or now - self._kind_at < REREAD:
+        if self.kind is not None:
             return self.kind
-        self._kind_at = now
+        async with self._lock():
+            if self.kind is None and time.monotonic() - self._kind_at >= REREAD:
+                await self._ask_kind(session, headers)
+        return self.kind
+
+    async def _ask_kind(self, session, headers) -> None:
+        self._kind_at = time.monotonic()
         running = await self._get(session, "/running", headers)
         if running is not None:
             if isinstance(running, dict) and isinstance(running.get("running"), list):
                 self.kind = LLAMA_SWAP
-                return self.kind
+                return
             version = await self._get(session, "/api/version", headers)
             self.kind = OLLAMA if isinstance(version, dict) and "version" in version else PLAIN
-        return self.kind
 
     async def upstream_model(self, session, headers, segments: list[str], aliases) -> str | None:
         """The model llama-swap runs for /upstream/ segments (aliases: the map's names)."""
         if not segments:
             return None
         found = first_known(segments, self._ids | set(aliases))
-        if found is None and time.monotonic() - self._ids_at >= REREAD:
-            await self._read_ids(session, headers)
-            found = first_known(segments, self._ids | set(aliases))
+        if found is None:
+            async with self._lock():
+                if time.monotonic() - self._ids_at >= REREAD:
+                    await self._read_ids(session, headers)
+                found = first_known(segments, self._ids | set(aliases))
         return found or segments[0]
 
     async def _read_ids(self, session, headers) -> None:
