@@ -198,6 +198,22 @@ def test_every_spelling_ollama_runs_as_one_model_is_one_lane(procs, tmp_path, ho
     assert engine.ran("llama3:latest") == len(OLLAMA_SPELLINGS)
 
 
+def test_an_ollama_model_the_map_spells_otherwise_is_on_its_shared_lane(procs, tmp_path, holder,
+                                                                        lanelock):
+    from support.proxy import Proxy
+
+    engine = RoutedEngine(procs, tmp_path, "ollama", "llama3:latest,qwen:7b", delay=0.05)
+    shared = lanelock("models", "-b", engine.backend, "share", "gpu0", "library/llama3:latest",
+                      "qwen:7b")
+    assert shared.returncode == 0, shared.stderr
+    proxy = Proxy(procs, engine.backend, *KEYED)
+    held = holder("-b", engine.backend, "--key-by", "model", "-m", "qwen:7b")
+    status, answer, _ = ask(proxy.port, "POST", "/api/chat", chat('"Llama3"'))
+    assert (status, answer.get("x-lanelock-state")) == (503, "busy")
+    assert engine.ran("llama3:latest") == 0
+    assert held.release() == 0
+
+
 def test_head_is_answered_as_its_get_while_the_lane_is_held(swap, holder):
     engine, proxy = swap
     held = holder("-b", engine.backend, "--key-by", "model", "-m", "A")

@@ -98,8 +98,8 @@ class Lanes:
                               f"lane {self.own.gate.lane.name} (said once)")
             return self.own
         mapping = self._mapping()
-        if self.names.kind == OLLAMA:   # the map's names as Ollama reads them, too
-            mapping = {ollama_name(name): lane for name, lane in mapping.items()}
+        if self.names.kind == OLLAMA:   # the map's name of the model, in whatever spelling
+            model = next((name for name in mapping if ollama_name(name) == model), model)
         name = models.lane_model(mapping, model)
         lane = self._lanes.get(name)
         if lane is not None:
