@@ -34,7 +34,7 @@ from .finishing import Finishing
 from .listener import HEADER_TIMEOUT, IDLE_TIMEOUT, MAX_CONNECTIONS
 from .logs import Incidents
 from .lost import REASON_LOST, Cut, LaneLost, ProxyWords, unwatch
-from .client_process import ClientProcess
+from .client_process import LATER, ClientProcess
 from .per_lane import Lanes
 from .proxied import CUT, REASON, SEAT, SLOT, STATE, Timing
 from .relay import Unreachable, error_response, relay, request_headers
@@ -469,9 +469,14 @@ def _while_held(gate, askers):
 
 
 async def _client_session(client) -> str | None:
-    """The session of the client's process (client_process.py), off the event loop; None when
-    no thread can be had (out of descriptors, even to import the pool: the gate then says
-    crowded) -- the request is named by its address."""
+    """The session of the client's process (client_process.py): on the event loop when it is
+    a few system calls (the connection's name kept, or a recent client's process holding the
+    socket: a thread's start and wake-up would cost more), else off it; None when no thread
+    can be had (out of descriptors, even to import the pool: the gate then says crowded) --
+    the request is named by its address."""
+    session = client.session(scan=False)
+    if session is not LATER:
+        return session
     try:
         return await asyncio.to_thread(client.session)
     except (OSError, RuntimeError):

@@ -33,6 +33,7 @@ from ..proc import start_ticks
 from .socket_owner import owners
 
 CONNECTIONS = 1024   # connections whose client's name is kept (the proxy's --max-connections)
+LATER = object()     # session(scan=False): only a pass over /proc can tell
 
 
 class Names:
@@ -93,17 +94,20 @@ class ClientProcess:
             self.pids, self._looked = owners(self.peer, self.local), True
         return self.pids
 
-    def _named(self) -> tuple[int, str | None] | None:
+    def _named(self, scan: bool = True):
         """(pid, session) of the client's process: the connection's, when an earlier request
         on it named it and that process still runs (its start time unchanged); else looked up
-        (socket_owner.py) and kept for the connection's next requests."""
+        (socket_owner.py) and kept for the connection's next requests. scan=False: LATER when
+        only a pass over /proc could find it (the caller does that off the event loop)."""
         if self._transport is None:
             return None
         kept = NAMES.get(self._transport)
         if kept is not None:
             self.pids = self.pids or [kept[0]]
             return kept[0], kept[2]
-        pids = self.pids or owners(self.peer, self.local, every=False)
+        pids = self.pids or owners(self.peer, self.local, every=False, scan=scan)
+        if pids is None:
+            return LATER
         if not pids:
             return None
         self.pids = pids
@@ -114,14 +118,16 @@ class ClientProcess:
             NAMES.put(self._transport, (pid, started, session))
         return pid, session
 
-    def session(self) -> str | None:
+    def session(self, scan: bool = True):
         """The session of a loopback client's process (module doc), None when there is none to
-        find (not loopback, gone, unreadable)."""
+        find (not loopback, gone, unreadable). scan=False: a few system calls at most (the
+        connection's name kept, or a recent client's process holding the socket), LATER when
+        the answer needs a pass over /proc."""
         try:
             if not _loopback(self.peer) or not isinstance(self.local, tuple):
                 return None
-            named = self._named()
-            return named[1] if named else None
+            named = self._named(scan)
+            return named if named is LATER else named[1] if named else None
         except OSError:   # /proc unreadable now (out of descriptors): named by its address
             return None
 

@@ -26,10 +26,11 @@ _recent: OrderedDict[int, None] = OrderedDict()   # pids, newest last
 _lock = threading.Lock()   # owners() runs in the event loop's thread pool
 
 
-def owners(peer, local, *, every: bool = True) -> list[int]:
+def owners(peer, local, *, every: bool = True, scan: bool = True) -> list[int] | None:
     """Pids holding the client end of the connection peer -> local. every=False: the first
     found is enough (naming the client); True: all of them (a forked child shares its parent's
-    socket: the gate's askers are each one)."""
+    socket: the gate's askers are each one). scan=False: only the recent owners are looked at,
+    None when none of them holds it (then only a scan can tell)."""
     found = client_socket(peer, local)
     if found is None:
         return []
@@ -43,6 +44,8 @@ def owners(peer, local, *, every: bool = True) -> list[int]:
             pids.append(pid)
             if not every:
                 break
+    if not pids and not scan:
+        return None
     if not pids or every:
         seen = set(pids)
         pids += [pid for pid in _scan(uid, target) if pid not in seen]
