@@ -101,3 +101,25 @@ def test_a_run_jobs_keep_alive_requests_are_part_of_its_turn(procs, lanelock):
     turns = [event for event in history(lanelock, engine.backend) if event["event"] == "acquired"]
     assert [(event.get("via"), event.get("session")) for event in turns] == [(None, "nightly")]
     assert proxy.stop() == 0
+
+
+def test_the_names_kept_per_connection_are_bounded_and_never_outlive_their_connection():
+    """The per-connection names hold at most their size (the least recently used go first),
+    and a connection that is gone is never answered for, even if another takes its place."""
+    from lanelock.proc import start_ticks
+    from lanelock.proxy.client_process import Names
+
+    class Transport:   # what the names key on: a connection's transport, held weakly
+        pass
+
+    me = (os.getpid(), start_ticks(os.getpid()), "me")
+    names = Names(size=2)
+    first, second, third = Transport(), Transport(), Transport()
+    for transport in (first, second, third):
+        names.put(transport, me)
+    assert len(names) == 2
+    assert names.get(first) is None and names.get(third) == me
+    del second   # the connection closed: its transport goes
+    assert names.get(Transport()) is None
+    names.put(first, (os.getpid(), -1, "me"))   # a process with this pid but another start
+    assert names.get(first) is None

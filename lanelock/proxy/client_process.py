@@ -34,6 +34,7 @@ from .socket_owner import owners
 
 CONNECTIONS = 1024   # connections whose client's name is kept (the proxy's --max-connections)
 LATER = object()     # session(scan=False): only a pass over /proc can tell
+_LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 
 
 class Names:
@@ -206,6 +207,8 @@ def _user(uid: int) -> str:
 def _loopback(peer) -> bool:
     if not isinstance(peer, tuple):
         return False
+    if peer and peer[0] in _LOOPBACK:   # the usual spellings, without parsing them per request
+        return True
     try:
         address = ipaddress.ip_address(str(peer[0]).split("%")[0])
     except (ValueError, IndexError):

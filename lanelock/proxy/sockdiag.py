@@ -10,7 +10,6 @@ sock_diag for TCP (the tcp_diag module absent): client_process.py.
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import struct
 
@@ -66,14 +65,20 @@ def _addresses(client: str, server: str) -> tuple[int, bytes, bytes]:
     """(family, client address, server address), 16 bytes each as inet_diag_sockid holds them.
     An IPv4 client seen by a dual-stack listener as ::ffff:a.b.c.d is asked as IPv4: its own
     socket is one."""
-    one, other = (_plain(ipaddress.ip_address(str(text).split("%")[0]))
-                  for text in (client, server))
-    if one.version != other.version:
+    one, other = _packed(client), _packed(server)
+    if len(one) != len(other):
         raise Unavailable("mixed address families")
-    family = socket.AF_INET if one.version == 4 else socket.AF_INET6
-    return family, one.packed.ljust(16, b"\0"), other.packed.ljust(16, b"\0")
+    family = socket.AF_INET if len(one) == 4 else socket.AF_INET6
+    return family, one.ljust(16, b"\0"), other.ljust(16, b"\0")
 
 
-def _plain(address):
-    mapped = getattr(address, "ipv4_mapped", None)
-    return mapped or address
+def _packed(text: str) -> bytes:
+    """The address's bytes (4 for IPv4 and IPv4-mapped IPv6, else 16): inet_pton, not
+    ipaddress's parser in Python, on every new connection's path."""
+    text = str(text).split("%")[0]
+    if text.startswith("::ffff:") and "." in text:
+        text = text[7:]
+    try:
+        return socket.inet_pton(socket.AF_INET6 if ":" in text else socket.AF_INET, text)
+    except OSError:
+        raise ValueError(f"not an address: {text!r}") from None
