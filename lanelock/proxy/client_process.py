@@ -73,6 +73,34 @@ class Names:
 NAMES = Names()
 
 
+class Bounded:
+    """A dict of at most size entries, the least recently used going first."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._kept: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        with self._lock:
+            if key in self._kept:
+                self._kept.move_to_end(key)
+            return self._kept.get(key)
+
+    def put(self, key, value) -> None:
+        with self._lock:
+            self._kept[key] = value
+            self._kept.move_to_end(key)
+            while len(self._kept) > self.size:
+                self._kept.popitem(last=False)
+
+
+# Each recent client process's session by (pid, start time): a client opening a connection per
+# request is named by its environment once, not per connection (the environment a process was
+# started with does not change; a new process with its pid has another start time).
+PROCESSES = Bounded(64)
+
+
 class ClientProcess:
     """The process behind a request's connection, looked up only when asked: its name
     (session(), program()) once per connection, the gate's askers (handover.py) only when the
@@ -114,7 +142,11 @@ class ClientProcess:
         self.pids = pids
         pid = min(pids)
         started = start_ticks(pid)
-        session = session_of(pid)
+        session = PROCESSES.get((pid, started)) if started is not None else None
+        if session is None:
+            session = session_of(pid)
+            if started is not None and session is not None:
+                PROCESSES.put((pid, started), session)
         if started is not None and session is not None:
             NAMES.put(self._transport, (pid, started, session))
         return pid, session
