@@ -14,7 +14,7 @@ import pytest
 
 from support.cli import TIMEOUT
 from support.engine import Engine
-from support.proxy import CHAT, Proxy, chat_body, history
+from support.proxy import Proxy, chat_body, history
 
 pytest.importorskip("aiohttp")
 

@@ -451,8 +451,8 @@ def _seat_of(turn) -> int | None:
 def _while_held(gate, askers):
     """The client's askers for the gate (handover.py), looked up only while a turn holds a seat
     of the lane. On a lane of seats the gate asks them before it tries a seat (one turn must not
-    become two), for every request, free lane or not: the lookup reads /proc/net/tcp and every
-    process's descriptors (milliseconds, on the event loop). A lane no turn holds has no turn to
+    become two), for every request, free lane or not: the lookup reads the descriptors of
+    every process of the client's uid (milliseconds, on the event loop). A lane no turn holds has no turn to
     be part of, nor a holder to be: the records say so for the price of reading them. A store
     whose every read is a round trip (PostgreSQL) is asked nothing more."""
     if gate.store.blocking_io:
