@@ -12,6 +12,8 @@ same store, same records) while the engine answers; a busy lane sends it to the 
                      answer, what was relayed);
 - class_and_wait.py  a request's class and wait (its headers, capped; a malformed one is a 400);
 - client_process.py  the process behind a client's connection (a request from inside a turn);
+- socket_owner.py    which process holds a client's end of a connection (sockdiag.py: the
+                     kernel's answer for its socket);
 - relay.py           forwarding a request and streaming the answer back, byte for byte;
 - fallbacks.py       the --fallback entries and their chain, for a busy lane or an engine that
                      does not answer;

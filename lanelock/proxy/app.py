@@ -34,7 +34,7 @@ from .finishing import Finishing
 from .listener import HEADER_TIMEOUT, IDLE_TIMEOUT, MAX_CONNECTIONS
 from .logs import Incidents
 from .lost import REASON_LOST, Cut, LaneLost, ProxyWords, unwatch
-from .client_process import ClientProcess
+from .client_process import LATER, ClientProcess
 from .per_lane import Lanes
 from .request_model import Disagree
 from .proxied import CUT, REASON, SEAT, SLOT, STATE, Timing
@@ -500,8 +500,8 @@ def _seat_of(turn) -> int | None:
 def _while_held(gate, askers):
     """The client's askers for the gate (handover.py), looked up only while a turn holds a seat
     of the lane. On a lane of seats the gate asks them before it tries a seat (one turn must not
-    become two), for every request, free lane or not: the lookup reads /proc/net/tcp and every
-    process's descriptors (milliseconds, on the event loop). A lane no turn holds has no turn to
+    become two), for every request, free lane or not: the lookup reads the descriptors of
+    every process of the client's uid (milliseconds, on the event loop). A lane no turn holds has no turn to
     be part of, nor a holder to be: the records say so for the price of reading them. A store
     whose every read is a round trip (PostgreSQL) is asked nothing more."""
     if gate.store.blocking_io:
@@ -518,9 +518,14 @@ def _while_held(gate, askers):
 
 
 async def _client_session(client) -> str | None:
-    """The session of the client's process (client_process.py), off the event loop; None when
-    no thread can be had (out of descriptors, even to import the pool: the gate then says
-    crowded) -- the request is named by its address."""
+    """The session of the client's process (client_process.py): on the event loop when it is
+    a few system calls (the connection's name kept, or a recent client's process holding the
+    socket: a thread's start and wake-up would cost more), else off it; None when no thread
+    can be had (out of descriptors, even to import the pool: the gate then says crowded) --
+    the request is named by its address."""
+    session = client.session(scan=False)
+    if session is not LATER:
+        return session
     try:
         return await asyncio.to_thread(client.session)
     except (OSError, RuntimeError):
