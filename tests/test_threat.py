@@ -21,27 +21,9 @@ import pytest
 
 from support.cli import LANE, STEM
 from support.processes import read_line
-from support.other_users import AS_USER, shared_root  # noqa: F401 - a fixture
+from support.other_users import AS_USER, shared_root, two_users  # noqa: F401 - fixtures
 
 NOWHERE = "/nonexistent-lanelock"   # config files another user could not read: none at all
-
-
-@pytest.fixture(scope="module")
-def two_users():
-    """Two unprivileged users of this test's own, removed after it: (mallory, alice)."""
-    if os.geteuid() != 0 or shutil.which("useradd") is None:
-        pytest.skip("needs root and useradd to make throwaway users")
-    names = [f"llt{which}{os.urandom(3).hex()}" for which in ("m", "a")]
-    made = []
-    try:
-        for name in names:
-            subprocess.run(["useradd", "--no-create-home", "--no-user-group", "--shell",
-                            "/usr/sbin/nologin", name], check=True, capture_output=True)
-            made.append(name)
-        yield tuple(names)
-    finally:
-        for name in made:
-            subprocess.run(["userdel", name], capture_output=True)
 
 
 def uid(user: str) -> int:

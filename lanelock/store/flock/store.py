@@ -36,7 +36,7 @@ _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a planted FI
 class Handle(LockHandle):
     __slots__ = ("dir_fd", "fd", "name", "st", "caveat", "stem", "journal_fd", "record", "locked",
                  "queue", "asker", "outlived", "refused", "split", "seat", "seats", "past",
-                 "lane_st")
+                 "lane_st", "seat_refused")
 
     def __init__(self, dir_fd: int, fd: int | None, name: str, st: os.stat_result | None,
                  caveat: str | None = None, stem: str = ""):
@@ -56,6 +56,7 @@ class Handle(LockHandle):
         # lock file (the lane's identity, whichever seat is held).
         self.seat, self.seats, self.past = 1, 1, ()
         self.lane_st: os.stat_result | None = None
+        self.seat_refused: list[str] = []   # seats this turn found planted (their reasons)
 
     @property
     def exists(self) -> bool:
@@ -164,6 +165,24 @@ class FlockStore(LaneStore):
         finally:
             os.close(dir_fd)
 
+    def make_seats(self, lane, count: int) -> None:
+        """Seats 2..count made by whoever sets the count (seats.make), before the count is kept:
+        no turn ever makes a seat's files, so no turn's user owns them."""
+        from . import kept
+
+        if count <= 1:
+            return
+        dir_fd = open_root(self.root, create=True)
+        try:
+            kept.may_set(dir_fd)
+            seats.make(dir_fd, lane.stem, count)
+        except OSError as error:
+            raise GateUnavailable(f"cannot make the seats of {lane.name} in "
+                                  f"{self.path(seats.folder(lane.stem))}: "
+                                  f"{error.strerror or error}") from None
+        finally:
+            os.close(dir_fd)
+
     def open(self, lane, *, create: bool = True) -> Handle:
         """A handle on the lane's lock file. Raises GateUnavailable; with create=False a missing
         root or lock file gives a handle that does not exist (nobody can hold it)."""
@@ -210,7 +229,8 @@ class FlockStore(LaneStore):
     def on_seat(self, handle: Handle, seat: int, fd: int | None = None) -> None:
         """Point the handle at the seat's lock file: opened here, not locked; or fd, a
         descriptor on it a wait has just locked (the caller checks it, as any lock taken)."""
-        if fd is None and handle.seat == seat and (handle.fd is not None or handle.refused):
+        if fd is None and handle.seat == seat and (handle.fd is not None
+                                                    or (handle.refused and seat == 1)):
             return
         if handle.fd is not None:
             os.close(handle.fd)
@@ -219,10 +239,18 @@ class FlockStore(LaneStore):
         if fd is not None:
             handle.fd, handle.st = fd, os.fstat(fd)
             return
-        if seat > 1:
-            seats.make_folder(handle.dir_fd, handle.stem)
         try:
-            self._open_file(handle, create=True)
+            if seat == 1:
+                self._open_file(handle, create=True)
+                return
+            # Seats 2.. were made by whoever set the count (seats.make), never by a turn: a
+            # seat file or folder another user made or changed is this seat's reason to be
+            # busy (said, with what to remove), never a gate switched off or a crash.
+            handle.fd = seats.open_seat(handle.dir_fd, handle.stem, seat)
+            handle.st = os.fstat(handle.fd)
+        except seats.Planted as planted:
+            handle.refused = f"seat {seat} of the lane: {self.path(str(planted))}"
+            handle.seat_refused.append(handle.refused)
         except GateUnavailable:
             raise
         except OSError as error:
@@ -274,8 +302,8 @@ class FlockStore(LaneStore):
                   rank: int = DEFAULT_RANK) -> bool:
         """Block in the kernel, in the lane's queue, until the lane is ours or timeout seconds
         pass (None: forever), or cancel (a threading.Event) is set."""
-        if handle.refused:   # a planted file: nothing to wait on until someone removes it
-            return False
+        if handle.refused and not handle.seated:   # a planted file: nothing to wait on until
+            return False                             # someone removes it (seats: the others)
         return order.wait(FlockLine(self, handle, self._join(handle, rank)), timeout, cancel)
 
     async def wait_lock_async(self, handle: Handle, timeout: float | None,
@@ -283,7 +311,7 @@ class FlockStore(LaneStore):
         """wait_lock for an asyncio task: no thread per waiter."""
         import asyncio
 
-        if handle.refused:
+        if handle.refused and not handle.seated:
             return False
 
         joining = asyncio.ensure_future(asyncio.to_thread(self._join, handle, rank))
@@ -539,7 +567,7 @@ class FlockStore(LaneStore):
         found = survey.facts(self.root.path, lane.stem, lane.name, self.aging,
                              kernel=handle is None,
                              seated=None if handle is None else (handle.seats, handle.past))
-        if handle is not None and handle.refused:
+        if handle is not None and handle.refused and handle.seat == 1:
             found.problem_lock = handle.refused
         return [found]
 

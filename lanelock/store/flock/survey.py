@@ -91,6 +91,11 @@ def _seat_facts(root: str, lock: str, lane: str, kernel: bool, entries: list,
     entries: [/proc/locks' entries] once an earlier seat read them, [] before."""
     found = LaneFacts(lane, os.path.join(root, lock), os.path.join(root, seats.record_name(lock)))
     found.seat = seat
+    if seat > 1:
+        planted = _seat_planted(root, lock, seat)
+        if planted is not None:   # as a turn finds it (store.on_seat): the seat is not usable
+            found.exists, found.problem_lock = True, planted
+            return found
     try:
         st = os.lstat(found.lock_path)
     except FileNotFoundError:
@@ -144,6 +149,25 @@ def _seat_facts(root: str, lock: str, lane: str, kernel: bool, entries: list,
     return found
 
 
+def _seat_planted(root: str, lock: str, seat: int) -> str | None:
+    """Why a turn may not use seat K >= 2 (its folder or lock file missing, planted, or another
+    user's: seats.open_seat), in the words a turn says it; None when it may."""
+    stem = lock.split(".seats/", 1)[0]
+    try:
+        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        os.close(seats.open_seat(dir_fd, stem, seat))
+    except seats.Planted as planted:
+        return os.path.join(root, str(planted))
+    except OSError:
+        return None
+    finally:
+        os.close(dir_fd)
+    return None
+
+
 def _kernel_view(st: os.stat_result, entries: list):
     """The kernel's view of the lock file, /proc/locks read once per survey of a lane's seats
     (entries filled by the first seat that asks); None when it cannot be read."""
@@ -183,13 +207,16 @@ def holding_any(root: str, stem: str) -> tuple:
     if held:
         return held, ago
     try:
-        names = os.listdir(os.path.join(root, seats.folder(stem)))
+        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return held, ago
-    for name in names:
-        if not name.endswith(".json") or not name[:-5].isdigit():
-            continue
-        seat_held, seat_ago = holding(os.path.join(root, seats.folder(stem), name))
+    try:
+        made = seats.made(dir_fd, stem)   # a folder nobody trusted made has no seats
+    finally:
+        os.close(dir_fd)
+    for seat in made:
+        seat_held, seat_ago = holding(os.path.join(root, seats.record_name(
+            seats.lock_name(stem, seat))))
         if seat_held:
             return True, None
         if seat_ago is not None and (ago is None or seat_ago < ago):
