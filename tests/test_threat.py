@@ -504,3 +504,45 @@ def test_the_threat_model_is_in_the_readme_and_the_man_page():
                       "split a lane unseen", "switch the gate off for everyone"):
             assert never in text.lower().replace("**", ""), never
         assert "journal" in text and "counts" in text   # what is not protected, said plainly
+
+
+# -- a holder record another user made unwritable: no turn runs unrecorded -----------------------
+def test_a_holder_record_its_owner_made_unwritable_keeps_other_users_turns_from_running_unseen(
+        two_users, shared_root, holder, launcher_script, procs, run_cmd, lanelock):
+    """alice used the lane first (the record is hers) and chmods it 0644: mallory's turns cannot
+    record themselves there, so a kill -9 of one would leave its command unseen. They deflect,
+    or wait and deflect, naming the record to remove (before: each ran with a warning, and the
+    next turn ran beside a killed one's command); status says so. Root's turn records itself
+    (and shares the file again); then mallory's killed turn keeps the lane while its group runs."""
+    import signal
+
+    from support.processes import ExitWatch
+
+    mallory, alice = two_users
+    os.mkdir(shared_root)
+    os.chmod(shared_root, 0o1777)
+    record = os.path.join(shared_root, f"{STEM}.json")
+    first = run_cmd([sys.executable, launcher_script, alice, "run", "-b", LANE, "--", "true"])
+    assert first.returncode == 0 and os.stat(record).st_uid == uid(alice), first
+    assert run_cmd(["runuser", "-u", alice, "--", "chmod", "0644", record]).returncode == 0
+    for wait in ((), ("--wait", "0.3")):
+        done = run_cmd([sys.executable, launcher_script, mallory, "run", "-b", LANE, *wait, "--",
+                        "echo", "ran"])
+        deflected_saying(done, record, "remove it")
+    lane = json.loads(lanelock("status", "-b", LANE, "--json").stdout)["lanes"][0]
+    assert record in lane["message"] and "remove it" in lane["message"], lane
+    done = lanelock("run", "-b", LANE, "--", "echo", "ran")   # root writes any file
+    assert (done.returncode, done.stdout, done.stderr) == (0, "ran\n", ""), done
+    assert os.stat(record).st_mode & 0o777 == 0o666
+    held = holder("-b", LANE, command=["sh", "-c", 'sleep 600 & echo "ready $$ $!"; wait'],
+                  launcher=[sys.executable, launcher_script, mallory])
+    work = int(held.ready_line.split()[2])
+    procs.adopt(work)
+    assert run_cmd(["runuser", "-u", alice, "--", "chmod", "0644", record]).returncode == 0
+    shell_death = ExitWatch(held.child_pid)
+    os.kill(held.pid, signal.SIGKILL)
+    held.wait()
+    shell_death.wait()
+    busy = lanelock("run", "-b", LANE, "--", "true")
+    assert busy.returncode == 75 and "still ending" in busy.stderr, busy
+    os.kill(work, signal.SIGKILL)

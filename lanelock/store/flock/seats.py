@@ -2,8 +2,14 @@
 
 Seat 1 is the lane's lock file as ever (STEM.lock, its record STEM.json): a one-seat lane, and
 flock(1) or lslocks on it, see nothing new. Seat K >= 2 is STEM.seats/K.lock with its record
-STEM.seats/K.json, in a directory every user may add to (1777, like the queue's). Each seat is
-a flock of its own, dropped by the kernel with its holder: no counter anyone must decrement.
+STEM.seats/K.json. Each seat is a flock of its own, dropped by the kernel with its holder: no
+counter anyone must decrement.
+
+The folder and the seats' files are made by whoever sets the count (make(): root or the lock
+root's owner, as kept.py allows), never by a turn: in the 1777 sticky folder no turn's user can
+move or chmod them. A turn opens them as every shared file is opened (shared_file.open_made_by:
+nothing followed, type, links and owner checked); anything another user made or changed there
+makes that seat unusable (Planted: the words say what to remove), never the gate off.
 
 A smaller count never evicts a turn: seats past the count that are still held (set 2, then 1,
 with two holding) count against it, and a seat is taken only while fewer than N hold. Seats past

@@ -36,7 +36,7 @@ _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a planted FI
 class Handle(LockHandle):
     __slots__ = ("dir_fd", "fd", "name", "st", "caveat", "stem", "journal_fd", "record", "locked",
                  "queue", "asker", "outlived", "refused", "split", "seat", "seats", "past",
-                 "lane_st", "seat_refused")
+                 "lane_st", "seat_refused", "record_fd")
 
     def __init__(self, dir_fd: int, fd: int | None, name: str, st: os.stat_result | None,
                  caveat: str | None = None, stem: str = ""):
@@ -57,6 +57,7 @@ class Handle(LockHandle):
         self.seat, self.seats, self.past = 1, 1, ()
         self.lane_st: os.stat_result | None = None
         self.seat_refused: list[str] = []   # seats this turn found planted (their reasons)
+        self.record_fd: int | None = None   # the record, opened writable as the lock was taken
 
     @property
     def exists(self) -> bool:
@@ -80,13 +81,13 @@ class Handle(LockHandle):
 
     def close(self) -> None:
         # The lock's descriptor first: closing it lets the next turn in; the rest can follow.
-        for fd in (self.fd, self.journal_fd, self.dir_fd):
+        for fd in (self.fd, self.journal_fd, self.record_fd, self.dir_fd):
             if fd is not None and fd >= 0:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        self.fd = self.dir_fd = self.journal_fd = None
+        self.fd = self.dir_fd = self.journal_fd = self.record_fd = None
         self.locked = False
         if self.queue is not None:
             self.queue.close()
@@ -398,6 +399,9 @@ class FlockStore(LaneStore):
         if not got:
             return False
         if self._current(handle):
+            if not self._record_claimed(handle):
+                fcntl.flock(handle.fd, fcntl.LOCK_UN)
+                return False
             # The record, read only when its turn never released (the usual hand-off skips it).
             record, _ = sidecar.read(handle.record_name, dir_fd=handle.dir_fd,
                                      live_only=True)
@@ -417,6 +421,25 @@ class FlockStore(LaneStore):
         except OSError as error:
             raise GateUnavailable(f"cannot open {self.path(handle.name)}: {error.strerror}") from None
         return None
+
+    def _record_claimed(self, handle: Handle) -> bool:
+        """The lock just taken: this turn's record opened writable before anything runs
+        (record_claim.py). False, the reason in handle.refused, when another user controls it:
+        the turn must not run unrecorded (a kill -9 would leave its command unseen)."""
+        from .record_claim import Refused, claim
+
+        if handle.record_fd is not None:
+            os.close(handle.record_fd)
+            handle.record_fd = None
+        try:
+            handle.record_fd = claim(handle.dir_fd, handle.record_name)
+        except Refused as why:
+            handle.refused = f"{self.path(str(why))}: remove it"
+            if handle.seat > 1:
+                handle.seat_refused.append(handle.refused)
+            return False
+        handle.refused = None
+        return True
 
     def keeps_being_replaced(self, handle: Handle) -> GateUnavailable:
         return GateUnavailable(f"lock file {self.path(handle.name)} keeps being replaced")
@@ -516,7 +539,8 @@ class FlockStore(LaneStore):
         # status compares the inode with the file at the path: a replaced lock file is two gates.
         record = {**record, "lock_inode": handle.st.st_ino if handle.st else None}
         try:
-            handle.record = sidecar.write(handle.dir_fd, handle.record_name, record)
+            fd, handle.record_fd = handle.record_fd, None
+            handle.record = sidecar.write(handle.dir_fd, handle.record_name, record, fd)
         except OSError as error:
             raise RecordNotWritten(error.strerror or str(error)) from None
 

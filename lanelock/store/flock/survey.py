@@ -113,6 +113,11 @@ def _seat_facts(root: str, lock: str, lane: str, kernel: bool, entries: list,
         found.problem_lock = (f"the lock file is mode {stat.S_IMODE(st.st_mode):04o} of uid "
                               f"{st.st_uid}: other users cannot lock it")
         return found
+    # status (kernel) says what any other user's turn finds; a turn, what it found itself
+    controlled = _record_controlled(root, seats.record_name(lock), -1 if kernel else None)
+    if controlled is not None:   # as a turn finds it (record_claim): the lane is busy
+        found.problem_lock = controlled
+        return found
     record, problem = sidecar.read(found.sidecar_path)
     found.record, found.record_problem = record, problem
     found.record_absent = problem == sidecar.MISSING
@@ -147,6 +152,22 @@ def _seat_facts(root: str, lock: str, lane: str, kernel: bool, entries: list,
             found.store_stale = (f"it was written for lock inode {inode}, the file here is inode "
                                  f"{st.st_ino}")
     return found
+
+
+def _record_controlled(root: str, name: str, me: int | None) -> str | None:
+    """A holder record user me's turns can neither write nor replace (record_claim.controlled;
+    -1: any user but its owner and root), in the words a turn says it."""
+    from .record_claim import controlled
+
+    try:
+        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        why = controlled(dir_fd, name, me)
+    finally:
+        os.close(dir_fd)
+    return None if why is None else f"{os.path.join(root, why)}: remove it"
 
 
 def _seat_planted(root: str, lock: str, seat: int) -> str | None:
