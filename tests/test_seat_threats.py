@@ -196,3 +196,36 @@ def test_a_flocked_seat_file_in_a_folder_of_her_own_keeps_no_one_off_a_one_seat_
     assert read_line(flocked.stdout).strip() == "ready"
     done = run_cmd(as_user(launcher_script, alice, "run", "-b", LANE, "--", "echo", "ran"))
     assert (done.returncode, done.stdout) == (0, "ran\n"), done
+
+
+def test_a_seat_file_moved_aside_under_its_holder_is_found_and_said_split(
+        two_users, root_owned, lanelock, run_cmd, holder, launcher_script):
+    """Root holds seat 1, alice seat 2; the folder's owner (root) moves seat 2's lock file and
+    record aside. No third turn takes seat 2 (before: mallory's did, three on a lane of two);
+    root's status says the lane is split and names alice's turn, never "1 free"; setting the
+    count again is refused while she holds the moved file, and works once she has let go."""
+    mallory, alice = two_users
+    assert lanelock("seats", "-b", LANE, "2").returncode == 0
+    first = holder("-b", LANE, "-s", "roots", command=SEATED)
+    second = holder("-b", LANE, "-s", "alices", command=SEATED,
+                    launcher=as_user(launcher_script, alice))
+    assert [first.ready_line.split()[2], second.ready_line.split()[2]] == ["1", "2"]
+    folder = seats_folder(root_owned)
+    for name in ("2.lock", "2.json"):
+        os.rename(os.path.join(folder, name), os.path.join(folder, f"aside-{name}"))
+    for user in (mallory, alice):
+        done = run_cmd(as_user(launcher_script, user, "run", "-b", LANE, "--", "echo", "ran"))
+        deflected_in_one_line(done, os.path.join(folder, "2.lock"))
+    lane = json.loads(lanelock("status", "-b", LANE, "--json").stdout)["lanes"][0]
+    assert (lane["state"], lane["held_seats"]) == ("held", 2), lane
+    assert "split" in lane["message"] and f"pid {second.pid}" in lane["message"], lane
+    assert "free" not in lane["message"], lane
+    again = lanelock("seats", "-b", LANE, "2")
+    assert again.returncode != 0 and f"pid {second.pid}" in again.stderr, again
+    assert second.release() == 0
+    assert lanelock("seats", "-b", LANE, "2").returncode == 0
+    third = holder("-b", LANE, "-s", "mallorys", command=SEATED,
+                   launcher=as_user(launcher_script, mallory))
+    assert third.ready_line.split()[2] == "2"
+    assert third.release() == 0
+    assert first.release() == 0

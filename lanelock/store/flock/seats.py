@@ -32,12 +32,19 @@ from ..shared_file import open_made_by, owners
 from .sidecar import read as read_record
 
 KEY = "seats/"
+FILES = "seat-files/"   # kept: the inode of each seat's lock file as make() made it
 MOST = 256   # a count past this is a typo, not an engine
 
 
 def key(lane_name: str) -> str:
     """The lane's count's name among the kept values."""
     return KEY + lane_name
+
+
+def files_key(lane_name: str) -> str:
+    """The kept name of the lane's seat files' inodes ({"2": inode, ...}): a seat file moved
+    or removed under its holder is found by its inode in the kernel's lock table (split.py)."""
+    return FILES + lane_name
 
 
 def folder(stem: str) -> str:
@@ -119,12 +126,26 @@ def made(dir_fd: int, stem: str) -> list[int]:
     return sorted(found)
 
 
-def make(dir_fd: int, stem: str, count: int) -> None:
+def make(dir_fd: int, stem: str, count: int, made_before: dict | None = None) -> dict:
     """Seats 2..count made by whoever sets the count (root or the lock root's owner: kept.py
     refuses anyone else): the folder (1777 with the sticky bit, so no turn's user can move a
     seat's files), each seat's lock file (0644: flock needs only read access) and its record
     (0666: every user's turns write it in place). Anything else at those names -- planted before
-    the count was set -- is replaced. OSError when they cannot be made."""
+    the count was set -- is replaced. A seat whose file was moved or removed while a turn still
+    holds it (made_before: {"K": inode}, found in the kernel's lock table) is not made again: that
+    would be two gates (OSError says who holds it). Returns {"K": inode} of every seat made."""
+    from .split import inode_holder
+
+    root_dev = os.fstat(dir_fd).st_dev
+    for seat, inode in (made_before or {}).items():
+        try:
+            now = os.lstat(lock_name(stem, int(seat)), dir_fd=dir_fd).st_ino
+        except (OSError, ValueError):
+            now = None
+        pid = inode_holder(root_dev, inode) if isinstance(inode, int) and now != inode else None
+        if pid is not None:
+            raise OSError(errno.EBUSY, f"seat {seat}'s lock file was moved or removed under its "
+                                       f"holder (pid {pid}): set the count again once it ends")
     name = folder(stem)
     try:
         st = os.lstat(name, dir_fd=dir_fd)
@@ -137,13 +158,16 @@ def make(dir_fd: int, stem: str, count: int) -> None:
         os.mkdir(name, 0o700, dir_fd=dir_fd)
     folder_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                         dir_fd=dir_fd)
+    inodes = {}
     try:
         os.fchmod(folder_fd, 0o1777)
         for seat in range(2, count + 1):
             for file, mode in ((f"{seat}.lock", 0o644), (f"{seat}.json", 0o666)):
                 _make_file(folder_fd, file, mode, owners(dir_fd))
+            inodes[str(seat)] = os.lstat(f"{seat}.lock", dir_fd=folder_fd).st_ino
     finally:
         os.close(folder_fd)
+    return inodes
 
 
 def _make_file(folder_fd: int, name: str, mode: int, made_by: frozenset) -> None:

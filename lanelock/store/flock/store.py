@@ -171,12 +171,24 @@ class FlockStore(LaneStore):
         no turn ever makes a seat's files, so no turn's user owns them."""
         from . import kept
 
-        if count <= 1:
+        if count <= 1:   # one seat: no seat is taken again, no inode left to look for
+            try:
+                self.keep(seats.files_key(lane.name), None) \
+                    if self.kept(seats.files_key(lane.name)) is not None else None
+            except GateUnavailable:
+                pass   # keep() of the count says why
             return
         dir_fd = open_root(self.root, create=True)
         try:
             kept.may_set(dir_fd)
-            seats.make(dir_fd, lane.stem, count)
+            try:
+                before = (kept.read(dir_fd) or {}).get(seats.files_key(lane.name))
+            except (kept.Untrusted, OSError):
+                before = None
+            made = seats.make(dir_fd, lane.stem, count,
+                              before if isinstance(before, dict) else None)
+            kept.write(dir_fd, seats.files_key(lane.name), {**(before or {}), **made}
+                       if isinstance(before, dict) else made)
         except OSError as error:
             raise GateUnavailable(f"cannot make the seats of {lane.name} in "
                                   f"{self.path(seats.folder(lane.stem))}: "

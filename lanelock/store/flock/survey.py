@@ -95,6 +95,8 @@ def _seat_facts(root: str, lock: str, lane: str, kernel: bool, entries: list,
         planted = _seat_planted(root, lock, seat)
         if planted is not None:   # as a turn finds it (store.on_seat): the seat is not usable
             found.exists, found.problem_lock = True, planted
+            if kernel:   # status: a seat file moved or removed under its holder is a split
+                found.problem_lock = _moved_seat(root, lane, seat, found.lock_path) or planted
             return found
     try:
         st = os.lstat(found.lock_path)
@@ -168,6 +170,39 @@ def _record_controlled(root: str, name: str, me: int | None) -> str | None:
     finally:
         os.close(dir_fd)
     return None if why is None else f"{os.path.join(root, why)}: remove it"
+
+
+def _moved_seat(root: str, lane: str, seat: int, path: str) -> str | None:
+    """A seat's lock file gone from its name while the inode it was made with is still flocked
+    (moved aside or removed under its holder): who holds it, said as a split lane is."""
+    from . import kept
+    from .split import inode_holder
+
+    try:
+        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            inode = ((kept.read(dir_fd) or {}).get(seats.files_key(lane)) or {}).get(str(seat))
+        except (kept.Untrusted, OSError, AttributeError):
+            return None
+        if not isinstance(inode, int):
+            return None
+        try:
+            if os.lstat(path).st_ino == inode:
+                return None   # still there: planted otherwise, not moved
+        except OSError:
+            pass
+        pid = inode_holder(os.fstat(dir_fd).st_dev, inode)
+    finally:
+        os.close(dir_fd)
+    if pid is None:
+        return None
+    command = proc.describe_process(pid)["command"][:120]
+    return (f"{path} was moved or removed under its holder pid {pid} ({command}; inode "
+            f"{inode}): the lane is split; the seat is that holder's until it ends, then set "
+            "the count again (lanelock seats)")
 
 
 def _seat_planted(root: str, lock: str, seat: int) -> str | None:
