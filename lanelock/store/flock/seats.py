@@ -219,13 +219,16 @@ def held(dir_fd: int, stem: str, seat: int) -> bool:
 
 def preference(dir_fd: int, stem: str, seats: int, session: str | None) -> list[int]:
     """The seats 1..seats in the order a turn of session tries them: the one its session held
-    last first, then the least recently held (never held first), the ones held now last."""
+    last first, then the least recently held (never held first), the ones held now last. A
+    seat whose holder died (kill -9: no release written) counts as released when it died."""
     from ...holder import released_ago
 
     ranked = []
     for seat in range(1, seats + 1):
         record, _ = read_record(record_name(lock_name(stem, seat)), dir_fd=dir_fd)
         ago = released_ago(record)
+        if ago is None and record is not None:
+            ago = died_ago(record)
         if record is None:
             ranked.append(((1, 0.0), seat))          # never held: as least recent as can be
         elif ago is None:
@@ -235,3 +238,21 @@ def preference(dir_fd: int, stem: str, seats: int, session: str | None) -> list[
         else:
             ranked.append(((2, -ago), seat))         # least recently released first
     return [seat for _, seat in sorted(ranked)]
+
+
+def died_ago(record: dict) -> float | None:
+    """Seconds since the unreleased record's turn died, at most (it died after it took the
+    seat; nobody saw when): None while it lives, or when this boot's clock cannot say."""
+    from ... import proc
+    from ...facts import boot_id
+    from ...holder import field
+
+    pid, ticks = field(record, "pid", int), field(record, "start_ticks", int)
+    since = field(record, "acquired_monotonic", float)
+    if pid is None or ticks is None or since is None or record.get("boot_id") != boot_id():
+        return None
+    if proc.start_ticks(pid) == ticks:
+        return None   # alive: held (or letting go)
+    import time
+
+    return max(0.0, time.monotonic() - since)
