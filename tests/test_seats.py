@@ -278,7 +278,10 @@ def test_the_readme_seats_block(lanelock, procs, tmp_path):
             words = [word.replace("127.0.0.1:8080", f"127.0.0.1:{engine.port}") for word in words]
         done = lanelock(*words[1:])
         assert done.returncode == 0, done.stderr
-        said.append((done.stdout.strip(), comment.strip()))
+        said.append((done.stdout.strip().splitlines()[-1], comment.strip()))
+        if words[-1] == "auto":   # what answered, said first
+            assert done.stdout.startswith(f"localhost:{engine.port}: http://127.0.0.1:"
+                                          f"{engine.port}/props (llama.cpp): 3 slots\n")
     assert said[0][0] == said[0][1] == "localhost:8080: 2 seats (was 1)"
     assert said[1][0] == said[1][1] == "2"
     assert said[2][0] == f"localhost:{engine.port}: 3 seats (was 1)"
