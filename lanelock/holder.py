@@ -29,6 +29,9 @@ def record(*, lane, session: str, model: str | None, argv: dict, acquired_at: st
         "acquired_at": acquired_at, "acquired_monotonic": acquired_monotonic, "turn": turn,
     }
     found.update(command_fields(command))
+    from .pidns import mark
+
+    found.update(mark())   # a container's pids are its own namespace's (pidns.py)
     if stopped_at is not None:
         found["stopped_at"] = stopped_at
     if labels:

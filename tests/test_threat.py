@@ -546,3 +546,56 @@ def test_a_holder_record_its_owner_made_unwritable_keeps_other_users_turns_from_
     busy = lanelock("run", "-b", LANE, "--", "true")
     assert busy.returncode == 75 and "still ending" in busy.stderr, busy
     os.kill(work, signal.SIGKILL)
+
+
+# -- a turn in another pid namespace (a container sharing the root) -----------------------------
+def host_pid(namespace_pid: int, of: int) -> int:
+    """The pid here of the process numbered namespace_pid in the pid namespace of process of."""
+    ns = os.stat(f"/proc/{of}/ns/pid").st_ino
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}/ns/pid").st_ino != ns:
+                continue
+            with open(f"/proc/{entry}/status") as handle:
+                line = next(line for line in handle if line.startswith("NSpid:"))
+        except (OSError, StopIteration):
+            continue
+        if line.split()[-1] == str(namespace_pid):
+            return int(entry)
+    raise LookupError(namespace_pid)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare")
+def test_a_killed_turn_in_another_pid_namespace_keeps_the_lane_while_its_group_runs(
+        lock_dir, procs, lanelock):
+    """A turn in a pid namespace of its own (`unshare --pid --fork --mount-proc`, a container
+    sharing the root) records its namespace's pids; its wrapper killed -9 from here, its
+    command's sleep runs on: this machine's next turn maps the record through NSpid and waits
+    for that group (before: it took the lane beside it)."""
+    import signal
+
+    from support.cli import LANELOCK
+
+    container = procs.start(
+        ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c",
+         " ".join(LANELOCK) + " run -b " + LANE + " -- sh -c 'sleep 600 & echo \"ready $$ $!\"; "
+         "wait'; sleep 600"], stdout=subprocess.PIPE, text=True)
+    words = read_line(container.stdout).split()
+    assert words[0] == "ready", words
+    shell = host_pid(int(words[1]), _child(container.pid))
+    work = host_pid(int(words[2]), shell)
+    wrapper = int(open(f"/proc/{shell}/stat").read().rsplit(")", 1)[1].split()[1])
+    record = json.loads((lock_dir / f"{STEM}.json").read_text())
+    assert record["pid"] != wrapper, record   # the namespace's own pid
+    os.kill(wrapper, signal.SIGKILL)
+    busy = lanelock("run", "-b", LANE, "--", "true")
+    assert busy.returncode == 75 and "still ending" in busy.stderr, busy
+    os.kill(work, signal.SIGKILL)
+
+
+def _child(pid: int) -> int:
+    """unshare's one child (the namespace's first process)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as handle:
+        return int(handle.read().split()[0])

@@ -320,7 +320,9 @@ def parse(raw: bytes) -> tuple[dict | None, str | None]:
         return None, "sidecar has no schema version"
     if version > SCHEMA:
         return None, f"sidecar schema {version} is newer than this lanelock understands ({SCHEMA})"
-    return {key: value for key, value in record.items() if _plain(value)}, None
+    from ...pidns import translated
+
+    return translated({key: value for key, value in record.items() if _plain(value)}), None
 
 
 def _plain(value: object, depth: int = 0) -> bool:
