@@ -18,7 +18,7 @@ import json
 import os
 import stat
 
-from ... import proc
+from ... import pidns, proc
 from ...holder import SCHEMA, field   # noqa: F401 - sidecar.field, as the stores read it
 
 MAX_BYTES = 64 * 1024
@@ -320,9 +320,7 @@ def parse(raw: bytes) -> tuple[dict | None, str | None]:
         return None, "sidecar has no schema version"
     if version > SCHEMA:
         return None, f"sidecar schema {version} is newer than this lanelock understands ({SCHEMA})"
-    from ...pidns import translated
-
-    return translated({key: value for key, value in record.items() if _plain(value)}), None
+    return pidns.translated({key: value for key, value in record.items() if _plain(value)}), None
 
 
 def _plain(value: object, depth: int = 0) -> bool:

@@ -26,6 +26,7 @@ from ...paths import Root, creation_problem, open_root
 from ...priority import CLASSES, DEFAULT_AGING, DEFAULT_RANK
 from .. import order, outlived
 from . import interrupt, journal, queue, seats, sidecar, taking, waiting
+from .record_claim import Refused, claim
 from .line import FlockLine
 from ..base import LaneStore, LockHandle
 
@@ -308,7 +309,17 @@ class FlockStore(LaneStore):
                 break
         else:
             raise self.keeps_being_replaced(handle)
-        return ours and order.keep_free_lane(FlockLine(self, handle), rank)
+        return ours and order.keep_free_lane(FlockLine(self, handle), rank) \
+            and self.claimed(handle)
+
+    def claimed(self, handle: Handle) -> bool:
+        """The lane just kept by a one-seat turn: its record claimed (_record_claimed), else the
+        lane let go at once (busy, the reason in handle.refused). A seat's was claimed as it
+        was taken (checked)."""
+        if handle.seated or self._record_claimed(handle):
+            return True
+        self.hand_on(handle)
+        return False
 
     # -- waiting in order (store/order.py walks it; line.py is this store's medium) ----------------
     def wait_lock(self, handle: Handle, timeout: float | None, cancel=None,
@@ -317,7 +328,8 @@ class FlockStore(LaneStore):
         pass (None: forever), or cancel (a threading.Event) is set."""
         if handle.refused and not handle.seated:   # a planted file: nothing to wait on until
             return False                             # someone removes it (seats: the others)
-        return order.wait(FlockLine(self, handle, self._join(handle, rank)), timeout, cancel)
+        return order.wait(FlockLine(self, handle, self._join(handle, rank)), timeout, cancel) \
+            and self.claimed(handle)
 
     async def wait_lock_async(self, handle: Handle, timeout: float | None,
                               rank: int = DEFAULT_RANK) -> bool:
@@ -334,7 +346,8 @@ class FlockStore(LaneStore):
             if not joining.cancelled() and joining.exception() is None and joining.result():
                 joining.result().leave()
             raise
-        return await order.wait_async(FlockLine(self, handle, ticket), timeout)
+        return await order.wait_async(FlockLine(self, handle, ticket), timeout) \
+            and self.claimed(handle)
 
     def queue_of(self, handle: Handle) -> "queue.Queue | None":
         """The lane's queue (None: the lane's directory is not open)."""
@@ -411,7 +424,10 @@ class FlockStore(LaneStore):
         if not got:
             return False
         if self._current(handle):
-            if not self._record_claimed(handle):
+            # A seat's record is claimed as its lock is taken (a refused one: the next seat); a
+            # one-seat lane's once the lane is kept (claimed()), after the queue's look: one
+            # descriptor fewer at once, for a turn at a low open-file limit.
+            if handle.seated and not self._record_claimed(handle):
                 fcntl.flock(handle.fd, fcntl.LOCK_UN)
                 return False
             # The record, read only when its turn never released (the usual hand-off skips it).
@@ -438,8 +454,6 @@ class FlockStore(LaneStore):
         """The lock just taken: this turn's record opened writable before anything runs
         (record_claim.py). False, the reason in handle.refused, when another user controls it:
         the turn must not run unrecorded (a kill -9 would leave its command unseen)."""
-        from .record_claim import Refused, claim
-
         if handle.record_fd is not None:
             os.close(handle.record_fd)
             handle.record_fd = None
