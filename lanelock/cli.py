@@ -298,11 +298,16 @@ def seats(backend, lock_dir, model, key_by, store, json_, count):
         if wanted is None:
             result = {"lane": place.lane.name, "seats": seat_count.read(place)}
         else:
+            answered = None
             if wanted == "auto":
                 from .engine_slots import auto_count
 
-                wanted = auto_count(place)   # GateUnavailable: the engine cannot tell
+                wanted, answered = auto_count(place)   # GateUnavailable: it cannot tell
+                if not json_:   # what was believed, said before the count is set from it
+                    click.echo(f"{place.lane.name}: {answered}")
             result = seat_count.set_count(place, wanted)
+            if answered:
+                result["answered"] = answered
     except GateUnavailable as error:
         render.fail(str(error))
         return exitcodes.GATE_UNAVAILABLE
