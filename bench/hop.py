@@ -20,14 +20,12 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import free_port, wait_port  # noqa: E402
+from common import free_port, streamed, wait_port  # noqa: E402
 
 LANELOCK = [sys.executable, "-m", "lanelock"]
 TARGET_MS = 1.0
@@ -65,23 +63,10 @@ def first_byte(port: int, headers: str = "") -> float:
     request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
                f"Content-Type: application/json\r\nContent-Length: {len(BODY)}\r\n"
                f"Connection: close\r\n{headers}\r\n").encode() + BODY
-    start = time.perf_counter()
-    sock = socket.create_connection(("127.0.0.1", port))
-    try:
-        sock.sendall(request)
-        data, first = b"", None
-        while True:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-            if first is None and b"data:" in data:
-                first = (time.perf_counter() - start) * 1000
-    finally:
-        sock.close()
+    first, _, data = streamed(port, request)
     if first is None:
         raise SystemExit(f"no streamed answer from port {port}: {data[:200]!r}")
-    return first
+    return first * 1000
 
 
 def pct(values, fraction):
