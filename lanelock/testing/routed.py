@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -236,15 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     aliases = dict(item.split("=", 1) for item in args.alias)
     server = make_server(args.engine, args.models.split(","), aliases, args.delay, args.port)
-    if args.port_file:
-        with open(args.port_file + ".tmp", "w") as handle:
-            handle.write(str(server.server_address[1]))
-        os.replace(args.port_file + ".tmp", args.port_file)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    return 0
+    from .standin import serve_until_interrupted
+
+    return serve_until_interrupted(server, args.port_file)
 
 
 if __name__ == "__main__":
