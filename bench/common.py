@@ -55,3 +55,23 @@ def start_real_engine(parallel: int = 2) -> tuple[int, int]:
 
 def stop_real_engine(pid: int) -> None:
     subprocess.run(REAL_BACKEND + ["stop", str(pid)], capture_output=True)
+
+
+def streamed(port: int, request: bytes) -> tuple[float | None, float, bytes]:
+    """Send a raw request on a new loopback connection and read the answer to its end: (seconds
+    to the first streamed event -- None when none came --, seconds to the end, the bytes)."""
+    start = time.perf_counter()
+    sock = socket.create_connection(("127.0.0.1", port))
+    try:
+        sock.sendall(request)
+        data, first = b"", None
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+            if first is None and b"data:" in data:
+                first = time.perf_counter() - start
+    finally:
+        sock.close()
+    return first, time.perf_counter() - start, data

@@ -20,10 +20,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import free_port, wait_port  # noqa: E402
+from common import free_port, streamed, wait_port  # noqa: E402
 
 LANELOCK = [sys.executable, "-m", "lanelock"]
 ROWS: list[tuple[str, str, str, str]] = []
@@ -48,20 +47,8 @@ def stream_once(port: int, tokens: int, path: str = "/v1/chat/completions",
     body = BODY % tokens
     request = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json"
                f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n{headers}\r\n").encode() + body
-    start = time.perf_counter()
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(request)
-    data = b""
-    first = None
-    while True:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-        if first is None and b"data:" in data:
-            first = time.perf_counter() - start
-    sock.close()
-    return first or float("nan"), time.perf_counter() - start, data.count(b"data: {")
+    first, total, data = streamed(port, request)
+    return first or float("nan"), total, data.count(b"data: {")
 
 
 def rss_mib(pid: int) -> float:

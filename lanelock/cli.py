@@ -298,11 +298,16 @@ def seats(backend, lock_dir, model, key_by, store, json_, count):
         if wanted is None:
             result = {"lane": place.lane.name, "seats": seat_count.read(place)}
         else:
+            answered = None
             if wanted == "auto":
                 from .engine_slots import auto_count
 
-                wanted = auto_count(place)   # GateUnavailable: the engine cannot tell
+                wanted, answered = auto_count(place)   # GateUnavailable: it cannot tell
+                if not json_:   # what was believed, said before the count is set from it
+                    click.echo(f"{place.lane.name}: {answered}")
             result = seat_count.set_count(place, wanted)
+            if answered:
+                result["answered"] = answered
     except GateUnavailable as error:
         render.fail(str(error))
         return exitcodes.GATE_UNAVAILABLE
@@ -486,12 +491,14 @@ def proxy(**flags):
 @setting_option("lock_dir")
 @setting_option("backend")
 @click.option("--json", "json_", is_flag=True, help="Print the map as JSON.")
-@click.argument("words", nargs=-1, metavar="[share LANE MODEL... | unshare MODEL...]")
+@click.argument("words", nargs=-1,
+                metavar="[share LANE MODEL... | unshare MODEL... | alias ALIAS MODEL]")
 def models(backend, lock_dir, store, json_, words):
     """Which models of the backend share a lane, with lanes keyed by model (--key-by model).
 
     Models that swap on one GPU share a lane; models on two GPUs do not. `share LANE MODEL...`
-    puts models on the lane BACKEND#LANE, `unshare MODEL...` gives each its own again. Kept with
+    puts models on the lane BACKEND#LANE, `unshare MODEL...` gives each its own again, `alias
+    ALIAS MODEL` puts the engine's other name for MODEL on MODEL's lane. Kept with
     the lanes: every process, HOME and user reads the same map. Exit 0; 2 on a usage error; 69
     when the store cannot keep or read it.
     """

@@ -46,17 +46,34 @@ def slot_count(url: str, timeout: float = engine_account.TIMEOUT, model: str | N
     """The number of generations the engine at url (scheme://HOST:PORT) serves at once, from its
     own account; model: which of llama-swap's running models (needed when several run).
     Raises CannotTell (down, a kind that does not say, an odd answer)."""
+    return slot_answer(url, timeout, model)[0]
+
+
+def slot_answer(url: str, timeout: float = engine_account.TIMEOUT,
+                model: str | None = None) -> tuple[int, str]:
+    """slot_count and, in words, what answered it: the URL read and the kind of engine it
+    says it is ("http://127.0.0.1:8080/props (llama.cpp): 3 slots"). Anything may answer on a
+    port: the words let whoever sets a count from it see what it believed."""
     asker = _Asker(url, timeout)
     try:
-        return _ask(asker, model)
+        count = _ask(asker, model)
     except engine_account.Unreadable as error:
         raise CannotTell(str(error)) from None   # down, too slow, a redirect
+    path = asker.answered
+    if path.startswith("/upstream/"):
+        kind = "llama-swap"
+    elif path in ("/props", "/slots"):
+        kind = "llama.cpp"
+    else:
+        kind = asker.kind or "an engine"
+    return count, f"{asker.url}{path} ({kind}): {count} slot{'s' if count != 1 else ''}"
 
 
-def auto_count(place) -> int:
+def auto_count(place) -> tuple[int, str]:
     """`lanelock seats auto`: the slot count of the engine a lane's backend names, as a seat
     count. GateUnavailable (exit 69), in one line, when the engine cannot tell or says more than
-    a lane can seat; the lane's kept count is then left as it was."""
+    a lane can seat; the lane's kept count is then left as it was. Returns the count and what
+    answered (slot_answer's words), said before the count is set."""
     from .errors import GateUnavailable
     from .seat_count import MOST
     from .witness import engine_url
@@ -67,14 +84,14 @@ def auto_count(place) -> int:
         raise GateUnavailable(f"cannot tell the seats of {lane.name} from its engine: it is on "
                               "another machine; set a count")
     try:
-        count = slot_count(url, model=lane.model)
+        count, answered = slot_answer(url, model=lane.model)
     except CannotTell as error:
         raise GateUnavailable(f"cannot tell the seats of {lane.name} from its engine: "
                               f"{error}") from None
     if count > MOST:
         raise GateUnavailable(f"the engine of {lane.name} serves {count} at once, more than the "
                               f"{MOST} seats a lane has; set a count")
-    return count
+    return count, answered
 
 
 def _ask(asker: "_Asker", model: str | None) -> int:
@@ -168,6 +185,7 @@ def _server_info(asker: "_Asker", info: dict) -> int:
         if count is None:
             raise CannotTell(f"vLLM's /server_info has no max_num_seqs a count can be read "
                              f"from ({json.dumps(value)[:40]})", engine_account.VLLM)
+        asker.kind = "vLLM"
         return count
     for where in (info, *(value for value in info.values() if isinstance(value, dict))):
         if "max_running_requests" in where:
@@ -177,6 +195,7 @@ def _server_info(asker: "_Asker", info: dict) -> int:
                 raise CannotTell(f"SGLang's server info has max_running_requests "
                                  f"{json.dumps(value)[:40]} (start it with "
                                  f"--max-running-requests N)", engine_account.SGLANG)
+            asker.kind = "SGLang"
             return count
     raise CannotTell(f"{asker.url} answers /server_info without max_num_seqs or "
                      f"max_running_requests")
@@ -209,6 +228,8 @@ class _Asker:
     def __init__(self, url: str, timeout: float):
         self.engine = engine_account.Engine(url, timeout)
         self.url = self.engine.url
+        self.kind: str | None = None   # said by a server-info answer (vLLM, SGLang)
+        self.answered = ""   # the last path that answered 200 (what `seats auto` says it read)
 
     def json(self, path: str):
         status, body, _ = self.engine.get(path, named="")   # down: the engine is named, no path
@@ -221,6 +242,7 @@ class _Asker:
                              f"{_said(body)}): try again once it is up")
         if status != 200:
             return status, None
+        self.answered = path.partition("?")[0]
         if len(body) > engine_account.MAX_BYTES:
             raise CannotTell(f"{self.url}{path} answered more than {engine_account.MAX_BYTES} "
                              f"bytes")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 
+from . import pidns
 from .facts import boot_id, hostname, own_start_ticks, parse_utc, shown_time, user_name
 from .say import argv_text, sanitize
 
@@ -29,6 +30,7 @@ def record(*, lane, session: str, model: str | None, argv: dict, acquired_at: st
         "acquired_at": acquired_at, "acquired_monotonic": acquired_monotonic, "turn": turn,
     }
     found.update(command_fields(command))
+    found.update(pidns.mark())   # a container's pids are its own namespace's (pidns.py)
     if stopped_at is not None:
         found["stopped_at"] = stopped_at
     if labels:

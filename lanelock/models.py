@@ -68,6 +68,14 @@ def shared(mapping: dict, lane: str, models) -> dict:
     return result
 
 
+def aliased(mapping: dict, alias: str, model: str) -> dict:
+    """The map with alias on model's lane (its shared lane, else its own): an engine's other name
+    for one model (llama-swap's aliases) is one lane, not two."""
+    model = check_name("model", model)
+    lane = lane_model(mapping, model)
+    return shared(mapping, lane, [alias] + ([model] if model not in mapping else []))
+
+
 def unshared(mapping: dict, models) -> dict:
     """The map without models (each back on a lane of its own); ValueError for one it lacks."""
     models = [check_name("model", model) for model in models]

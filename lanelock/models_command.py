@@ -4,6 +4,8 @@ says of it.
     lanelock models -b B                          the map
     lanelock models -b B share LANE MODEL...      these models on one lane, LANE
     lanelock models -b B unshare MODEL...         these models back on lanes of their own
+    lanelock models -b B alias ALIAS MODEL        ALIAS (the engine's other name for MODEL) on
+                                                  MODEL's lane
 
 The map is kept with the lanes (the store), so setting it is the root's or its owner's business
 (store/flock/kept.py); a store that cannot keep it says so in one line (exit 69).
@@ -16,7 +18,7 @@ import sys
 from . import exitcodes, models, say
 from .errors import GateUnavailable, UsageProblem
 
-USAGE = "expected nothing, 'share LANE MODEL...' or 'unshare MODEL...'"
+USAGE = "expected nothing, 'share LANE MODEL...', 'unshare MODEL...' or 'alias ALIAS MODEL'"
 
 
 def backend_lane(place):
@@ -38,6 +40,8 @@ def changed(mapping: dict, words: list) -> dict | None:
             return models.shared(mapping, rest[0], rest[1:])
         if action == "unshare" and rest:
             return models.unshared(mapping, rest)
+        if action == "alias" and len(rest) == 2:
+            return models.aliased(mapping, rest[0], rest[1])
     except ValueError as error:
         raise UsageProblem(str(error)) from None
     raise UsageProblem(f"models {' '.join(words)[:200]!r}: {USAGE}")

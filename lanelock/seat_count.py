@@ -49,6 +49,7 @@ def set_count(place, count: int) -> dict:
         was = read(place)
     except GateUnavailable:
         was = None
+    place.store.make_seats(place.lane, count)   # the seats first: no count without its seats
     place.store.keep(key(place.lane.name), None if count == 1 else count)
     return {"lane": place.lane.name, "seats": count, "was": was}
 

@@ -195,7 +195,8 @@ TABLE = (
                  "listen backlog, and idle ones are closed to make room."),
     Setting("proxy_header_timeout", flags=("--header-timeout",), kind="interval", default=10,
             check=_interval(30), read=_seconds_read, metavar="SECONDS", most=30,
-            help="Close a connection that has not sent a complete request header by then."),
+            help="Close a connection that has not sent a complete request header by then; "
+                 "answer 408 to a request whose body is not complete as long again after."),
     Setting("proxy_idle_timeout", flags=("--idle-timeout",), kind="interval", default=15,
             check=_interval(None), read=_seconds_read, metavar="SECONDS",
             help="Close a keep-alive connection idle this long."),

@@ -501,7 +501,7 @@ def test_dead_backend_answers_502_and_frees_the_lane(procs, lanelock):
     assert error["message"].startswith(f"local model not answering (the local engine at "
                                        f"http://{backend} did not answer: ")
     assert (headers["X-Lanelock-State"], headers["X-Lanelock-Reason"]) == \
-        ("held", "local_backend_down")
+        ("down", "local_backend_down")
     assert probe(lanelock, backend) == 0      # released before the answer was sent
     released = [event for event in history(lanelock, backend) if event["event"] == "released"]
     assert len(released) == 1 and released[0]["exit_status"] == 502

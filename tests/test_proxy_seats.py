@@ -177,6 +177,24 @@ def test_pin_slots_sends_each_seat_as_its_slot_and_a_session_gets_its_own_back(
         assert asked_slots(engine)[-1] == seat[session] - 1
 
 
+def test_pin_slots_a_request_arriving_while_the_engine_is_asked_waits_for_the_answer(
+        procs, tmp_path, lanelock):
+    """The engine answers its account slowly; the second of two first requests comes while the
+    proxy still asks which engine it is: it waits for that answer and is pinned to its seat's
+    slot too (before: it went unpinned, taking any slot)."""
+    engine = two_seats(procs, tmp_path, lanelock, "--slow", "0.3")
+    proxy = Proxy(procs, engine.backend, "--pin-slots", "-v")
+    before = engine.stats()["account_gets"]
+    answers = []
+    first = threading.Thread(target=lambda: answers.append(ask(proxy.port, "one")))
+    first.start()
+    wait_for(lambda: engine.stats()["account_gets"] > before, "the proxy asking the engine")
+    second = ask(proxy.port, "two")
+    first.join(TIMEOUT)
+    assert [answer[0] for answer in (*answers, second)] == [200, 200]
+    assert asked_slots(engine) in ([0, 1], [1, 0]), asked_slots(engine)
+
+
 def test_pin_slots_leaves_a_request_naming_its_own_slot_alone(procs, tmp_path, lanelock):
     engine = two_seats(procs, tmp_path, lanelock)
     proxy = Proxy(procs, engine.backend, "--pin-slots", "-v")

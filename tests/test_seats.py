@@ -278,7 +278,10 @@ def test_the_readme_seats_block(lanelock, procs, tmp_path):
             words = [word.replace("127.0.0.1:8080", f"127.0.0.1:{engine.port}") for word in words]
         done = lanelock(*words[1:])
         assert done.returncode == 0, done.stderr
-        said.append((done.stdout.strip(), comment.strip()))
+        said.append((done.stdout.strip().splitlines()[-1], comment.strip()))
+        if words[-1] == "auto":   # what answered, said first
+            assert done.stdout.startswith(f"localhost:{engine.port}: http://127.0.0.1:"
+                                          f"{engine.port}/props (llama.cpp): 3 slots\n")
     assert said[0][0] == said[0][1] == "localhost:8080: 2 seats (was 1)"
     assert said[1][0] == said[1][1] == "2"
     assert said[2][0] == f"localhost:{engine.port}: 3 seats (was 1)"
@@ -366,3 +369,30 @@ def test_a_holder_asking_the_proxy_without_its_headers_is_told_on_a_lane_of_seat
     out, err = asked.communicate(timeout=TIMEOUT)
     report = json.loads(out.decode())
     assert report["status"] == 503 and "send turn.headers" in report["body"], (report, err)
+
+
+def test_after_kill_9_of_seat_one_s_holder_sessions_rotate_over_both_seats_again(lanelock,
+                                                                                  holder):
+    """Sessions take turns one after another on a lane of two seats; seat 1's holder (session
+    q1) is killed -9 mid-turn. Its seat counts as released when it died: q1 comes back to it,
+    and three sessions taking turns rotate over both seats (before: every session went to seat
+    2 until seat 1 had a clean release -- Q1:2 Q2:2 Q3:2 Q1:2 -- and seat 1's cache idled)."""
+    set_seats(lanelock, 2)
+
+    def turn(session):
+        held = holder("--session", session, command=SEATED)
+        seat = seat_of(held)
+        held.release()
+        return seat
+
+    assert [turn("q1"), turn("q2")] == [1, 2]
+    killed = holder("--session", "q1", command=SEATED)
+    assert seat_of(killed) == 1
+    gone, command_gone = ExitWatch(killed.pid), ExitWatch(killed.child_pid)
+    os.killpg(killed.pid, signal.SIGKILL)
+    gone.wait()
+    command_gone.wait()   # the command's parent-death signal: nothing of the turn runs
+    assert turn("q2") == 2   # its own seat
+    assert turn("q1") == 1   # its own, though its last turn there never released
+    taken = [turn(session) for _ in range(2) for session in ("q1", "q2", "q3")]
+    assert taken.count(1) >= 2 and taken.count(2) >= 2, taken

@@ -21,27 +21,9 @@ import pytest
 
 from support.cli import LANE, STEM
 from support.processes import read_line
-from support.other_users import AS_USER, shared_root  # noqa: F401 - a fixture
+from support.other_users import AS_USER, shared_root, two_users  # noqa: F401 - fixtures
 
 NOWHERE = "/nonexistent-lanelock"   # config files another user could not read: none at all
-
-
-@pytest.fixture(scope="module")
-def two_users():
-    """Two unprivileged users of this test's own, removed after it: (mallory, alice)."""
-    if os.geteuid() != 0 or shutil.which("useradd") is None:
-        pytest.skip("needs root and useradd to make throwaway users")
-    names = [f"llt{which}{os.urandom(3).hex()}" for which in ("m", "a")]
-    made = []
-    try:
-        for name in names:
-            subprocess.run(["useradd", "--no-create-home", "--no-user-group", "--shell",
-                            "/usr/sbin/nologin", name], check=True, capture_output=True)
-            made.append(name)
-        yield tuple(names)
-    finally:
-        for name in made:
-            subprocess.run(["userdel", name], capture_output=True)
 
 
 def uid(user: str) -> int:
@@ -522,3 +504,98 @@ def test_the_threat_model_is_in_the_readme_and_the_man_page():
                       "split a lane unseen", "switch the gate off for everyone"):
             assert never in text.lower().replace("**", ""), never
         assert "journal" in text and "counts" in text   # what is not protected, said plainly
+
+
+# -- a holder record another user made unwritable: no turn runs unrecorded -----------------------
+def test_a_holder_record_its_owner_made_unwritable_keeps_other_users_turns_from_running_unseen(
+        two_users, shared_root, holder, launcher_script, procs, run_cmd, lanelock):
+    """alice used the lane first (the record is hers) and chmods it 0644: mallory's turns cannot
+    record themselves there, so a kill -9 of one would leave its command unseen. They deflect,
+    or wait and deflect, naming the record to remove (before: each ran with a warning, and the
+    next turn ran beside a killed one's command); status says so. Root's turn records itself
+    (and shares the file again); then mallory's killed turn keeps the lane while its group runs."""
+    import signal
+
+    from support.processes import ExitWatch
+
+    mallory, alice = two_users
+    os.mkdir(shared_root)
+    os.chmod(shared_root, 0o1777)
+    record = os.path.join(shared_root, f"{STEM}.json")
+    first = run_cmd([sys.executable, launcher_script, alice, "run", "-b", LANE, "--", "true"])
+    assert first.returncode == 0 and os.stat(record).st_uid == uid(alice), first
+    assert run_cmd(["runuser", "-u", alice, "--", "chmod", "0644", record]).returncode == 0
+    for wait in ((), ("--wait", "0.3")):
+        done = run_cmd([sys.executable, launcher_script, mallory, "run", "-b", LANE, *wait, "--",
+                        "echo", "ran"])
+        deflected_saying(done, record, "remove it")
+    lane = json.loads(lanelock("status", "-b", LANE, "--json").stdout)["lanes"][0]
+    assert record in lane["message"] and "remove it" in lane["message"], lane
+    done = lanelock("run", "-b", LANE, "--", "echo", "ran")   # root writes any file
+    assert (done.returncode, done.stdout, done.stderr) == (0, "ran\n", ""), done
+    assert os.stat(record).st_mode & 0o777 == 0o666
+    held = holder("-b", LANE, command=["sh", "-c", 'sleep 600 & echo "ready $$ $!"; wait'],
+                  launcher=[sys.executable, launcher_script, mallory])
+    work = int(held.ready_line.split()[2])
+    procs.adopt(work)
+    assert run_cmd(["runuser", "-u", alice, "--", "chmod", "0644", record]).returncode == 0
+    shell_death = ExitWatch(held.child_pid)
+    os.kill(held.pid, signal.SIGKILL)
+    held.wait()
+    shell_death.wait()
+    busy = lanelock("run", "-b", LANE, "--", "true")
+    assert busy.returncode == 75 and "still ending" in busy.stderr, busy
+    os.kill(work, signal.SIGKILL)
+
+
+# -- a turn in another pid namespace (a container sharing the root) -----------------------------
+def host_pid(namespace_pid: int, of: int) -> int:
+    """The pid here of the process numbered namespace_pid in the pid namespace of process of."""
+    ns = os.stat(f"/proc/{of}/ns/pid").st_ino
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}/ns/pid").st_ino != ns:
+                continue
+            with open(f"/proc/{entry}/status") as handle:
+                line = next(line for line in handle if line.startswith("NSpid:"))
+        except (OSError, StopIteration):
+            continue
+        if line.split()[-1] == str(namespace_pid):
+            return int(entry)
+    raise LookupError(namespace_pid)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare")
+def test_a_killed_turn_in_another_pid_namespace_keeps_the_lane_while_its_group_runs(
+        lock_dir, procs, lanelock):
+    """A turn in a pid namespace of its own (`unshare --pid --fork --mount-proc`, a container
+    sharing the root) records its namespace's pids; its wrapper killed -9 from here, its
+    command's sleep runs on: this machine's next turn maps the record through NSpid and waits
+    for that group (before: it took the lane beside it)."""
+    import signal
+
+    from support.cli import LANELOCK
+
+    container = procs.start(
+        ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c",
+         " ".join(LANELOCK) + " run -b " + LANE + " -- sh -c 'sleep 600 & echo \"ready $$ $!\"; "
+         "wait'; sleep 600"], stdout=subprocess.PIPE, text=True)
+    words = read_line(container.stdout).split()
+    assert words[0] == "ready", words
+    shell = host_pid(int(words[1]), _child(container.pid))
+    work = host_pid(int(words[2]), shell)
+    wrapper = int(open(f"/proc/{shell}/stat").read().rsplit(")", 1)[1].split()[1])
+    record = json.loads((lock_dir / f"{STEM}.json").read_text())
+    assert record["pid"] != wrapper, record   # the namespace's own pid
+    os.kill(wrapper, signal.SIGKILL)
+    busy = lanelock("run", "-b", LANE, "--", "true")
+    assert busy.returncode == 75 and "still ending" in busy.stderr, busy
+    os.kill(work, signal.SIGKILL)
+
+
+def _child(pid: int) -> int:
+    """unshare's one child (the namespace's first process)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as handle:
+        return int(handle.read().split()[0])

@@ -50,6 +50,11 @@ def _judge_seat(facts, gate_problem: str | None = None) -> dict:
               "kernel_source": facts.kernel_source, "holder": None, "last": None,
               "sidecar_problem": facts.record_problem,
               "gate": "unavailable" if gate_problem else "available", "gate_problem": gate_problem}
+    if facts.problem_lock and facts.seat > 1:
+        # A seat's file or folder planted or changed by another user: no turn takes the seat
+        # (it counts as held), none runs beside one too many; the others are taken as ever.
+        return _verdict(result, HELD, "bad-lock-file",
+                        f"not usable: {facts.problem_lock}; turns wait for the other seats")
     if facts.problem_lock:
         return _verdict(result, UNKNOWN, "bad-lock-file",
                         f"{facts.problem_lock}: {planted_outcome(facts.problem_lock)}")

@@ -12,6 +12,8 @@ same store, same records) while the engine answers; a busy lane sends it to the 
                      answer, what was relayed);
 - class_and_wait.py  a request's class and wait (its headers, capped; a malformed one is a 400);
 - client_process.py  the process behind a client's connection (a request from inside a turn);
+- socket_owner.py    which process holds a client's end of a connection (sockdiag.py: the
+                     kernel's answer for its socket);
 - relay.py           forwarding a request and streaming the answer back, byte for byte;
 - fallbacks.py       the --fallback entries and their chain, for a busy lane or an engine that
                      does not answer;
@@ -23,6 +25,8 @@ same store, same records) while the engine answers; a busy lane sends it to the 
 - lost.py            a held request whose lane the store takes away;
 - per_lane.py        the lanes it serves (with lanes keyed by model, one per model a request
                      names), each with its gate, linger, Retry-After and fallback chain;
+- request_model.py   where a request names its model, read as the engine reads it;
+- engine_names.py    models as the engine names them (llama-swap's paths, Ollama's spellings);
 - app.py             the routes' handlers: lane, linger, fallbacks, busy answer, 502;
 - traffic.py         the in-flight count and the -v line (middleware);
 - listener.py        the listening socket: connections capped, slow and idle ones closed;

@@ -34,8 +34,9 @@ from .finishing import Finishing
 from .listener import HEADER_TIMEOUT, IDLE_TIMEOUT, MAX_CONNECTIONS
 from .logs import Incidents
 from .lost import REASON_LOST, Cut, LaneLost, ProxyWords, unwatch
-from .client_process import ClientProcess
+from .client_process import LATER, ClientProcess
 from .per_lane import Lanes
+from .request_model import Disagree
 from .proxied import CUT, REASON, SEAT, SLOT, STATE, Timing
 from .relay import Unreachable, error_response, relay, request_headers
 from .routes import Routes
@@ -46,6 +47,7 @@ from .traffic import PROXIED, InFlight
 # A client's own is never forwarded: only the proxy says it.
 FENCE = "X-Lanelock-Fence"
 BUSY = "busy"
+DOWN = "down"   # the engine refused or dropped the connection: whatever the lane, it ran nothing
 GONE = "client_gone"   # the reason of an abandoned wait: the client hung up
 DEFAULT_PROXY_MAX_WAIT = 60.0   # the settings' proxy_max_wait default, for the API
 # An answer a retry cannot change (the client holds the lane itself; it sent a malformed header):
@@ -133,12 +135,29 @@ class Proxy:
     async def _request(self, proxied) -> web.StreamResponse:
         # Decided on the raw target, forwarded as the raw target: the path judged is the path the
         # engine is asked (routes.py).
-        proxied.read_fields(await proxied.http.read())
+        body = await self._body(proxied)
+        if body is None:
+            return _late_body(proxied, self.options.header_timeout)
+        proxied.read_fields(body)
         proxied.options = self.options   # a reload (reload.py) leaves this request as it came
         upstream = proxied.http.app[UPSTREAM]
         if not self.options.routes.is_gated(proxied.method, proxied.path):
             return await self._forward(upstream, proxied)
         return await self._gated(upstream, proxied)
+
+    async def _body(self, proxied) -> bytes | None:
+        """The request's body, complete within the header's time again (None: it was not).
+        While it comes, its connection may be closed for a new one at the cap (listener.py)."""
+        listener, handler = self.listener, proxied.http.protocol
+        if listener is not None:
+            listener.reading(handler, True)
+        try:
+            return await asyncio.wait_for(proxied.http.read(), self.options.header_timeout)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            if listener is not None:
+                listener.reading(handler, False)
 
     async def metrics(self, upstream) -> web.Response:
         """lanelock's exposition for the lanes this proxy serves (with lanes keyed by model,
@@ -180,8 +199,12 @@ class Proxy:
         except class_and_wait.Malformed as error:
             return self._refused(dialect, error)
         applied = asked.headers()
-        model = proxied.model = dialect.model_of(proxied.fields)
-        lane = proxied.lane = self.lanes.of(model, proxied.path)
+        try:
+            model = proxied.model = await self.lanes.model_of(upstream, proxied,
+                                                              self._asking_headers(request))
+        except Disagree as error:
+            return self._refused_body(dialect, error)
+        lane = proxied.lane = self.lanes.of(model)
         gate = lane.gate
         client = ClientProcess(request, gate.lock_path)
         session = proxied.session = (
@@ -304,6 +327,20 @@ class Proxy:
                                      f"{CUT['lost']}; the request was cut, try again")
         return _answer(503, body, {STATE: proxied.turn.state, REASON: REASON_LOST, **applied})
 
+    def _refused_body(self, dialect, error) -> web.Response:
+        """A body two readers read differently (request_model.py): which model the engine
+        would run cannot be told, so it runs nothing -- 400 in the client's dialect."""
+        body = dialects.error_answer(dialect, 400, "ambiguous_request_body",
+                                     f"lanelock cannot tell which model this request names: "
+                                     f"{error}", "model")
+        return _answer(400, body, NO_RETRY)
+
+    def _asking_headers(self, request) -> dict:
+        """The client's credentials, for asking the engine its models (llama-swap's
+        /v1/models may need its API key) -- unless they are the proxy's own token."""
+        given = request.headers.get("Authorization")
+        return {"Authorization": given} if given and not self.options.token else {}
+
     def _refused(self, dialect, error: class_and_wait.Malformed) -> web.Response:
         """A malformed X-Lanelock-* header: 400 in the client's dialect, naming the header,
         before the lane is asked (the caps said, so the client sees what it may ask)."""
@@ -338,14 +375,14 @@ class Proxy:
         except Unreachable as error:
             self.incidents("engine-down", f"backend {url.split('?')[0]} unreachable: {error}")
             return error_response(502, "backend_unreachable",
-                                  f"the local engine at {self.backend_url} did not answer: {error}")
+                                  f"the local engine at {self.backend_url} did not answer: {error}",
+                                  {STATE: DOWN, REASON: REASON_DOWN})
 
     async def _down(self, upstream, proxied, reused, error, applied) -> web.StreamResponse:
         """The local engine did not answer (refused, or reset before a byte came back): the lane
         goes at once (nothing runs on it, and no linger keeps it), then the fallback chain; 502
         naming each attempt when none is left."""
         turn = proxied.turn
-        state = turn.state
         proxied.status = 502
         proxied.lane.linger.forget(reused)
         await asyncturn.release(turn, 502)
@@ -359,7 +396,7 @@ class Proxy:
             f"no fallback for {proxied.method} {proxied.path[:200]}: 502"))
         body = dialects.error_answer(proxied.dialect, 502, REASON_DOWN,
                                      why.words + (f"; {failed}" if failed else ""))
-        return _answer(502, body, {STATE: state, REASON: REASON_DOWN, **applied})
+        return _answer(502, body, {STATE: DOWN, REASON: REASON_DOWN, **applied})
 
     async def _deflected(self, upstream, proxied, client, applied) -> web.StreamResponse:
         """A busy lane: the fallback chain; none left, the dialect's busy answer, naming what
@@ -423,6 +460,18 @@ def _answer(status: int, body: bytes, headers: dict) -> web.Response:
     return response
 
 
+def _late_body(proxied, seconds: float) -> web.Response:
+    """408 for a body that did not come in time, in the family's shape; the connection closes
+    (the rest of the body is never read)."""
+    dialect = dialects.of(proxied.path)
+    body = dialects.error_answer(dialect, 408, "request_timeout",
+                                 f"the request body did not arrive within {seconds:g} s of its "
+                                 "header (--header-timeout)")
+    response = _answer(408, body, {})
+    response.force_close()
+    return response
+
+
 def _per_kind(value) -> dict:
     """{kind: value} from a --fallback-model/--fallback-key value or values: 'KIND=VALUE' for the
     URL fallbacks of one kind, a bare VALUE for all (None: none)."""
@@ -451,8 +500,8 @@ def _seat_of(turn) -> int | None:
 def _while_held(gate, askers):
     """The client's askers for the gate (handover.py), looked up only while a turn holds a seat
     of the lane. On a lane of seats the gate asks them before it tries a seat (one turn must not
-    become two), for every request, free lane or not: the lookup reads /proc/net/tcp and every
-    process's descriptors (milliseconds, on the event loop). A lane no turn holds has no turn to
+    become two), for every request, free lane or not: the lookup reads the descriptors of
+    every process of the client's uid (milliseconds, on the event loop). A lane no turn holds has no turn to
     be part of, nor a holder to be: the records say so for the price of reading them. A store
     whose every read is a round trip (PostgreSQL) is asked nothing more."""
     if gate.store.blocking_io:
@@ -469,9 +518,14 @@ def _while_held(gate, askers):
 
 
 async def _client_session(client) -> str | None:
-    """The session of the client's process (client_process.py), off the event loop; None when
-    no thread can be had (out of descriptors, even to import the pool: the gate then says
-    crowded) -- the request is named by its address."""
+    """The session of the client's process (client_process.py): on the event loop when it is
+    a few system calls (the connection's name kept, or a recent client's process holding the
+    socket: a thread's start and wake-up would cost more), else off it; None when no thread
+    can be had (out of descriptors, even to import the pool: the gate then says crowded) --
+    the request is named by its address."""
+    session = client.session(scan=False)
+    if session is not LATER:
+        return session
     try:
         return await asyncio.to_thread(client.session)
     except (OSError, RuntimeError):

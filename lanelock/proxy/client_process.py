@@ -3,16 +3,17 @@
 A request from inside a turn is part of it, through the proxy too: a `lanelock run` job whose
 client points at the proxy is never refused by its own lane. The proxy asks only when a
 gated request finds the lane busy: the client's end of the connection is a socket whose local
-address is the request's peer and whose remote address is the proxy's; /proc/net/tcp (tcp6) gives
-its inode, and the process holding socket:[inode] among its descriptors is the client. Both files
-list this network namespace's sockets, which is where a loopback client lives.
+address is the request's peer and whose remote address is the proxy's; the kernel gives its
+inode, and the process holding socket:[inode] among its descriptors is the client
+(socket_owner.py: the processes that were clients lately first, then the socket's uid's).
 
 A request that names no session (no session header, no `user` field) is named after its client
 process (session()): the LANELOCK_SESSION of its environment when it runs inside a turn (a turn
 hands its command its session with its tokens, gate.py), else user@NAME/PID -- so two agents on
 one machine are two sessions (linger keeps the lane for one, not for both; status, history and -v
-tell them apart). That lookup is made for every such request; a client that is not on loopback,
-or cannot be found, is named by its address.
+tell them apart). That lookup is made once per connection (Names: a keep-alive client's later
+requests reuse it while its process runs); a client that is not on loopback, or cannot be found,
+is named by its address.
 
 Where the client cannot be read -- another user's process, for a proxy that is not root -- no
 owner is found and the request is outside every turn. A request that sent turn.headers is judged
@@ -23,40 +24,143 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import sys
+import threading
+import weakref
+from collections import OrderedDict
 
 from ..handover import HEADER, Asker, process
+from ..proc import start_ticks
+from .socket_owner import owners
+
+CONNECTIONS = 1024   # connections whose client's name is kept (the proxy's --max-connections)
+LATER = object()     # session(scan=False): only a pass over /proc can tell
+_LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
+
+
+class Names:
+    """Each open connection's client (pid, start time, session), so that a keep-alive client is
+    looked up once, not per request. Bounded: at most CONNECTIONS, the least recently used
+    going first, and an entry whose connection is gone is never answered (its transport is
+    held weakly); an entry whose process no longer runs with its start time is looked up
+    again."""
+
+    def __init__(self, size: int = CONNECTIONS):
+        self.size = size
+        self._kept: OrderedDict[int, tuple] = OrderedDict()
+        self._lock = threading.Lock()   # asked from the event loop's thread pool
+
+    def get(self, transport) -> tuple | None:
+        with self._lock:
+            kept = self._kept.get(id(transport))
+            if kept is None or kept[0]() is not transport:
+                return None
+            self._kept.move_to_end(id(transport))
+        if start_ticks(kept[1][0]) != kept[1][1]:   # gone, or another process with its pid
+            return None
+        return kept[1]
+
+    def put(self, transport, named: tuple) -> None:
+        with self._lock:
+            self._kept[id(transport)] = (weakref.ref(transport), named)
+            self._kept.move_to_end(id(transport))
+            while len(self._kept) > self.size:
+                self._kept.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+NAMES = Names()
+
+
+class Bounded:
+    """A dict of at most size entries, the least recently used going first."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._kept: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        with self._lock:
+            if key in self._kept:
+                self._kept.move_to_end(key)
+            return self._kept.get(key)
+
+    def put(self, key, value) -> None:
+        with self._lock:
+            self._kept[key] = value
+            self._kept.move_to_end(key)
+            while len(self._kept) > self.size:
+                self._kept.popitem(last=False)
+
+
+# Each recent client process's session by (pid, start time): a client opening a connection per
+# request is named by its environment once, not per connection (the environment a process was
+# started with does not change; a new process with its pid has another start time).
+PROCESSES = Bounded(64)
 
 
 class ClientProcess:
-    """The process behind a request's connection, looked up only when the gate asks (a busy
-    lane): the gate's askers (handover.py), with the tokens the request sent in turn.headers'
-    header if it sent any, else those of the process's environment."""
+    """The process behind a request's connection, looked up only when asked: its name
+    (session(), program()) once per connection, the gate's askers (handover.py) only when the
+    gate asks (a held lane), with the tokens the request sent in turn.headers' header if it
+    sent any, else those of the process's environment."""
 
-    __slots__ = ("peer", "local", "sent", "lock_path", "pids", "_looked")
+    __slots__ = ("peer", "local", "sent", "lock_path", "pids", "_looked", "_transport")
 
     def __init__(self, request, lock_path: str):
-        transport = request.transport
+        transport = self._transport = request.transport
         self.peer = transport.get_extra_info("peername") if transport is not None else None
         self.local = transport.get_extra_info("sockname") if transport is not None else None
         self.sent = request.headers.get(HEADER)
         self.lock_path = lock_path
         self.pids: list[int] = []   # found by session() or askers(), whichever came first
-        self._looked = False
+        self._looked = False        # every owner looked up (askers())
 
     def _owners(self) -> list[int]:
         if not self._looked:
             self.pids, self._looked = owners(self.peer, self.local), True
         return self.pids
 
-    def session(self) -> str | None:
+    def _named(self, scan: bool = True):
+        """(pid, session) of the client's process: the connection's, when an earlier request
+        on it named it and that process still runs (its start time unchanged); else looked up
+        (socket_owner.py) and kept for the connection's next requests. scan=False: LATER when
+        only a pass over /proc could find it (the caller does that off the event loop)."""
+        if self._transport is None:
+            return None
+        kept = NAMES.get(self._transport)
+        if kept is not None:
+            self.pids = self.pids or [kept[0]]
+            return kept[0], kept[2]
+        pids = self.pids or owners(self.peer, self.local, every=False, scan=scan)
+        if pids is None:
+            return LATER
+        if not pids:
+            return None
+        self.pids = pids
+        pid = min(pids)
+        started = start_ticks(pid)
+        session = PROCESSES.get((pid, started)) if started is not None else None
+        if session is None:
+            session = session_of(pid)
+            if started is not None and session is not None:
+                PROCESSES.put((pid, started), session)
+        if started is not None and session is not None:
+            NAMES.put(self._transport, (pid, started, session))
+        return pid, session
+
+    def session(self, scan: bool = True):
         """The session of a loopback client's process (module doc), None when there is none to
-        find (not loopback, gone, unreadable)."""
+        find (not loopback, gone, unreadable). scan=False: a few system calls at most (the
+        connection's name kept, or a recent client's process holding the socket), LATER when
+        the answer needs a pass over /proc."""
         try:
             if not _loopback(self.peer) or not isinstance(self.local, tuple):
                 return None
-            pids = self._owners()
-            return session_of(min(pids)) if pids else None
+            named = self._named(scan)
+            return named if named is LATER else named[1] if named else None
         except OSError:   # /proc unreadable now (out of descriptors): named by its address
             return None
 
@@ -68,10 +172,10 @@ class ClientProcess:
         try:
             if not _loopback(self.peer) or not isinstance(self.local, tuple):
                 return None
-            pids = self._owners()
+            named = self._named()
         except OSError:
             return None
-        return name(min(pids)) if pids else None
+        return name(named[0]) if named else None
 
     def askers(self) -> list[Asker | None]:
         try:
@@ -135,39 +239,14 @@ def _user(uid: int) -> str:
 def _loopback(peer) -> bool:
     if not isinstance(peer, tuple):
         return False
+    if peer and peer[0] in _LOOPBACK:   # the usual spellings, without parsing them per request
+        return True
     try:
         address = ipaddress.ip_address(str(peer[0]).split("%")[0])
     except (ValueError, IndexError):
         return False
     mapped = getattr(address, "ipv4_mapped", None)
     return (mapped or address).is_loopback
-
-
-def owners(peer, local) -> list[int]:
-    """Pids holding the client end of the connection peer -> local."""
-    found = _socket(peer, local)
-    if found is None:
-        return []
-    inode, uid = found
-    target = f"socket:[{inode}]"
-    pids = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            if os.stat(f"/proc/{name}").st_uid != uid:   # the socket's owner: skip the rest
-                continue
-            descriptors = os.listdir(f"/proc/{name}/fd")
-        except OSError:   # gone, or not ours to read
-            continue
-        for fd in descriptors:
-            try:
-                if os.readlink(f"/proc/{name}/fd/{fd}") == target:
-                    pids.append(int(name))
-                    break
-            except OSError:
-                continue
-    return pids
 
 
 def opens(pid: int, target: tuple[int, int]) -> bool:
@@ -194,48 +273,3 @@ def _identity(path: str) -> tuple[int, int] | None:
     except (OSError, TypeError, ValueError):
         return None
     return found.st_dev, found.st_ino
-
-
-def _socket(peer, local) -> tuple[int, int] | None:
-    """(inode, uid) of the socket whose local address is peer and remote address is local.
-
-    The tables are read a line at a time, up to the socket sought: they list every socket of the
-    namespace, TIME_WAIT ones included -- thousands under load, the proxy's own connections to
-    the engine among them (a new one per request) -- and a table read whole was a buffer of up
-    to megabytes per busy request, grown by reallocation in a pool thread, whose malloc arena
-    kept the holes (the proxy's RSS rose with the table's size, tests/test_proxy_memory.py)."""
-    try:
-        wanted = {(mine.encode(), theirs.encode()) for mine in _spellings(peer[0], peer[1])
-                  for theirs in _spellings(local[0], local[1])}
-    except (TypeError, ValueError, IndexError):
-        return None
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table, "rb") as handle:
-                next(handle, None)   # the column names
-                for line in handle:
-                    words = line.split()
-                    if len(words) > 9 and (words[1], words[2]) in wanted:
-                        try:
-                            inode, uid = int(words[9]), int(words[7])
-                        except ValueError:
-                            continue
-                        if inode:
-                            return inode, uid
-        except OSError:
-            continue
-    return None
-
-
-def _spellings(host: str, port: int) -> list[str]:
-    """How the kernel writes host:port in /proc/net/tcp (tcp6): each 32-bit word of the address
-    as the host's byte order reads it, in hex, then the port. An IPv4-mapped address is listed
-    both ways (a dual-stack listener sees an IPv4 client as ::ffff:a.b.c.d)."""
-    address = ipaddress.ip_address(str(host).split("%")[0])
-    packed = [address.packed]
-    if address.version == 6 and address.ipv4_mapped is not None:
-        packed.append(address.ipv4_mapped.packed)
-    elif address.version == 4:
-        packed.append(ipaddress.IPv6Address(f"::ffff:{address}").packed)
-    return ["".join(f"{int.from_bytes(raw[i:i + 4], sys.byteorder):08X}"
-                    for i in range(0, len(raw), 4)) + f":{int(port):04X}" for raw in packed]

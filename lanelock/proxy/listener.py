@@ -14,7 +14,11 @@ take the descriptors the gate needs.
   EVICT_AFTER seconds is closed for the new one -- so connections that send nothing cannot shut
   out a client that has a request, and a client just accepted has time to send its own.
 - A connection that has not sent a complete request header within `header_timeout` seconds of
-  being accepted is closed (idle keep-alive connections: aiohttp's keepalive_timeout).
+  being accepted is closed (idle keep-alive connections: aiohttp's keepalive_timeout); a request
+  whose body is not complete within as long again after its header is answered 408 and closed
+  (app.py). A connection waiting for its body counts toward the cap, and is idle while no byte of
+  it comes: at the cap it is closed for a new connection like one that has sent nothing -- so
+  connections that hold their bodies back cannot shut out the proxy's own /lanelock/ answers.
 - accept() failing for want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM) is
   crowded, not broken: said once per incident, and accepting resumes when a connection closes.
 """
@@ -57,7 +61,8 @@ def connection_cap(wanted: int, soft: int) -> int:
 class Connection(asyncio.Protocol):
     """One accepted connection: aiohttp's handler inside, our bookkeeping around it."""
 
-    __slots__ = ("listener", "inner", "transport", "busy", "since", "header_timer", "served")
+    __slots__ = ("listener", "inner", "transport", "busy", "since", "header_timer", "served",
+                 "reading")
 
     def __init__(self, listener: "Listener", inner):
         self.listener, self.inner = listener, inner
@@ -66,6 +71,7 @@ class Connection(asyncio.Protocol):
         self.served = 0          # requests started on it
         self.since = 0.0         # when it was last active (accepted, bytes came, a request ended)
         self.header_timer = None
+        self.reading = False     # its request's handler waits for the body (nothing taken yet)
 
     def connection_made(self, transport) -> None:
         loop = asyncio.get_running_loop()
@@ -161,6 +167,14 @@ class Listener:
                 connection.since = asyncio.get_running_loop().time()
                 self._room.set()   # an idle connection can make room now
 
+    def reading(self, handler, waiting: bool) -> None:
+        """A request's handler waits for its body (True), or has it (False)."""
+        connection = self.connections.get(handler)
+        if connection is not None:
+            connection.reading = waiting
+            if waiting:
+                self._room.set()   # it may be idle soon: the accept loop looks again
+
     def forget(self, connection: Connection) -> None:
         if self.connections.get(connection.inner) is connection:
             del self.connections[connection.inner]
@@ -201,7 +215,8 @@ class Listener:
 
     def _idle(self) -> list:
         return [connection for connection in self.connections.values()
-                if not connection.busy and connection.transport is not None
+                if (not connection.busy or connection.reading and connection.busy == 1)
+                and connection.transport is not None
                 and not connection.transport.is_closing()]
 
     def _evict_idle(self) -> bool:

@@ -11,7 +11,8 @@ own (any value, -1 included) is the client's choice and left alone.
 Only llama.cpp reads it, and llama-swap hands the body to the llama-server of the model it
 names; every other engine's requests are sent as they came. The engine's kind is the witness's
 is asked once (engine.py: GETs that cost the engine nothing), else the witness's when it knows
-it; one that cannot be told is asked again after a pause, its requests meanwhile unpinned.
+it; a request that comes while it is being asked waits for the answer; one that cannot be told
+is asked again after a pause, its requests meanwhile unpinned.
 
 A seat past the engine's slots is never pinned: llama-server defers a task whose id_slot names
 no slot until that slot frees, which is never -- the request would hang. llama.cpp's slot count
@@ -68,7 +69,10 @@ class Pinning:
     async def slot_of(self, seat: int, witness) -> int | None:
         """The engine's slot for seat (seat - 1), or None: the engine reads no id_slot, or has
         no slot for this seat."""
-        if self.kind is None and time.monotonic() - self._asked_at >= ASK_AGAIN:
+        # A request that comes while the kind is being asked waits for that answer (it would
+        # go unpinned, and take any slot); after a failed ask, not for ASK_AGAIN seconds.
+        if self.kind is None and (self._asking is not None
+                                  or time.monotonic() - self._asked_at >= ASK_AGAIN):
             await self._ask()
         known = self.kind or getattr(getattr(witness, "engine", None), "kind", None)
         if known not in KINDS:

@@ -11,7 +11,6 @@ Invariant: `target` is the raw request target as received, and it is both the ta
 
 from __future__ import annotations
 
-import json
 import time
 
 from ..gate import HELD
@@ -31,7 +30,7 @@ class Proxied:
     """A request's state from its first byte to the -v line. http: aiohttp's request (method,
     headers, the connection); every other field is lanelock's."""
 
-    __slots__ = ("http", "target", "path", "body", "fields", "dialect", "model", "session",
+    __slots__ = ("http", "target", "path", "body", "_fields", "dialect", "model", "session",
                  "asked", "turn", "state", "status", "done", "cut", "timing", "fallback",
                  "lane", "options", "seat", "slot", "own")
 
@@ -40,7 +39,7 @@ class Proxied:
         self.target = http.raw_path            # path and query, byte for byte as received
         self.path = self.target.partition("?")[0]
         self.body = b""
-        self.fields: dict = {}                 # the body's JSON object ({} when it is none)
+        self._fields: dict | None = {}         # the body's JSON object ({}: none), once read
         self.dialect = None                    # dialects.Dialect of a gated request
         self.model: str | None = None
         self.session: str | None = None
@@ -67,8 +66,22 @@ class Proxied:
         return self.http.remote or "?"
 
     def read_fields(self, body: bytes) -> None:
+        """The body, and its JSON object ({}: none). A body two JSON readers read differently
+        raises request_model.Disagree when the fields are read, for a gated request only."""
         self.body = body
-        self.fields = _json_fields(body)
+        self._fields = None
+
+    @property
+    def fields(self) -> dict:
+        if self._fields is None:
+            from . import request_model
+
+            # A form where the engine reads a form is no JSON; anywhere else gjson would still
+            # look for a JSON object in it (request_model.py).
+            form = self.path in request_model.FORM_PATHS and request_model.is_form(
+                self.http.headers.get("Content-Type", ""))
+            self._fields = {} if form else request_model.json_fields(self.body)
+        return self._fields
 
     def ended(self) -> str | None:
         """How a relayed answer ended when it did not reach its end (relay.py's words), else
@@ -119,13 +132,3 @@ class Timing:
     def __str__(self) -> str:
         held = f", held {self.held_until_now():.3f}s" if self._held_from is not None else ""
         return f"(waited {self.waited:.3f}s{held})"
-
-
-def _json_fields(body: bytes) -> dict:
-    if not body or body[:1] not in (b"{", b" ", b"\n", b"\r", b"\t"):
-        return {}
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        return {}
-    return data if isinstance(data, dict) else {}

@@ -14,10 +14,14 @@ holder).
 A read is gated too when it can make the engine load a model: llama-swap's passthrough
 `/upstream/MODEL/...` starts MODEL for any method (a GET of its /health swaps out the model the
 holder generates with). That one is judged on the path as the engine will read it (percent-decoded,
-dot segments and doubled slashes resolved, any case), so no spelling of it passes ungated.
+dot segments and doubled slashes resolved, any case), so no spelling of it passes ungated. So
+are llama-swap's reads routed by `?model=` (GET /v1/audio/voices, GET /sdapi/v1/loras: each
+loads the model it names), with or without a query.
 """
 
 from __future__ import annotations
+
+from .request_model import QUERY_PATHS
 
 DEFAULT_CHEAP = (
     "/tokenize", "/detokenize", "/apply-template",     # llama.cpp
@@ -49,4 +53,5 @@ def loads_a_model(raw_path: str) -> bool:
 
     path = posixpath.normpath("/" + unquote(raw_path).lower())
     path = "/" + path.lstrip("/")   # normpath keeps a leading '//'
-    return any(path == prefix or path.startswith(prefix + "/") for prefix in LOADS)
+    return path.rstrip("/") in QUERY_PATHS or any(
+        path == prefix or path.startswith(prefix + "/") for prefix in LOADS)

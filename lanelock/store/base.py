@@ -171,6 +171,11 @@ class LaneStore(ABC):
         read: one seat can only make a turn wait, never run beside one too many)."""
         return 1
 
+    def make_seats(self, lane, count: int) -> None:
+        """Whatever the lane's seats 2..count need before the count is kept, made by the user
+        who may set it (GateUnavailable when it cannot be). Default: nothing (a store whose seats
+        are rows)."""
+
     def keep(self, name: str, value) -> None:
         """Keep value under name (None: forget it) for every process that reads this store.
         GateUnavailable when it cannot be written. Default: a store that keeps none."""

@@ -53,3 +53,51 @@ def unsafe(st: os.stat_result, name: str) -> str | None:
     if st.st_nlink != 1:
         return f"{name} has {st.st_nlink} names (a hard link); not writing through it"
     return None
+
+
+def owners(dir_fd: int) -> frozenset:
+    """Who may make the files that decide how many turns hold a lane (the seats): root and the
+    lock root's owner, as for the kept values (kept.py)."""
+    return frozenset({0, os.fstat(dir_fd).st_uid})
+
+
+def open_made_by(dir_fd: int, name: str, made_by: frozenset, *, directory: bool = False) -> int:
+    """A read-only descriptor on name, a directory or a single-named regular file that one of
+    made_by owns: nothing followed, type, links and owner checked before it is used.
+    FileNotFoundError when nothing is there; OSError(EPERM) saying what was found otherwise
+    (a symlink, another user's 0600 file or 0700 folder, a FIFO)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(name, flags | (os.O_DIRECTORY if directory else 0), dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        raise OSError(errno.EPERM, _found(dir_fd, name, error)) from None
+    st = os.fstat(fd)
+    if directory:
+        why = None if stat.S_ISDIR(st.st_mode) else f"{name} is not a directory"
+        if why is None and st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+            why = f"{name} is writable by every user without the sticky bit"
+    else:
+        why = unsafe(st, name)
+    if why is None and st.st_uid not in made_by:
+        why = (f"{name} belongs to uid {st.st_uid}, neither root nor the lock root's owner "
+               f"(mode {stat.S_IMODE(st.st_mode):04o})")
+    if why is not None:
+        os.close(fd)
+        raise OSError(errno.EPERM, why)
+    return fd
+
+
+def _found(dir_fd: int, name: str, error: OSError) -> str:
+    """What is at name, that open() refused (error)."""
+    try:
+        st = os.lstat(name, dir_fd=dir_fd)
+    except OSError:
+        return f"{name} cannot be opened: {error.strerror}"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{name} is a symlink (uid {st.st_uid}); not following it"
+    if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+        return f"{name} is not a regular file"
+    return (f"{name} is mode {stat.S_IMODE(st.st_mode):04o} of uid {st.st_uid}: other users "
+            f"cannot open it ({error.strerror})")

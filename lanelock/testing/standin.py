@@ -892,11 +892,17 @@ def main(argv: list[str] | None = None) -> int:
                          kind=args.kind, parallel=args.parallel, slots=args.slots,
                          metrics=args.metrics, slow=args.slow, dev_mode=args.dev_mode,
                          api_key=args.api_key, loading=args.loading)
-    if args.port_file:
-        temp = args.port_file + ".tmp"
+    return serve_until_interrupted(server, args.port_file)
+
+
+def serve_until_interrupted(server, port_file: str | None) -> int:
+    """Write the bound port to port_file (whole, by rename: a reader never sees half of it),
+    then serve until interrupted."""
+    if port_file:
+        temp = port_file + ".tmp"
         with open(temp, "w") as handle:
             handle.write(str(server.server_address[1]))
-        os.replace(temp, args.port_file)
+        os.replace(temp, port_file)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -11,7 +11,7 @@ extra's module whose library is not installed (the proxy's aiohttp, the PostgreS
 psycopg) is left out.
 
 Fixtures (import them by name into the test module: `from support.other_users import users, shared_root
-# noqa: F401 - fixtures`): users, shared_root.
+# noqa: F401 - fixtures`): users, two_users (throwaway accounts), shared_root.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -60,6 +61,24 @@ def users():
         except KeyError:
             pytest.skip(f"no user {name}")
     return USERS
+
+
+@pytest.fixture(scope="module")
+def two_users():
+    """Two unprivileged users of this test's own, removed after it: (mallory, alice)."""
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("needs root and useradd to make throwaway users")
+    names = [f"llt{which}{os.urandom(3).hex()}" for which in ("m", "a")]
+    made = []
+    try:
+        for name in names:
+            subprocess.run(["useradd", "--no-create-home", "--no-user-group", "--shell",
+                            "/usr/sbin/nologin", name], check=True, capture_output=True)
+            made.append(name)
+        yield tuple(names)
+    finally:
+        for name in made:
+            subprocess.run(["userdel", name], capture_output=True)
 
 
 @pytest.fixture

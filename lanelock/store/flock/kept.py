@@ -4,8 +4,9 @@ user -- so they all agree, or there would be two gates.
 
 Its trust is the root's: a value changes how many turns may hold a lane at once, so a file
 another unprivileged user planted in a shared (sticky) root could switch the gate off for
-everyone by raising a count. The file is believed only when it belongs to root, to the lock
-root's owner, or to the reader itself; else it is ignored (the defaults: one seat), which can
+everyone by raising a count. The file is believed only when it belongs to root or to the lock
+root's owner (not the reader's own: she could not have set it, so someone planted it); else it is
+ignored (the defaults: one seat), which can
 only make the reader more careful, never less. Setting a value is refused to anyone else for the
 same reason.
 
@@ -58,11 +59,7 @@ def read(dir_fd: int) -> dict | None:
 def write(dir_fd: int, name: str, value) -> None:
     """Keep value under name (None: forget it). OSError when it cannot be written; PermissionError
     when this user may not set values in this root."""
-    root = os.fstat(dir_fd)
-    me = os.geteuid()
-    if me not in (0, root.st_uid):
-        raise PermissionError(errno.EPERM, f"only root or uid {root.st_uid} (the lock root's "
-                                           "owner) may set values every user reads")
+    may_set(dir_fd)
     guard = os.open(GUARD, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
                     dir_fd=dir_fd)
     try:
@@ -93,10 +90,19 @@ def write(dir_fd: int, name: str, value) -> None:
         os.close(guard)
 
 
+def may_set(dir_fd: int) -> None:
+    """PermissionError unless this user may set values every user reads (root, the lock root's
+    owner)."""
+    root = os.fstat(dir_fd)
+    if os.geteuid() not in (0, root.st_uid):
+        raise PermissionError(errno.EPERM, f"only root or uid {root.st_uid} (the lock root's "
+                                           "owner) may set values every user reads")
+
+
 def _distrust(st: os.stat_result, root: os.stat_result) -> str | None:
     if not stat.S_ISREG(st.st_mode):
         return f"{NAME} is not a regular file"
-    if st.st_uid not in (0, root.st_uid, os.geteuid()):
+    if st.st_uid not in (0, root.st_uid):   # the reader's own is no better: she may not set
         return (f"{NAME} belongs to uid {st.st_uid}, neither root nor the lock root's owner "
                 f"(uid {root.st_uid}): its values are ignored")
     if st.st_mode & 0o022:

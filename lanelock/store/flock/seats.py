@@ -2,8 +2,14 @@
 
 Seat 1 is the lane's lock file as ever (STEM.lock, its record STEM.json): a one-seat lane, and
 flock(1) or lslocks on it, see nothing new. Seat K >= 2 is STEM.seats/K.lock with its record
-STEM.seats/K.json, in a directory every user may add to (1777, like the queue's). Each seat is
-a flock of its own, dropped by the kernel with its holder: no counter anyone must decrement.
+STEM.seats/K.json. Each seat is a flock of its own, dropped by the kernel with its holder: no
+counter anyone must decrement.
+
+The folder and the seats' files are made by whoever sets the count (make(): root or the lock
+root's owner, as kept.py allows), never by a turn: in the 1777 sticky folder no turn's user can
+move or chmod them. A turn opens them as every shared file is opened (shared_file.open_made_by:
+nothing followed, type, links and owner checked); anything another user made or changed there
+makes that seat unusable (Planted: the words say what to remove), never the gate off.
 
 A smaller count never evicts a turn: seats past the count that are still held (set 2, then 1,
 with two holding) count against it, and a seat is taken only while fewer than N hold. Seats past
@@ -22,15 +28,23 @@ import fcntl
 import os
 import stat
 
+from ..shared_file import open_made_by, owners
 from .sidecar import read as read_record
 
 KEY = "seats/"
+FILES = "seat-files/"   # kept: the inode of each seat's lock file as make() made it
 MOST = 256   # a count past this is a typo, not an engine
 
 
 def key(lane_name: str) -> str:
     """The lane's count's name among the kept values."""
     return KEY + lane_name
+
+
+def files_key(lane_name: str) -> str:
+    """The kept name of the lane's seat files' inodes ({"2": inode, ...}): a seat file moved
+    or removed under its holder is found by its inode in the kernel's lock table (split.py)."""
+    return FILES + lane_name
 
 
 def folder(stem: str) -> str:
@@ -54,37 +68,145 @@ def count_of(value) -> int | None:
     return value
 
 
-def made(dir_fd: int, stem: str) -> list[int]:
-    """The seats >= 2 whose lock files exist, in order ([] with no seats folder)."""
+class Planted(Exception):
+    """A seat's folder or lock file that no turn may use (planted, or changed by another user):
+    the words say what is there and what to do; the seat counts as held until it is fixed."""
+
+
+def open_folder(dir_fd: int, stem: str) -> int | None:
+    """The seats folder, checked as every shared file is (shared_file.open_made_by): a directory
+    root or the lock root's owner made. None when there is none; Planted otherwise."""
     try:
-        fd = os.open(folder(stem), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     dir_fd=dir_fd)
-    except (FileNotFoundError, NotADirectoryError):
+        return open_made_by(dir_fd, folder(stem), owners(dir_fd), directory=True)
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise Planted(f"{error.strerror or error}: remove it, then set the count again "
+                      "(lanelock seats)") from None
+
+
+def open_seat(dir_fd: int, stem: str, seat: int) -> int:
+    """A read-only descriptor on seat K's (K >= 2) lock file, made by whoever set the count
+    (make()): never created by a turn, never followed, its owner checked. Planted when it cannot
+    be used (the words name it and the fix); flock(2) needs no more than read access."""
+    folder_fd = open_folder(dir_fd, stem)
+    if folder_fd is None:
+        raise Planted(f"{folder(stem)} is missing: set the count again (lanelock seats)")
+    try:
+        return open_made_by(folder_fd, f"{seat}.lock", owners(dir_fd))
+    except FileNotFoundError:
+        raise Planted(f"{lock_name(stem, seat)} is missing: set the count again "
+                      "(lanelock seats)") from None
+    except OSError as error:
+        raise Planted(f"{folder(stem)}/{error.strerror or error}: remove it, then set the count "
+                      "again (lanelock seats)") from None
+    finally:
+        os.close(folder_fd)
+
+
+def made(dir_fd: int, stem: str) -> list[int]:
+    """The seats >= 2 whose lock files exist, in order: [] with no seats folder, or one nobody
+    trusted made (its files are no seats: a turn never counts them)."""
+    try:
+        fd = open_folder(dir_fd, stem)
+    except Planted:
+        return []
+    if fd is None:
         return []
     try:
         names = os.listdir(fd)
     finally:
         os.close(fd)
-    return sorted(int(name[:-5]) for name in names
-                  if name.endswith(".lock") and name[:-5].isdigit() and int(name[:-5]) >= 2)
+    found = []
+    for name in names:
+        number = name[:-5]
+        if name.endswith(".lock") and number.isdigit() and len(number) <= 3 \
+                and 2 <= int(number) <= MOST:
+            found.append(int(number))
+    return sorted(found)
 
 
-def make_folder(dir_fd: int, stem: str) -> None:
-    """The seats folder, mode 1777 whatever the umask (every user's turns take seats)."""
+def make(dir_fd: int, stem: str, count: int, made_before: dict | None = None) -> dict:
+    """Seats 2..count made by whoever sets the count (root or the lock root's owner: kept.py
+    refuses anyone else): the folder (1777 with the sticky bit, so no turn's user can move a
+    seat's files), each seat's lock file (0644: flock needs only read access) and its record
+    (0666: every user's turns write it in place). Anything else at those names -- planted before
+    the count was set -- is replaced. A seat whose file was moved or removed while a turn still
+    holds it (made_before: {"K": inode}, found in the kernel's lock table) is not made again: that
+    would be two gates (OSError says who holds it). Returns {"K": inode} of every seat made."""
+    from .split import inode_holder
+
+    root_dev = os.fstat(dir_fd).st_dev
+    for seat, inode in (made_before or {}).items():
+        try:
+            now = os.lstat(lock_name(stem, int(seat)), dir_fd=dir_fd).st_ino
+        except (OSError, ValueError):
+            now = None
+        pid = inode_holder(root_dev, inode) if isinstance(inode, int) and now != inode else None
+        if pid is not None:
+            raise OSError(errno.EBUSY, f"seat {seat}'s lock file was moved or removed under its "
+                                       f"holder (pid {pid}): set the count again once it ends")
+    name = folder(stem)
     try:
-        os.mkdir(folder(stem), 0o1777, dir_fd=dir_fd)
-        os.chmod(folder(stem), 0o1777 | stat.S_ISVTX, dir_fd=dir_fd)
-    except FileExistsError:
-        pass
+        st = os.lstat(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        st = None
+    if st is not None and (not stat.S_ISDIR(st.st_mode) or st.st_uid not in owners(dir_fd)):
+        _remove(dir_fd, name, st)
+        st = None
+    if st is None:
+        os.mkdir(name, 0o700, dir_fd=dir_fd)
+    folder_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                        dir_fd=dir_fd)
+    inodes = {}
+    try:
+        os.fchmod(folder_fd, 0o1777)
+        for seat in range(2, count + 1):
+            for file, mode in ((f"{seat}.lock", 0o644), (f"{seat}.json", 0o666)):
+                _make_file(folder_fd, file, mode, owners(dir_fd))
+            inodes[str(seat)] = os.lstat(f"{seat}.lock", dir_fd=folder_fd).st_ino
+    finally:
+        os.close(folder_fd)
+    return inodes
+
+
+def _make_file(folder_fd: int, name: str, mode: int, made_by: frozenset) -> None:
+    try:
+        st = os.lstat(name, dir_fd=folder_fd)
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 \
+            and st.st_uid in made_by:
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.chmod(name, mode, dir_fd=folder_fd, follow_symlinks=False)
+        return
+    if st is not None:
+        _remove(folder_fd, name, st)
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                 dir_fd=folder_fd)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def _remove(dir_fd: int, name: str, st: os.stat_result) -> None:
+    """Something planted at a seat's name: gone before the seat is made."""
+    if stat.S_ISDIR(st.st_mode):
+        import shutil
+
+        shutil.rmtree(name, dir_fd=dir_fd)
+    else:
+        os.unlink(name, dir_fd=dir_fd)
 
 
 def held(dir_fd: int, stem: str, seat: int) -> bool:
     """Does a turn hold the seat now? A shared lock tried and let go at once: asked only of
-    seats nobody takes any more (past the count), or of seats this turn could not take."""
+    seats nobody takes any more (past the count), or of seats this turn could not take. A seat
+    file nobody trusted made holds nothing (a plain flock on a planted file keeps no one out)."""
     try:
-        fd = os.open(lock_name(stem, seat), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-                     | os.O_NONBLOCK, dir_fd=dir_fd)
-    except OSError:
+        fd = open_seat(dir_fd, stem, seat)
+    except (Planted, OSError):
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -97,13 +219,16 @@ def held(dir_fd: int, stem: str, seat: int) -> bool:
 
 def preference(dir_fd: int, stem: str, seats: int, session: str | None) -> list[int]:
     """The seats 1..seats in the order a turn of session tries them: the one its session held
-    last first, then the least recently held (never held first), the ones held now last."""
+    last first, then the least recently held (never held first), the ones held now last. A
+    seat whose holder died (kill -9: no release written) counts as released when it died."""
     from ...holder import released_ago
 
     ranked = []
     for seat in range(1, seats + 1):
         record, _ = read_record(record_name(lock_name(stem, seat)), dir_fd=dir_fd)
         ago = released_ago(record)
+        if ago is None and record is not None:
+            ago = died_ago(record)
         if record is None:
             ranked.append(((1, 0.0), seat))          # never held: as least recent as can be
         elif ago is None:
@@ -113,3 +238,21 @@ def preference(dir_fd: int, stem: str, seats: int, session: str | None) -> list[
         else:
             ranked.append(((2, -ago), seat))         # least recently released first
     return [seat for _, seat in sorted(ranked)]
+
+
+def died_ago(record: dict) -> float | None:
+    """Seconds since the unreleased record's turn died, at most (it died after it took the
+    seat; nobody saw when): None while it lives, or when this boot's clock cannot say."""
+    from ... import proc
+    from ...facts import boot_id
+    from ...holder import field
+
+    pid, ticks = field(record, "pid", int), field(record, "start_ticks", int)
+    since = field(record, "acquired_monotonic", float)
+    if pid is None or ticks is None or since is None or record.get("boot_id") != boot_id():
+        return None
+    if proc.start_ticks(pid) == ticks:
+        return None   # alive: held (or letting go)
+    import time
+
+    return max(0.0, time.monotonic() - since)

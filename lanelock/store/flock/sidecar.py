@@ -18,7 +18,7 @@ import json
 import os
 import stat
 
-from ... import proc
+from ... import pidns, proc
 from ...holder import SCHEMA, field   # noqa: F401 - sidecar.field, as the stores read it
 
 MAX_BYTES = 64 * 1024
@@ -49,7 +49,7 @@ class Written:
             self.fd = -1
 
 
-def write(dir_fd: int, name: str, record: dict) -> Written:
+def write(dir_fd: int, name: str, record: dict, fd: int | None = None) -> Written:
     """Put record at name; returns the open record for extend().
 
     A record file (a regular file with no other name, which we could open for writing) is
@@ -62,7 +62,10 @@ def write(dir_fd: int, name: str, record: dict) -> Written:
     # C encoder), so extend() can add keys by appending.
     data = (json.dumps(record) + "\n").encode()
     try:
-        fd = os.open(name, os.O_WRONLY | _FLAGS, dir_fd=dir_fd)
+        # fd: the record opened writable as the lock was taken (record_claim.claim): its owner
+        # may have chmod'ed it since, the descriptor writes it all the same
+        if fd is None:
+            fd = os.open(name, os.O_WRONLY | _FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         fd = None
     except OSError as error:
@@ -90,7 +93,7 @@ def _rewrite(fd: int, name: str, data: bytes) -> Written | None:
             # the old tail. A reader between the two sees invalid JSON and read() looks again.
             if os.pwrite(fd, data, 0) == len(data):
                 os.ftruncate(fd, len(data))
-                if st.st_mode & 0o777 != MODE and st.st_uid == os.geteuid():
+                if st.st_mode & 0o777 != MODE and os.geteuid() in (0, st.st_uid):
                     os.fchmod(fd, MODE)   # an older lanelock's 0644 record: share it from now on
                 return Written(fd, len(data))
     except SidecarError:
@@ -317,7 +320,7 @@ def parse(raw: bytes) -> tuple[dict | None, str | None]:
         return None, "sidecar has no schema version"
     if version > SCHEMA:
         return None, f"sidecar schema {version} is newer than this lanelock understands ({SCHEMA})"
-    return {key: value for key, value in record.items() if _plain(value)}, None
+    return pidns.translated({key: value for key, value in record.items() if _plain(value)}), None
 
 
 def _plain(value: object, depth: int = 0) -> bool:

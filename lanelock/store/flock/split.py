@@ -66,3 +66,16 @@ def _flock_held(pid: str, fd: str) -> int | None:
         elif line.startswith(b"lock:") and b"FLOCK" in line and b"->" not in line:
             holds = True
     return inode if holds else None
+
+
+def inode_holder(device: int, inode: int) -> int | None:
+    """The pid holding a flock on the file (device, inode) wherever it now is (a seat's lock file
+    moved aside or removed under its holder: seats.make), from the kernel's lock table; None when
+    nobody holds it or the table cannot be read. Never on a turn's path (each read of
+    /proc/locks stalls every flock() on the machine): the count's setter and `status` ask."""
+    import types
+
+    from ...locks import flock_entries, view_of
+
+    view = view_of(types.SimpleNamespace(st_dev=device, st_ino=inode), flock_entries())
+    return view.holders[0] if view is not None and view.holders else None

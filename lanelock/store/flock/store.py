@@ -26,6 +26,7 @@ from ...paths import Root, creation_problem, open_root
 from ...priority import CLASSES, DEFAULT_AGING, DEFAULT_RANK
 from .. import order, outlived
 from . import interrupt, journal, queue, seats, sidecar, taking, waiting
+from .record_claim import Refused, claim
 from .line import FlockLine
 from ..base import LaneStore, LockHandle
 
@@ -36,7 +37,7 @@ _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a planted FI
 class Handle(LockHandle):
     __slots__ = ("dir_fd", "fd", "name", "st", "caveat", "stem", "journal_fd", "record", "locked",
                  "queue", "asker", "outlived", "refused", "split", "seat", "seats", "past",
-                 "lane_st")
+                 "lane_st", "seat_refused", "record_fd")
 
     def __init__(self, dir_fd: int, fd: int | None, name: str, st: os.stat_result | None,
                  caveat: str | None = None, stem: str = ""):
@@ -56,6 +57,8 @@ class Handle(LockHandle):
         # lock file (the lane's identity, whichever seat is held).
         self.seat, self.seats, self.past = 1, 1, ()
         self.lane_st: os.stat_result | None = None
+        self.seat_refused: list[str] = []   # seats this turn found planted (their reasons)
+        self.record_fd: int | None = None   # the record, opened writable as the lock was taken
 
     @property
     def exists(self) -> bool:
@@ -79,13 +82,13 @@ class Handle(LockHandle):
 
     def close(self) -> None:
         # The lock's descriptor first: closing it lets the next turn in; the rest can follow.
-        for fd in (self.fd, self.journal_fd, self.dir_fd):
+        for fd in (self.fd, self.journal_fd, self.record_fd, self.dir_fd):
             if fd is not None and fd >= 0:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        self.fd = self.dir_fd = self.journal_fd = None
+        self.fd = self.dir_fd = self.journal_fd = self.record_fd = None
         self.locked = False
         if self.queue is not None:
             self.queue.close()
@@ -164,6 +167,36 @@ class FlockStore(LaneStore):
         finally:
             os.close(dir_fd)
 
+    def make_seats(self, lane, count: int) -> None:
+        """Seats 2..count made by whoever sets the count (seats.make), before the count is kept:
+        no turn ever makes a seat's files, so no turn's user owns them."""
+        from . import kept
+
+        if count <= 1:   # one seat: no seat is taken again, no inode left to look for
+            try:
+                self.keep(seats.files_key(lane.name), None) \
+                    if self.kept(seats.files_key(lane.name)) is not None else None
+            except GateUnavailable:
+                pass   # keep() of the count says why
+            return
+        dir_fd = open_root(self.root, create=True)
+        try:
+            kept.may_set(dir_fd)
+            try:
+                before = (kept.read(dir_fd) or {}).get(seats.files_key(lane.name))
+            except (kept.Untrusted, OSError):
+                before = None
+            made = seats.make(dir_fd, lane.stem, count,
+                              before if isinstance(before, dict) else None)
+            kept.write(dir_fd, seats.files_key(lane.name), {**(before or {}), **made}
+                       if isinstance(before, dict) else made)
+        except OSError as error:
+            raise GateUnavailable(f"cannot make the seats of {lane.name} in "
+                                  f"{self.path(seats.folder(lane.stem))}: "
+                                  f"{error.strerror or error}") from None
+        finally:
+            os.close(dir_fd)
+
     def open(self, lane, *, create: bool = True) -> Handle:
         """A handle on the lane's lock file. Raises GateUnavailable; with create=False a missing
         root or lock file gives a handle that does not exist (nobody can hold it)."""
@@ -210,7 +243,8 @@ class FlockStore(LaneStore):
     def on_seat(self, handle: Handle, seat: int, fd: int | None = None) -> None:
         """Point the handle at the seat's lock file: opened here, not locked; or fd, a
         descriptor on it a wait has just locked (the caller checks it, as any lock taken)."""
-        if fd is None and handle.seat == seat and (handle.fd is not None or handle.refused):
+        if fd is None and handle.seat == seat and (handle.fd is not None
+                                                    or (handle.refused and seat == 1)):
             return
         if handle.fd is not None:
             os.close(handle.fd)
@@ -219,10 +253,18 @@ class FlockStore(LaneStore):
         if fd is not None:
             handle.fd, handle.st = fd, os.fstat(fd)
             return
-        if seat > 1:
-            seats.make_folder(handle.dir_fd, handle.stem)
         try:
-            self._open_file(handle, create=True)
+            if seat == 1:
+                self._open_file(handle, create=True)
+                return
+            # Seats 2.. were made by whoever set the count (seats.make), never by a turn: a
+            # seat file or folder another user made or changed is this seat's reason to be
+            # busy (said, with what to remove), never a gate switched off or a crash.
+            handle.fd = seats.open_seat(handle.dir_fd, handle.stem, seat)
+            handle.st = os.fstat(handle.fd)
+        except seats.Planted as planted:
+            handle.refused = f"seat {seat} of the lane: {self.path(str(planted))}"
+            handle.seat_refused.append(handle.refused)
         except GateUnavailable:
             raise
         except OSError as error:
@@ -267,23 +309,34 @@ class FlockStore(LaneStore):
                 break
         else:
             raise self.keeps_being_replaced(handle)
-        return ours and order.keep_free_lane(FlockLine(self, handle), rank)
+        return ours and order.keep_free_lane(FlockLine(self, handle), rank) \
+            and self.claimed(handle)
+
+    def claimed(self, handle: Handle) -> bool:
+        """The lane just kept by a one-seat turn: its record claimed (_record_claimed), else the
+        lane let go at once (busy, the reason in handle.refused). A seat's was claimed as it
+        was taken (checked)."""
+        if handle.seated or self._record_claimed(handle):
+            return True
+        self.hand_on(handle)
+        return False
 
     # -- waiting in order (store/order.py walks it; line.py is this store's medium) ----------------
     def wait_lock(self, handle: Handle, timeout: float | None, cancel=None,
                   rank: int = DEFAULT_RANK) -> bool:
         """Block in the kernel, in the lane's queue, until the lane is ours or timeout seconds
         pass (None: forever), or cancel (a threading.Event) is set."""
-        if handle.refused:   # a planted file: nothing to wait on until someone removes it
-            return False
-        return order.wait(FlockLine(self, handle, self._join(handle, rank)), timeout, cancel)
+        if handle.refused and not handle.seated:   # a planted file: nothing to wait on until
+            return False                             # someone removes it (seats: the others)
+        return order.wait(FlockLine(self, handle, self._join(handle, rank)), timeout, cancel) \
+            and self.claimed(handle)
 
     async def wait_lock_async(self, handle: Handle, timeout: float | None,
                               rank: int = DEFAULT_RANK) -> bool:
         """wait_lock for an asyncio task: no thread per waiter."""
         import asyncio
 
-        if handle.refused:
+        if handle.refused and not handle.seated:
             return False
 
         joining = asyncio.ensure_future(asyncio.to_thread(self._join, handle, rank))
@@ -293,7 +346,8 @@ class FlockStore(LaneStore):
             if not joining.cancelled() and joining.exception() is None and joining.result():
                 joining.result().leave()
             raise
-        return await order.wait_async(FlockLine(self, handle, ticket), timeout)
+        return await order.wait_async(FlockLine(self, handle, ticket), timeout) \
+            and self.claimed(handle)
 
     def queue_of(self, handle: Handle) -> "queue.Queue | None":
         """The lane's queue (None: the lane's directory is not open)."""
@@ -370,6 +424,12 @@ class FlockStore(LaneStore):
         if not got:
             return False
         if self._current(handle):
+            # A seat's record is claimed as its lock is taken (a refused one: the next seat); a
+            # one-seat lane's once the lane is kept (claimed()), after the queue's look: one
+            # descriptor fewer at once, for a turn at a low open-file limit.
+            if handle.seated and not self._record_claimed(handle):
+                fcntl.flock(handle.fd, fcntl.LOCK_UN)
+                return False
             # The record, read only when its turn never released (the usual hand-off skips it).
             record, _ = sidecar.read(handle.record_name, dir_fd=handle.dir_fd,
                                      live_only=True)
@@ -389,6 +449,23 @@ class FlockStore(LaneStore):
         except OSError as error:
             raise GateUnavailable(f"cannot open {self.path(handle.name)}: {error.strerror}") from None
         return None
+
+    def _record_claimed(self, handle: Handle) -> bool:
+        """The lock just taken: this turn's record opened writable before anything runs
+        (record_claim.py). False, the reason in handle.refused, when another user controls it:
+        the turn must not run unrecorded (a kill -9 would leave its command unseen)."""
+        if handle.record_fd is not None:
+            os.close(handle.record_fd)
+            handle.record_fd = None
+        try:
+            handle.record_fd = claim(handle.dir_fd, handle.record_name)
+        except Refused as why:
+            handle.refused = f"{self.path(str(why))}: remove it"
+            if handle.seat > 1:
+                handle.seat_refused.append(handle.refused)
+            return False
+        handle.refused = None
+        return True
 
     def keeps_being_replaced(self, handle: Handle) -> GateUnavailable:
         return GateUnavailable(f"lock file {self.path(handle.name)} keeps being replaced")
@@ -488,7 +565,8 @@ class FlockStore(LaneStore):
         # status compares the inode with the file at the path: a replaced lock file is two gates.
         record = {**record, "lock_inode": handle.st.st_ino if handle.st else None}
         try:
-            handle.record = sidecar.write(handle.dir_fd, handle.record_name, record)
+            fd, handle.record_fd = handle.record_fd, None
+            handle.record = sidecar.write(handle.dir_fd, handle.record_name, record, fd)
         except OSError as error:
             raise RecordNotWritten(error.strerror or str(error)) from None
 
@@ -539,7 +617,7 @@ class FlockStore(LaneStore):
         found = survey.facts(self.root.path, lane.stem, lane.name, self.aging,
                              kernel=handle is None,
                              seated=None if handle is None else (handle.seats, handle.past))
-        if handle is not None and handle.refused:
+        if handle is not None and handle.refused and handle.seat == 1:
             found.problem_lock = handle.refused
         return [found]
 

@@ -91,6 +91,13 @@ def _seat_facts(root: str, lock: str, lane: str, kernel: bool, entries: list,
     entries: [/proc/locks' entries] once an earlier seat read them, [] before."""
     found = LaneFacts(lane, os.path.join(root, lock), os.path.join(root, seats.record_name(lock)))
     found.seat = seat
+    if seat > 1:
+        planted = _seat_planted(root, lock, seat)
+        if planted is not None:   # as a turn finds it (store.on_seat): the seat is not usable
+            found.exists, found.problem_lock = True, planted
+            if kernel:   # status: a seat file moved or removed under its holder is a split
+                found.problem_lock = _moved_seat(root, lane, seat, found.lock_path) or planted
+            return found
     try:
         st = os.lstat(found.lock_path)
     except FileNotFoundError:
@@ -107,6 +114,11 @@ def _seat_facts(root: str, lock: str, lane: str, kernel: bool, entries: list,
         # planted 0600: its owner's turns can lock it, nobody else's can open it
         found.problem_lock = (f"the lock file is mode {stat.S_IMODE(st.st_mode):04o} of uid "
                               f"{st.st_uid}: other users cannot lock it")
+        return found
+    # status (kernel) says what any other user's turn finds; a turn, what it found itself
+    controlled = _record_controlled(root, seats.record_name(lock), -1 if kernel else None)
+    if controlled is not None:   # as a turn finds it (record_claim): the lane is busy
+        found.problem_lock = controlled
         return found
     record, problem = sidecar.read(found.sidecar_path)
     found.record, found.record_problem = record, problem
@@ -142,6 +154,74 @@ def _seat_facts(root: str, lock: str, lane: str, kernel: bool, entries: list,
             found.store_stale = (f"it was written for lock inode {inode}, the file here is inode "
                                  f"{st.st_ino}")
     return found
+
+
+def _record_controlled(root: str, name: str, me: int | None) -> str | None:
+    """A holder record user me's turns can neither write nor replace (record_claim.controlled;
+    -1: any user but its owner and root), in the words a turn says it."""
+    from .record_claim import controlled
+
+    try:
+        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        why = controlled(dir_fd, name, me)
+    finally:
+        os.close(dir_fd)
+    return None if why is None else f"{os.path.join(root, why)}: remove it"
+
+
+def _moved_seat(root: str, lane: str, seat: int, path: str) -> str | None:
+    """A seat's lock file gone from its name while the inode it was made with is still flocked
+    (moved aside or removed under its holder): who holds it, said as a split lane is."""
+    from . import kept
+    from .split import inode_holder
+
+    try:
+        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            inode = ((kept.read(dir_fd) or {}).get(seats.files_key(lane)) or {}).get(str(seat))
+        except (kept.Untrusted, OSError, AttributeError):
+            return None
+        if not isinstance(inode, int):
+            return None
+        try:
+            if os.lstat(path).st_ino == inode:
+                return None   # still there: planted otherwise, not moved
+        except OSError:
+            pass
+        pid = inode_holder(os.fstat(dir_fd).st_dev, inode)
+    finally:
+        os.close(dir_fd)
+    if pid is None:
+        return None
+    command = proc.describe_process(pid)["command"][:120]
+    return (f"{path} was moved or removed under its holder pid {pid} ({command}; inode "
+            f"{inode}): the lane is split; the seat is that holder's until it ends, then set "
+            "the count again (lanelock seats)")
+
+
+def _seat_planted(root: str, lock: str, seat: int) -> str | None:
+    """Why a turn may not use seat K >= 2 (its folder or lock file missing, planted, or another
+    user's: seats.open_seat), in the words a turn says it; None when it may."""
+    stem = lock.split(".seats/", 1)[0]
+    try:
+        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        os.close(seats.open_seat(dir_fd, stem, seat))
+    except seats.Planted as planted:
+        return os.path.join(root, str(planted))
+    except OSError:
+        return None
+    finally:
+        os.close(dir_fd)
+    return None
 
 
 def _kernel_view(st: os.stat_result, entries: list):
@@ -183,13 +263,16 @@ def holding_any(root: str, stem: str) -> tuple:
     if held:
         return held, ago
     try:
-        names = os.listdir(os.path.join(root, seats.folder(stem)))
+        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return held, ago
-    for name in names:
-        if not name.endswith(".json") or not name[:-5].isdigit():
-            continue
-        seat_held, seat_ago = holding(os.path.join(root, seats.folder(stem), name))
+    try:
+        made = seats.made(dir_fd, stem)   # a folder nobody trusted made has no seats
+    finally:
+        os.close(dir_fd)
+    for seat in made:
+        seat_held, seat_ago = holding(os.path.join(root, seats.record_name(
+            seats.lock_name(stem, seat))))
         if seat_held:
             return True, None
         if seat_ago is not None and (ago is None or seat_ago < ago):

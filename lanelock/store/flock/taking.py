@@ -60,6 +60,7 @@ def try_seats(store, handle) -> bool | None:
     seat taken (checked: really the seat's file), False when every one is held, None when one
     was free but as many as the count hold (seats past it)."""
     session = (handle.asker or {}).get("session")
+    handle.seat_refused = []
     for seat in seats.preference(handle.dir_fd, handle.stem, handle.seats, session):
         store.on_seat(handle, seat)
         for _ in range(order.AGAIN_TRIES):
@@ -118,7 +119,9 @@ def _walk(store, handle, timeout: float | None):
             return False
         if not busy:
             continue
-        opened = [_SeatFile(handle.dir_fd, seats.lock_name(handle.stem, seat)) for seat in busy]
+        busy, opened = _openable(handle, busy)
+        if not opened:   # every seat planted (each said): nothing a wait could ever get
+            return False
         got = None
         try:
             got = yield opened, left
@@ -166,14 +169,31 @@ def _waited(opened: list, got: int | None) -> None:
         seat_file.close()
 
 
+def _openable(handle, busy: list) -> tuple:
+    """(the seats, their files) of busy that can be waited on: a seat whose file is planted
+    (seats.Planted: its reason is in handle.seat_refused) is left out, never a crash."""
+    kept, opened = [], []
+    for seat in busy:
+        try:
+            opened.append(_SeatFile(handle.dir_fd, handle.stem, seat))
+        except (seats.Planted, OSError):
+            continue
+        kept.append(seat)
+    return kept, opened
+
+
 class _SeatFile:
     """A seat's lock file opened to wait on (waiting.wait_any), never created here: a seat a
     turn waits on exists (it was held)."""
 
     __slots__ = ("fd",)
 
-    def __init__(self, dir_fd: int, name: str):
-        self.fd = os.open(name, _OPEN, dir_fd=dir_fd)
+    def __init__(self, dir_fd: int, stem: str, seat: int):
+        self.fd = None
+        if seat == 1:
+            self.fd = os.open(seats.lock_name(stem, 1), _OPEN, dir_fd=dir_fd)
+        else:
+            self.fd = seats.open_seat(dir_fd, stem, seat)
 
     def close(self) -> None:
         if self.fd is not None:
