@@ -6,9 +6,11 @@ the server can end that session under the turn. Two endings, told apart by store
 (store/pg/outage.py):
 - a restart is an outage, not a release: the lane is taken back as soon as the server answers
   (Turn.regain; 'regained' journaled with the seconds it was ungated), and the holder goes on;
-- a session the server ended itself (pg_terminate_backend, a partition's keepalives) leaves the
-  lane lost for good: someone else may hold it now. on_lost() is then called once, and the holder
-  decides (run: go on, or stop the command; the proxy: cut the request).
+- a session the server ended itself (pg_terminate_backend), or a lane not taken back before its
+  lease runs out (a link reset, cut or frozen while the server is up for the others: the
+  store's lease, store/pg/lease.py, which the watch renews), leaves the lane lost for good:
+  someone else may hold it now. on_lost() is then called once, and the holder decides (run: go
+  on, or stop the command; the proxy: cut the request).
 
 One thread per watched turn, blocked in select() on the session's socket and a stop pipe: every
 step after a wake-up (is the session gone? reconnect, retake, rewrite the row) is a blocking round

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from support.cli import LANELOCK, TIMEOUT, environ
-from support.processes import read_line
+from support.processes import line_with, read_line
 from support.relay import Relay
 
 pg_server = pytest.importorskip("support.pg_server")
@@ -57,14 +57,6 @@ def history(dsn: str) -> list[dict]:
     return json.loads(result.stdout)["events"]
 
 
-def lost_line(stream) -> str:
-    while True:
-        line = read_line(stream, TIMEOUT)
-        assert line, "the holder said nothing of its lost lane"
-        if " lost:" in line:
-            return line
-
-
 def break_link(relay: Relay, how: str) -> None:
     {"cut": relay.cut, "reset": relay.reset, "freeze": relay.freeze}[how]()
 
@@ -85,7 +77,7 @@ def test_on_lost_stop_stops_the_holder_before_another_host_starts(server, relay,
 
     break_link(relay, how)
 
-    said = lost_line(holder.stderr)
+    said = line_with(holder.stderr, " lost:")
     assert "stopping the command (--on-lost stop)" in said, said
     relay.restore()   # the link back: the holder journals its loss
     assert holder.wait(timeout=TIMEOUT) == 75
@@ -113,7 +105,7 @@ def test_by_default_a_reset_holder_goes_on_and_both_sides_journal_the_overlap(se
 
     relay.reset()
 
-    said = lost_line(holder.stderr)
+    said = line_with(holder.stderr, " lost:")
     assert "the command goes on, no longer gated" in said, said
     assert taker.wait(timeout=TIMEOUT * 2) == 0
     relay.restore()
