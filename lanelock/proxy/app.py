@@ -108,6 +108,10 @@ class Proxy:
         self.waiting = 0              # requests taking the lane now (most of them waiting for it)
         self.ungated = 0              # ungated generation requests (no lane file records them)
         gate.warn_with(self._gate_warning)
+        # Its requests' short questions share one connection per store server (a burst of
+        # them at once would be a burst of connections): store/pg/shared.py.
+        gate.store.serve_many()
+        gate.store.lease_holds()   # each held request's lane is watched (_watch)
         # Each lane's gate, linger, Retry-After and fallback chain (per_lane.py): the backend's
         # lane, and with lanes keyed by model one per model the requests name.
         self.lanes = Lanes(gate, options, say)

@@ -78,6 +78,8 @@ def run_turn(gate: Gate, argv: list[str], options: Options, say: Say) -> int:
     runner.hold_sigchld()   # before the turn starts a thread; the parked child has its mask
     if gate.store.takes_lanes_away:   # loaded while the turn waits, not on its hand-off (~3 ms)
         from .. import lanewatch  # noqa: F401
+
+        gate.store.lease_holds()   # its hold is watched (_watch): the store may lease it
     with parked:
         turn = gate.turn(session=options.session, model=options.model, argv=argv,
                          wait=options.wait, command_pid=parked.pid,

@@ -247,6 +247,16 @@ class LaneStore(ABC):
         ask again. Default: lost for good."""
         return False
 
+    def serve_many(self) -> None:
+        """This process serves many turns at once (the proxy): the store's short questions
+        (who holds the lane, kept values, counts) may share what it keeps open for them rather
+        than open something each time (store/pg/shared.py). Default: nothing to share."""
+
+    def lease_holds(self) -> None:
+        """This process watches every turn it holds (run, the proxy: lanewatch.py), so its holds
+        may be leased: taken back by the store when the watch stops renewing them
+        (store/pg/lease.py). Default: nothing leased."""
+
     # A leased hold (store/pg/lease.py): the watch renews it, and a lost lease counts as lost
     # DECIDE s before it ends, its command killed by KILL_BY s before it ends.
     DECIDE = 0.0

@@ -22,9 +22,11 @@ OPEN, CUT, RESET, FROZEN = "open", "cut", "reset", "frozen"
 
 
 class Relay:
-    def __init__(self, target_port: int, target_host: str = "127.0.0.1"):
+    def __init__(self, target_port: int, target_host: str = "127.0.0.1",
+                 listen: str = "127.0.0.1"):
         self.target = (target_host, target_port)
-        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listen = listen   # another address of this host: a network namespace's way in
+        self.listener = socket.create_server((listen, 0))
         self.port = self.listener.getsockname()[1]
         self.mode = OPEN
         self.pairs: dict[socket.socket, socket.socket] = {}   # each side -> the other
@@ -41,7 +43,7 @@ class Relay:
         self._thread.start()
 
     def dsn(self, user: str = "postgres", db: str = "postgres") -> str:
-        return f"postgresql://{user}@127.0.0.1:{self.port}/{db}"
+        return f"postgresql://{user}@{self.listen}:{self.port}/{db}"
 
     # -- the test's orders (each applied by the relay's thread before it returns) ----------------
     def cut(self) -> None:

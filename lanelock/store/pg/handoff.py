@@ -139,10 +139,11 @@ def flush_leave(handle) -> None:
         pass
 
 
-def with_leave(handle, sql: str, params) -> object:
-    """sql's one row's first column, the pending queue leave in front of it in the same round
-    trip (the leave kept when the query fails: flush_leave then)."""
-    statements = _leave_sql(handle)
+def with_leave(handle, sql: str, params, front=()) -> object:
+    """sql's one row's first column, the pending queue leave (and the statements front) in
+    front of it in the same round trip (the leave kept when the query fails: flush_leave
+    then)."""
+    statements = [*front, *_leave_sql(handle)]
     if not statements:
         with handle.conn.cursor() as cursor:
             cursor.execute(sql, params)

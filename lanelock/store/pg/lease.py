@@ -43,6 +43,25 @@ _RENEW = ("UPDATE lanelock_holders SET updated_at = now(), record = record || "
           "pg_backend_pid(); SELECT set_config('idle_session_timeout', '%d', false)")
 
 
+# This process watches every hold it takes (run, the proxy: store.lease_holds), on every
+# lane -- its fallbacks' and its models' too, each a store of its own: their holds are leased
+# from their first write. Other processes (the Python API) lease nothing.
+WATCHED = False
+
+
+def watched() -> None:
+    global WATCHED
+    WATCHED = True
+
+
+def arming(conn) -> list:
+    """The statements that set a holder's session's idle limit (LEASE s), to go with its first
+    write: a server before 14 has none (its frozen links last as long as the link does)."""
+    if conn is None or conn.info.server_version < 140000:
+        return []
+    return [("SELECT set_config('idle_session_timeout', %s, false)", [str(int(LEASE * 1000))])]
+
+
 def renew(handle) -> bool:
     """One renewal on the holder's session, answered within ANSWER s (True), or not: an error,
     a session gone, no answer in time (a frozen link). On False the session is no longer

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from ...errors import GateUnavailable, RecordNotWritten, ServerCrowded
 from .. import order, outlived
-from . import lease, outage
+from . import lease, outage, shared
 from . import queue as pg_queue
 from ..base import LaneFacts, LaneStore, LockHandle
 from ...priority import DEFAULT_AGING
@@ -165,9 +165,7 @@ class PgStore(LaneStore):
         the server cannot be reached or the table cannot be made or read."""
         from .session import NOT_KEPT, keeps
 
-        conn = self.connect(application_name)
-        try:
-            problem = ensure_schema(conn)
+        with shared.asking(self, application_name) as (conn, problem):
             if not keeps(conn):   # never a statement on a missing table: an ERROR in the log
                 raise GateUnavailable(f"lane store {redact(self.dsn)}: {problem or NOT_KEPT}")
             try:
@@ -175,8 +173,6 @@ class PgStore(LaneStore):
             except driver().Error as error:
                 raise GateUnavailable(f"lane store {redact(self.dsn)}: "
                                       f"{problem or first_line(error)}") from None
-        finally:
-            conn.close()
 
     def open(self, lane_obj, *, create: bool = True) -> PgHandle:
         """A handle with no connection yet: a turn that waits behind another of this host never
@@ -402,6 +398,12 @@ class PgStore(LaneStore):
     def retake(self, handle: PgHandle) -> bool | None:
         return outage.retake(self, handle)
 
+    def serve_many(self) -> None:
+        shared.keep_open()
+
+    def lease_holds(self) -> None:
+        lease.watched()
+
     # -- the lease (lease.py): a lost link is not a restart ---------------------------------------
     DECIDE = lease.DECIDE
     KILL_BY = lease.KILL_BY
@@ -611,23 +613,13 @@ class PgStore(LaneStore):
 
     def _count_apart(self, lane: str, count: dict) -> None:
         try:
-            conn = self.connect(f"lanelock count {lane}")
+            with shared.asking(self, f"lanelock count {lane}", False) as (conn, _):
+                self._add_count(conn, lane, count)
         except GateUnavailable:
             return
-        try:
-            self._add_count(conn, lane, count)
-        finally:
-            conn.close()
 
     def count(self, lane, outcome: str, **facts) -> None:
-        try:
-            conn = self.connect(f"lanelock count {lane.name}")
-        except GateUnavailable:
-            return
-        try:
-            self._add_count(conn, lane.name, dict(facts, outcome=outcome))
-        finally:
-            conn.close()
+        self._count_apart(lane.name, dict(facts, outcome=outcome))
 
     def _add_count(self, conn, lane: str, count: dict) -> None:
         """Read, add, write in one transaction with the row locked: concurrent turns add up."""
@@ -653,16 +645,13 @@ class PgStore(LaneStore):
         # Counts that cannot be read are unknown, never 0: a 0 would read as a reset to Prometheus
         # (and the next scrape's total as that many new turns).
         try:
-            conn = self.connect("lanelock metrics")
+            with shared.asking(self, "lanelock metrics", False) as (conn, _):
+                row = conn.execute("SELECT counts FROM lanelock_counts WHERE lane = %s",
+                                   (facts.lane,)).fetchone()
         except GateUnavailable as error:
             return dict(counts.unknown(), problem=str(error))
-        try:
-            row = conn.execute("SELECT counts FROM lanelock_counts WHERE lane = %s",
-                               (facts.lane,)).fetchone()
         except driver().Error as error:
             return dict(counts.unknown(), problem=f"lane store counts: {first_line(error)}")
-        finally:
-            conn.close()
         return dict(counts.merge(row[0] if row else None, outcome=None), problem=None)
 
     # -- holder record and events ------------------------------------------------------------
@@ -674,6 +663,13 @@ class PgStore(LaneStore):
         keeps its fence. handle.fence is the row's generation afterwards."""
         from .handoff import flush_leave, with_leave
 
+        # A watched hold is leased from its first write, its session's idle limit set in the
+        # same round trip (lease.py): a link lost before the watch's first renewal was answered
+        # still leaves the holder a deadline it knows, the row says it, and the server ends the
+        # session.
+        front = []
+        if lease.WATCHED and not handle.lease:
+            handle.lease, front = lease.LEASE, lease.arming(handle.conn)
         params = holder_params(handle, record)
         psycopg = driver()
         sent = time.monotonic()   # the row's updated_at renews a lease too (lease.py)
@@ -684,15 +680,17 @@ class PgStore(LaneStore):
                     # Tables of an earlier lanelock this role may not alter (ensure_schema left
                     # them as they are): the record is written, without a fence.
                     flush_leave(handle)
+                    for sql, values in front:
+                        cursor.execute(sql, values)
                     cursor.execute(WRITE_UNFENCED, params)
-                    return
-                try:   # the queue left by a turn that took the lane, in the same round trip
-                    handle.fence = with_leave(handle, WRITE_FENCED, params)
-                    if handle.lease:
-                        handle.lease_from = sent
-                except psycopg.errors.UndefinedColumn:   # the column dropped since: the same
-                    flush_leave(handle)
-                    cursor.execute(WRITE_UNFENCED, params)
+                else:
+                    try:   # the queue left by a turn that took the lane, in the same round trip
+                        handle.fence = with_leave(handle, WRITE_FENCED, params, front)
+                    except psycopg.errors.UndefinedColumn:   # the column dropped since: the same
+                        flush_leave(handle)
+                        cursor.execute(WRITE_UNFENCED, params)
+            if handle.lease:
+                handle.lease_from = sent
         except psycopg.Error as error:
             flush_leave(handle)
             raise RecordNotWritten(f"lane store: {first_line(error)}") from None
@@ -742,15 +740,11 @@ class PgStore(LaneStore):
             raise RecordNotWritten(str(error)) from None
 
     def events(self, lane, since: float | None) -> tuple:
-        conn = self.connect(f"lanelock history {lane.name}")
-        ensure_schema(conn)
-        try:
+        with shared.asking(self, f"lanelock history {lane.name}") as (conn, _):
             with conn.cursor() as cursor:
                 cursor.execute("SELECT event FROM lanelock_events WHERE lane = %s AND ts >= %s "
                                "ORDER BY ts, id", (lane.name, since if since is not None else 0.0))
                 rows = cursor.fetchall()
-        finally:
-            conn.close()
         events = [row[0] for row in rows if isinstance(row[0], dict)]
         return events, len(rows) - len(events)
 
@@ -759,28 +753,26 @@ class PgStore(LaneStore):
         pg_stat_activity is the truth; the holder row only labels it. handle: read through the
         turn's own connection (a deflection asks on the busy path: no second connection)."""
         # a handle with no session (a waiter behind another of its host): a short one of its own
-        own = handle is None or lane is None or handle.conn is None
-        conn = self.connect("lanelock status") if own else handle.conn
+        # (the process's shared one in a proxy: shared.py)
+        if handle is None or lane is None or handle.conn is None:
+            with shared.asking(self, "lanelock status") as (conn, _):
+                return self._survey(conn, lane)
+        return self._survey(handle.conn, lane)
+
+    def _survey(self, conn, lane) -> list:
         try:
-            if own:
-                ensure_schema(conn)
             lanes = self._lanes(conn) if lane is None else [lane.name]
             return [self._facts(conn, name) for name in lanes]
         except driver().Error as error:
             raise GateUnavailable(f"lane store {redact(self.dsn)}: {first_line(error)}") from None
-        finally:
-            if own:
-                conn.close()
 
     def lane_names(self) -> list[str]:
-        conn = self.connect("lanelock status")
-        try:
-            ensure_schema(conn)
-            return self._lanes(conn)
-        except driver().Error as error:
-            raise GateUnavailable(f"lane store {redact(self.dsn)}: {first_line(error)}") from None
-        finally:
-            conn.close()
+        with shared.asking(self, "lanelock status") as (conn, _):
+            try:
+                return self._lanes(conn)
+            except driver().Error as error:
+                raise GateUnavailable(f"lane store {redact(self.dsn)}: "
+                                      f"{first_line(error)}") from None
 
     @staticmethod
     def _lanes(conn) -> list[str]:
