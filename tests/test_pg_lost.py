@@ -185,19 +185,19 @@ def engine(procs, tmp_path):
     return proc, port, finish
 
 
-def start_proxy(procs, store: str, engine_port: int):
+def start_proxy(procs, store: str, engine_port: int, *args):
     return Server(procs, [*LANELOCK, "proxy", "--listen", "127.0.0.1:0", "--store", store,
-                          "-b", f"127.0.0.1:{engine_port}"], LISTENING)
+                          "-b", f"127.0.0.1:{engine_port}", *args], LISTENING)
 
 
-def ask(port: int, stream: bool):
+def ask(port: int, stream: bool, headers: dict | None = None):
     import http.client
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
     conn.request("POST", "/v1/chat/completions",
                  json.dumps({"model": "m", "stream": stream,
                              "messages": [{"role": "user", "content": "hi"}]}),
-                 {"Content-Type": "application/json"})
+                 {"Content-Type": "application/json", **(headers or {})})
     return conn
 
 
@@ -248,6 +248,36 @@ def test_the_proxy_answers_a_request_cut_before_its_answer_with_the_dialects_err
     assert body["error"]["type"] == "lane_lost", body   # OpenAI's error shape
     assert read_line(proc.stdout) == "gone\n"
     assert len(proxy_lines(proxy, "lost mid-request")) == 1, proxy.log()
+
+
+@pytest.mark.slow   # it waits out a lease's silence
+def test_a_turn_lingering_past_its_lease_keeps_its_lane(store, procs, engine):
+    """Between a session's requests its turn lingers with no watch to renew its lease: the
+    server does not end its session for that silence, and the session's next request, past the
+    lease, is served on the lane it kept."""
+    from lanelock.store.pg.lease import LEASE
+
+    _, port, finish = engine
+    finish.write_text("")   # each streamed answer ends at once
+    proxy = start_proxy(procs, store, port, "--linger", "60")
+    session = {"X-Lanelock-Session": "agent-1"}
+    first = ask(proxy.port, stream=True, headers=session).getresponse()
+    assert first.getheader("X-Lanelock-State") == "held" and b"[DONE]" in first.read()
+    (pid,) = lane_holders(store)
+    with psycopg.connect(store, autocommit=True) as conn:
+        def silent_past_lease() -> bool:   # or ended: the assertions below say so
+            row = conn.execute("SELECT state = 'idle' AND clock_timestamp() - state_change > "
+                               "%s * interval '1 s' FROM pg_stat_activity WHERE pid = %s",
+                               (LEASE + 1, pid)).fetchone()
+            return row is None or row[0]
+
+        wait_for(silent_past_lease, "the lingering session silent past its lease",
+                 timeout=LEASE * 3)
+    assert lane_holders(store) == [pid], "the lingering turn's session was ended"
+    second = ask(proxy.port, stream=True, headers=session).getresponse()
+    assert second.getheader("X-Lanelock-State") == "held" and b"[DONE]" in second.read()
+    assert lane_holders(store) == [pid], "the lingering turn's session was ended"
+    assert not proxy_lines(proxy, "lost"), proxy.log()
 
 
 @pytest.fixture

@@ -362,6 +362,10 @@ class Proxy:
             return
         if not turn.nested:
             lane.retry_after.held(held_seconds)
+        if lane.linger.seconds > 0 and not turn.nested and not turn.lost and \
+                turn.gate.store.takes_lanes_away:
+            # No watch renews it while it lingers: its store must not end it for the silence.
+            await asyncio.to_thread(turn.gate.store.rest, turn.handle, lane.linger.seconds)
         if not lane.linger.keep(turn, session, reused):
             await asyncturn.release(turn, status, ended)
 

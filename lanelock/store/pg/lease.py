@@ -62,6 +62,29 @@ def arming(conn) -> list:
     return [("SELECT set_config('idle_session_timeout', %s, false)", [str(int(LEASE * 1000))])]
 
 
+def rest(handle, seconds: float) -> None:
+    """A leased hold kept unwatched for up to seconds (a proxy's turn lingering between a
+    session's requests: no renewals meanwhile): its session's idle limit raised to that plus
+    LEASE, so the server does not end it for the silence, yet still ends it if it outlasts the
+    linger (a frozen link). The next watch's renewal sets LEASE again. Answered within ANSWER s,
+    or the session is not trusted any more (as renew)."""
+    conn = handle.conn
+    if conn is None or not handle.lease or conn.info.server_version < 140000:
+        return
+    deadline = time.monotonic() + ANSWER
+    if not conn.lock.acquire(timeout=ANSWER):
+        _failed(handle)
+        return
+    try:
+        limit = int((seconds + LEASE) * 1000)
+        query = f"SELECT set_config('idle_session_timeout', '{limit}', false)"
+        answered = _exchange(conn.pgconn, query.encode(), deadline)
+    finally:
+        conn.lock.release()
+    if not answered:
+        _failed(handle)
+
+
 def renew(handle) -> bool:
     """One renewal on the holder's session, answered within ANSWER s (True), or not: an error,
     a session gone, no answer in time (a frozen link). On False the session is no longer

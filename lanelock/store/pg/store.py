@@ -414,6 +414,9 @@ class PgStore(LaneStore):
     def renew(self, handle: PgHandle) -> bool:
         return lease.renew(handle)
 
+    def rest(self, handle: PgHandle, seconds: float) -> None:
+        lease.rest(handle, seconds)
+
     def lease_deadline(self, handle: PgHandle) -> float | None:
         return lease.deadline(handle)
 
