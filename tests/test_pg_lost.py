@@ -250,13 +250,45 @@ def test_the_proxy_answers_a_request_cut_before_its_answer_with_the_dialects_err
     assert len(proxy_lines(proxy, "lost mid-request")) == 1, proxy.log()
 
 
+def silent_past_lease(dsn: str, pid: int) -> None:
+    """Once the server's session pid has been silent longer than a lease (or has ended: the
+    caller's assertions say so) -- the server's own clock, asked on one connection."""
+    from lanelock.store.pg.lease import LEASE
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        def silent() -> bool:
+            row = conn.execute("SELECT state = 'idle' AND clock_timestamp() - state_change > "
+                               "%s * interval '1 s' FROM pg_stat_activity WHERE pid = %s",
+                               (LEASE + 1, pid)).fetchone()
+            return row is None or row[0]
+
+        wait_for(silent, "the session silent past its lease", timeout=LEASE * 3)
+
+
+@pytest.mark.slow   # it waits out a lease's silence
+def test_a_run_stopped_with_its_command_past_its_lease_keeps_its_lane(store, procs):
+    """^Z stops `run` with its command, and its watch with it: no renewals, yet the server does
+    not end its session for that silence -- a stopped holder keeps its lane, as on flock."""
+    turn = procs.start([*LANELOCK, "run", "--store", store, "-b", "localhost:7046", "--",
+                        "sh", "-c", "echo ready; read go; exit 6"], stdin=subprocess.PIPE,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ())
+    assert read_line(turn.stdout) == "ready\n"
+    (pid,) = lane_holders(store)
+    os.kill(turn.pid, signal.SIGTSTP)
+    silent_past_lease(store, pid)
+    assert lane_holders(store) == [pid], "the stopped holder's session was ended"
+    os.kill(turn.pid, signal.SIGCONT)
+    turn.stdin.write(b"go\n")
+    turn.stdin.close()
+    assert turn.wait(timeout=TIMEOUT) == 6
+    assert "lost" not in turn.stderr.read().decode()
+
+
 @pytest.mark.slow   # it waits out a lease's silence
 def test_a_turn_lingering_past_its_lease_keeps_its_lane(store, procs, engine):
     """Between a session's requests its turn lingers with no watch to renew its lease: the
     server does not end its session for that silence, and the session's next request, past the
     lease, is served on the lane it kept."""
-    from lanelock.store.pg.lease import LEASE
-
     _, port, finish = engine
     finish.write_text("")   # each streamed answer ends at once
     proxy = start_proxy(procs, store, port, "--linger", "60")
@@ -264,15 +296,7 @@ def test_a_turn_lingering_past_its_lease_keeps_its_lane(store, procs, engine):
     first = ask(proxy.port, stream=True, headers=session).getresponse()
     assert first.getheader("X-Lanelock-State") == "held" and b"[DONE]" in first.read()
     (pid,) = lane_holders(store)
-    with psycopg.connect(store, autocommit=True) as conn:
-        def silent_past_lease() -> bool:   # or ended: the assertions below say so
-            row = conn.execute("SELECT state = 'idle' AND clock_timestamp() - state_change > "
-                               "%s * interval '1 s' FROM pg_stat_activity WHERE pid = %s",
-                               (LEASE + 1, pid)).fetchone()
-            return row is None or row[0]
-
-        wait_for(silent_past_lease, "the lingering session silent past its lease",
-                 timeout=LEASE * 3)
+    silent_past_lease(store, pid)
     assert lane_holders(store) == [pid], "the lingering turn's session was ended"
     second = ask(proxy.port, stream=True, headers=session).getresponse()
     assert second.getheader("X-Lanelock-State") == "held" and b"[DONE]" in second.read()

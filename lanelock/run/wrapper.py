@@ -150,8 +150,13 @@ def _run(argv, changes, options: Options, say: Say, turn: Turn | None,
                      f"run{'s' if len(pids) == 1 else ''} ({group_words(pids)}); {kept} until "
                      f"{'it ends' if len(pids) == 1 else 'they end'}")
 
+        def stopped(now: bool) -> None:
+            if now and watch:   # the wrapper stops too: no renewals until it is continued
+                turn.gate.store.rest(turn.handle, None)
+            turn.mark_stopped(now)
+
         outcome = runner.run(starter, changes, kill_after=options.kill_after,
-                             on_spawn=spawned, on_stop=turn.mark_stopped if holding else None,
+                             on_spawn=spawned, on_stop=stopped if holding else None,
                              on_linger=lingering)
     except OSError as error:
         if starter is not None:

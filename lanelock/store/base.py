@@ -257,10 +257,11 @@ class LaneStore(ABC):
         may be leased: taken back by the store when the watch stops renewing them
         (store/pg/lease.py). Default: nothing leased."""
 
-    def rest(self, handle, seconds: float) -> None:
-        """This hold is kept unwatched for up to seconds (a proxy's turn lingering between a
-        session's requests): the store must not take it away for that silence
-        (store/pg/lease.py). Default: nothing to do."""
+    def rest(self, handle, seconds: float | None) -> None:
+        """This hold is kept unwatched for up to seconds (None: for as long as it takes): a
+        proxy's turn lingering between a session's requests, a `run` stopped with its command.
+        The store must not take it away for that silence (store/pg/lease.py). Default: nothing
+        to do."""
 
     # A leased hold (store/pg/lease.py): the watch renews it, and a lost lease counts as lost
     # DECIDE s before it ends, its command killed by KILL_BY s before it ends.

@@ -62,12 +62,13 @@ def arming(conn) -> list:
     return [("SELECT set_config('idle_session_timeout', %s, false)", [str(int(LEASE * 1000))])]
 
 
-def rest(handle, seconds: float) -> None:
+def rest(handle, seconds: float | None) -> None:
     """A leased hold kept unwatched for up to seconds (a proxy's turn lingering between a
     session's requests: no renewals meanwhile): its session's idle limit raised to that plus
     LEASE, so the server does not end it for the silence, yet still ends it if it outlasts the
-    linger (a frozen link). The next watch's renewal sets LEASE again. Answered within ANSWER s,
-    or the session is not trusted any more (as renew)."""
+    linger (a frozen link); None: for as long as it takes (a `run` stopped with its command,
+    ^Z: a stopped holder keeps its lane, as on flock). The next renewal sets LEASE again.
+    Answered within ANSWER s, or the session is not trusted any more (as renew)."""
     conn = handle.conn
     if conn is None or not handle.lease or conn.info.server_version < 140000:
         return
@@ -76,7 +77,7 @@ def rest(handle, seconds: float) -> None:
         _failed(handle)
         return
     try:
-        limit = int((seconds + LEASE) * 1000)
+        limit = 0 if seconds is None else int((seconds + LEASE) * 1000)
         query = f"SELECT set_config('idle_session_timeout', '{limit}', false)"
         answered = _exchange(conn.pgconn, query.encode(), deadline)
     finally:

@@ -414,7 +414,7 @@ class PgStore(LaneStore):
     def renew(self, handle: PgHandle) -> bool:
         return lease.renew(handle)
 
-    def rest(self, handle: PgHandle, seconds: float) -> None:
+    def rest(self, handle: PgHandle, seconds: float | None) -> None:
         lease.rest(handle, seconds)
 
     def lease_deadline(self, handle: PgHandle) -> float | None:
