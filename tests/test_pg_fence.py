@@ -163,8 +163,8 @@ def test_turns_in_sequence_have_fences_n_and_n_plus_1_everywhere(database, procs
                 if event["event"] == "acquired"]
     assert acquired == [1, 2, 3]                                     # the journal
 
-    # The proxy: on the answer and on the request the engine gets; a client's own is not
-    # forwarded. Each request is a turn of its own on the engine's lane (its own row): 1, then 2.
+    # The proxy: on the answer and on the request the engine gets, with its seat; a client's
+    # own of either is not forwarded. Each request is a turn of its own on the engine's lane (its own row): 1, then 2.
     engine = procs.start([PYTHON, "-c", RECORDER], stdout=subprocess.PIPE)
     port = int(read_line(engine.stdout))
     proxy = Server(procs, [*LANELOCK, "proxy", "--listen", "127.0.0.1:0", "--store", dsn, "-b",
@@ -172,7 +172,8 @@ def test_turns_in_sequence_have_fences_n_and_n_plus_1_everywhere(database, procs
     for expected in (1, 2):
         conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=TIMEOUT)
         conn.request("POST", "/v1/chat/completions", json.dumps({"model": "m", "messages": []}),
-                     {"Content-Type": "application/json", "X-Lanelock-Fence": "999"})
+                     {"Content-Type": "application/json", "X-Lanelock-Fence": "999",
+                      "X-Lanelock-Seat": "7"})
         answer = conn.getresponse()
         answer.read()
         conn.close()
@@ -181,6 +182,7 @@ def test_turns_in_sequence_have_fences_n_and_n_plus_1_everywhere(database, procs
         assert answer.headers["X-Lanelock-Fence"] == str(expected)
         forwarded = json.loads(read_line(engine.stdout))
         assert forwarded["x-lanelock-fence"] == str(expected), forwarded
+        assert forwarded["x-lanelock-seat"] == "1", forwarded   # the fence's seat, not the client's
     proxy.stop()
 
 

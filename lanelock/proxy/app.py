@@ -274,11 +274,15 @@ class Proxy:
             self.ungated += 1
         fence = {FENCE: str(turn.fence)} if turn.state == HELD and \
             turn.fence is not None else {}
-        forwarded = request_headers(proxied.http,
-                                    drop=(*self.options.own_credentials(), FENCE.lower()),
-                                    set_=fence)
         on = proxied.seat = _seat_of(turn)
         seat = {SEAT: str(on)} if on is not None else {}
+        # The engine gets the fence with its seat: each seat of a lane numbers its own turns,
+        # so a check at the engine keeps the largest fence per seat (hosts.md). A client's own
+        # of either is never forwarded.
+        forwarded = request_headers(proxied.http,
+                                    drop=(*self.options.own_credentials(), FENCE.lower(),
+                                          SEAT.lower()),
+                                    set_={**fence, **seat} if fence else {})
         body = await self._pinned(proxied, on)
         slot = {SLOT: str(proxied.slot)} if proxied.slot is not None else {}
         watch, cut = self._watch(turn, proxied)
