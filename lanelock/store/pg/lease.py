@@ -6,8 +6,13 @@ link) or went silent (a frozen link, whose relay or middlebox still acknowledges
 keepalives, so TCP never gives up). So the lane's expiry is the server's and counts from the
 holder's last word, and the holder knows that moment from its side:
 
+- A process that watches its holds (run, the proxy: WATCHED) leases each from its row's first
+  write, which sets the session's idle limit in the same round trip (arming): a link lost
+  before the first renewal was answered leaves a deadline all the same.
 - The holder renews every RENEW s (its row's updated_at := now(), from the watch's thread) and
   expects each answer within ANSWER s. The row says it is leased (record 'lease': LEASE s).
+  A hold kept unwatched a while (a lingering proxy turn, a stopped `run`) rests: its idle
+  limit raised (rest).
 - On the server, nobody else takes the lane until LEASE s after the row's last renewal: a taker
   that gets the lock while an unreleased leased row is younger than that lets it go and asks
   again (handoff.UNRELEASED, store._unreleased), and the holder's own session ends LEASE s after

@@ -26,7 +26,7 @@ _BY_DSN: dict[str, "_Shared"] = {}
 
 class _Shared:
     def __init__(self):
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()   # a question asked inside another's: the same connection
         self.conn = None
         self.problem = None   # ensure_schema's answer when it was opened
 
