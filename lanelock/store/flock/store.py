@@ -24,7 +24,7 @@ from ... import locks, proc, say
 from ...errors import GateCrowded, GateUnavailable, RecordNotWritten, crowded
 from ...paths import Root, creation_problem, open_root
 from ...priority import CLASSES, DEFAULT_AGING, DEFAULT_RANK
-from .. import order, outlived
+from .. import order, outlived, seating
 from . import interrupt, journal, queue, seats, sidecar, taking, waiting
 from .record_claim import Refused, claim
 from .line import FlockLine
@@ -230,7 +230,7 @@ class FlockStore(LaneStore):
     def seat_count(self, lane) -> int:
         """The lane's seat count as a turn reads it (1 when none is kept)."""
         try:
-            return seats.count_of(self.kept(seats.key(lane.name))) or 1
+            return seating.reckon(self.kept(seating.key(lane.name)), lane.name)[0]
         except GateUnavailable:
             return 1
 
@@ -301,7 +301,7 @@ class FlockStore(LaneStore):
     # under it) keeps the lane: we let go and say busy.
     def try_lock(self, handle: Handle, rank: int = DEFAULT_RANK) -> bool:
         if handle.seated:
-            return bool(taking.try_seats(self, handle)) and \
+            return taking.take(self, handle, 0) and \
                 order.keep_free_lane(FlockLine(self, handle), rank)
         for _ in range(order.AGAIN_TRIES):
             ours = self.checked(handle, self.try_lane_lock(handle))
