@@ -24,7 +24,7 @@ from ... import locks, proc, say
 from ...errors import GateCrowded, GateUnavailable, RecordNotWritten, crowded
 from ...paths import Root, creation_problem, open_root
 from ...priority import CLASSES, DEFAULT_AGING, DEFAULT_RANK
-from .. import order, outlived, seating
+from .. import order, outlived
 from . import interrupt, journal, queue, seats, sidecar, taking, waiting
 from .record_claim import Refused, claim
 from .line import FlockLine
@@ -109,7 +109,6 @@ class FlockStore(LaneStore):
         self.journal_max_bytes = journal_max_bytes or journal.DEFAULT_MAX_BYTES
         self.aging = priority_aging
         self._caveat_checked: str | None = None
-        self._seats_warned = False
         self._queue_warned = False
         # The signal that calls an abandoned kernel wait off (interrupt.py) can be handled only
         # if installed from the main thread: a gate is usually built there, its turns may wait
@@ -227,19 +226,6 @@ class FlockStore(LaneStore):
         return handle
 
     # -- seats (taking.py walks them) ------------------------------------------------------------
-    def seat_count(self, lane) -> int:
-        """The lane's seat count as a turn reads it (1 when none is kept)."""
-        try:
-            return seating.reckon(self.kept(seating.key(lane.name)), lane.name)[0]
-        except GateUnavailable:
-            return 1
-
-    def seat_warning(self, why: str) -> None:
-        """A seat count that cannot be read or believed: said once per store."""
-        if not self._seats_warned:
-            self._seats_warned = True
-            self.warn(why)
-
     def on_seat(self, handle: Handle, seat: int, fd: int | None = None) -> None:
         """Point the handle at the seat's lock file: opened here, not locked; or fd, a
         descriptor on it a wait has just locked (the caller checks it, as any lock taken)."""
