@@ -166,10 +166,14 @@ class LaneStore(ABC):
         store that keeps none."""
         return None
 
-    def seat_count(self, lane) -> int:
-        """The lane's seat count, as a turn reads it (1 when none is kept or it cannot be
-        read: one seat can only make a turn wait, never run beside one too many)."""
-        return 1
+    _seats_warned = False
+
+    def seat_warning(self, why: str) -> None:
+        """A seat count that cannot be read or believed (store/seating.py: taken as one seat):
+        said once per store."""
+        if not self._seats_warned:
+            self._seats_warned = True
+            self.warn(why)
 
     def make_seats(self, lane, count: int) -> None:
         """Whatever the lane's seats 2..count need before the count is kept, made by the user

@@ -151,15 +151,6 @@ class PgStore(LaneStore):
 
         self._kept(f"lanelock keep {name}", lambda conn: seats.write_kept(conn, name, value))
 
-    def seat_count(self, lane) -> int:
-        """The lane's seat count as a turn reads it (1 when none is kept or it cannot be read)."""
-        from . import seats
-
-        try:
-            return seats.count_of(self.kept(seats.key(lane.name))) or 1
-        except GateUnavailable:
-            return 1
-
     def _kept(self, application_name: str, function):
         """function(a connection of its own) on the table of kept values; GateUnavailable when
         the server cannot be reached or the table cannot be made or read."""
@@ -245,8 +236,9 @@ class PgStore(LaneStore):
                                "extract(epoch FROM pg_postmaster_start_time())::float8"
                                + ("" if params is None else ", " + seats.COUNT_COLUMNS), params)
                 row = cursor.fetchone()
-                if params is not None:
-                    seats.counted(handle, *row[2:])
+                problem = None if params is None else seats.counted(handle, *row[2:])
+                if problem:   # said once; the lane is taken as one seat
+                    self.seat_warning(f"lane store: {problem}")
                 return row[:2]
         except driver().Error as error:
             conn.close()
