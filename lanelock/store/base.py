@@ -251,6 +251,40 @@ class LaneStore(ABC):
         ask again. Default: lost for good."""
         return False
 
+    def serve_many(self) -> None:
+        """This process serves many turns at once (the proxy): the store's short questions
+        (who holds the lane, kept values, counts) may share what it keeps open for them rather
+        than open something each time (store/pg/shared.py). Default: nothing to share."""
+
+    def lease_holds(self) -> None:
+        """This process watches every turn it holds (run, the proxy: lanewatch.py), so its holds
+        may be leased: taken back by the store when the watch stops renewing them
+        (store/pg/lease.py). Default: nothing leased."""
+
+    def rest(self, handle, seconds: float | None) -> None:
+        """This hold is kept unwatched for up to seconds (None: for as long as it takes): a
+        proxy's turn lingering between a session's requests, a `run` stopped with its command.
+        The store must not take it away for that silence (store/pg/lease.py). Default: nothing
+        to do."""
+
+    # A leased hold (store/pg/lease.py): the watch renews it, and a lost lease counts as lost
+    # DECIDE s before it ends, its command killed by KILL_BY s before it ends.
+    DECIDE = 0.0
+    KILL_BY = 0.0
+
+    def renews(self, handle) -> float | None:
+        """Seconds between the watch's renewals of this hold; None: nothing to renew."""
+        return None
+
+    def renew(self, handle) -> bool:
+        """Renew the hold; False: not answered in time (the link counts as lost)."""
+        return True
+
+    def lease_deadline(self, handle) -> float | None:
+        """The monotonic moment another turn may take the lane after this hold is lost; None:
+        not leased."""
+        return None
+
     # -- the turn's records (RecordNotWritten on failure) --------------------------------------------
     @abstractmethod
     def write_holder(self, handle, record: dict) -> None:
