@@ -105,13 +105,8 @@ class FlockStore(LaneStore):
         no turn ever makes a seat's files, so no turn's user owns them."""
         from . import kept
 
-        if count <= 1:   # one seat: no seat is taken again, no inode left to look for
-            try:
-                self.keep(seats.files_key(lane.name), None) \
-                    if self.kept(seats.files_key(lane.name)) is not None else None
-            except GateUnavailable:
-                pass   # keep() of the count says why
-            return
+        if count <= 1:   # one seat: nothing to make; the seats made before stay kept (made():
+            return       # one still held past the count keeps new turns out until it lets go)
         dir_fd = open_root(self.root, create=True)
         try:
             kept.may_set(dir_fd)
@@ -422,7 +417,7 @@ class FlockStore(LaneStore):
         except OSError:
             return count, ago   # no root yet: no seat files either
         try:
-            others = seats.made(dir_fd, lane.stem)
+            others = seats.made_here(dir_fd, lane.name)
         except OSError:
             others = []
         finally:
