@@ -398,8 +398,6 @@ class FlockStore(LaneStore):
     def survey_all(self, most: int) -> list:
         """Every lane's facts, at most `most` of them: the ones whose files changed last, chosen
         with one lstat each before any is judged (survey.latest)."""
-        from . import survey
-
         stems, self.left_out = survey.latest(self.root.path, survey.lane_stems(self.root.path),
                                              most)
         return [survey.facts(self.root.path, stem, aging=self.aging) for stem in stems]
