@@ -728,9 +728,14 @@ class PgStore(LaneStore):
             handle.releasing.events.extend(events)
             return
         rows = [(handle.lane, event.get("ts", time.time()), json.dumps(event)) for event in events]
-        try:   # pipelined: one round trip however many events, written in their order
-            self._call(handle, "INSERT INTO lanelock_events (lane, ts, event) VALUES (%s, %s, %s)",
-                       rows, many=True)
+        # One statement, one round trip however many events, in their order. Not pipelined: a
+        # pipeline's closing Flush leaves the server's session without its idle limit
+        # (idle_session_timeout is armed only as it says it is ready for a query), and this is
+        # a holder's last word before its watch renews (lease.py).
+        try:
+            self._call(handle, "INSERT INTO lanelock_events (lane, ts, event) VALUES " +
+                       ", ".join(["(%s, %s, %s)"] * len(rows)),
+                       [value for row in rows for value in row], fetch=False)
         except GateUnavailable as error:
             raise RecordNotWritten(str(error)) from None
 
@@ -891,10 +896,9 @@ class PgStore(LaneStore):
             return True
 
 
-    def _call(self, handle: PgHandle, sql: str, params, fetch: bool = True, row: bool = False,
-              many: bool = False):
+    def _call(self, handle: PgHandle, sql: str, params, fetch: bool = True, row: bool = False):
         """One statement on the handle's session: its first column (fetch), its whole row (row),
-        or nothing; many: params is a list of rows, pipelined (one round trip)."""
+        or nothing."""
         psycopg = driver()
         if handle.conn is None:   # a turn that never connected (it waited on its host): now
             if self._unreachable:
@@ -902,9 +906,6 @@ class PgStore(LaneStore):
             self.connected(handle)
         try:
             with handle.conn.cursor() as cursor:
-                if many:
-                    cursor.executemany(sql, params)
-                    return None
                 cursor.execute(sql, params)
                 if row:
                     return cursor.fetchone()
