@@ -198,7 +198,6 @@ class Proxy:
                 max_wait=self.options.max_wait)
         except class_and_wait.Malformed as error:
             return self._refused(dialect, error)
-        applied = asked.headers()
         try:
             model = proxied.model = await self.lanes.model_of(upstream, proxied,
                                                               self._asking_headers(request))
@@ -207,21 +206,12 @@ class Proxy:
         lane = proxied.lane = self.lanes.of(model)
         gate = lane.gate
         client = ClientProcess(request, gate.lock_path)
-        session = proxied.session = (
-            request.headers.get(self.options.session_header) or dialect.session_of(proxied.fields)
-            or await _client_session(client) or proxied.remote)
-        if self.options.clients:   # the client's rule, when one matches (clients.py)
-            asked = proxied.asked = await self.options.clients.applied(
-                self.options, request.headers, session, client, asked)
-            applied = asked.headers()
-        # A turn of this session whose answer is ending lets its seat go first (finishing.py).
-        key = (gate.lane.name, session)
-        await self.finishing.wait(key)
-        reused = lane.linger.take(session)
+        given = request.headers.get(self.options.session_header) or \
+            dialect.session_of(proxied.fields)
         path = proxied.path[:200]
-        ended = []   # this request's turn, once the relay says its answer is ending
+        ended = []   # (session key, event): this request's turn, once its answer is ending
 
-        def new_turn(wait):
+        def new_turn(wait, session):
             return gate.turn(
                 session=session[:200], model=model and model[:200],
                 argv=[proxied.method, path], wait=wait,
@@ -229,37 +219,94 @@ class Proxy:
                 askers=_while_held(gate, client.askers), priority=asked.priority,
                 fallback=any(fallback.serves(dialect) for fallback in self.options.fallbacks))
 
-        turn = proxied.turn = reused.turn if reused else new_turn(asked.wait)
+        reused = turn = None
+        session = given
+        if session is None and self.options.clients:   # a rule may ask the session or program
+            session = await _client_session(client) or proxied.remote
+        if session is not None:
+            asked, reused = await self._for_session(proxied, client, lane, session, asked)
+        if reused is None:
+            # Forward first: a free lane of one seat is taken for the request at once, and the
+            # request goes; its record and journal are written while the engine works
+            # (Recording). There a request's session decides nothing (no seat to keep for it,
+            # no turn of it lingering: that one would hold the lane), so a request that names
+            # none is taken under its address and named after its client's process meanwhile.
+            turn = new_turn(asked.wait, session or proxied.remote)
+            if asyncturn.held_unrecorded(turn):
+                proxied.session = session or proxied.remote
+                proxied.recording = Recording(turn, proxied, client if session is None else None)
+            elif session is None:   # busy, or seats: named first, then taken as any request
+                session = await _client_session(client) or proxied.remote
+                asked, reused = await self._for_session(proxied, client, lane, session, asked)
+                turn = None
+            else:
+                turn = None
+        applied = asked.headers()
+        if turn is None:
+            turn = reused.turn if reused else new_turn(asked.wait, session)
+        proxied.turn = turn
         timing = proxied.timing = Timing()
         try:
-            if reused is None:
+            if reused is None and proxied.recording is None:
                 self.waiting += 1
                 try:
-                    turn = proxied.turn = await _take(turn, new_turn, asked.wait)
+                    turn = proxied.turn = await _take(
+                        turn, lambda wait: new_turn(wait, proxied.session), asked.wait)
                 except asyncio.CancelledError:
                     await _abandoned(turn)
                     timing.waited = turn.waited   # the -v line says how long it waited
                     raise
                 finally:
                     self.waiting -= 1
-                timing.waited = turn.waited
+            timing.waited = turn.waited
             timing.held_from(turn.state)
             if turn.state == HELD and not turn.nested:
                 self.failing = False
             if turn.state in (HELD, UNGATED, FAIL_OPEN):
                 return await self._held(upstream, proxied, reused, applied,
-                                        lambda: ended.append(self.finishing.begin(key)))
+                                        lambda: self._ending(proxied, ended))
             if turn.state == DEFLECTED:
                 return await self._deflected(upstream, proxied, client, applied)
             await _abandoned(turn)
             raise asyncio.CancelledError   # a cancelled wait: the client is gone
         finally:
+            cancelled = False
             try:
-                await self._end(lane, turn, session, proxied.status, reused,
+                await _recorded(proxied)
+            except asyncio.CancelledError:   # cancelled again: the turn ends all the same
+                cancelled = True
+            try:
+                await self._end(lane, turn, proxied.session, proxied.status, reused,
                                 timing.held_until_now(), proxied.ended())
             finally:
-                for event in ended:
+                for key, event in ended:
                     self.finishing.done(key, event)
+            if cancelled:
+                raise asyncio.CancelledError
+
+    async def _for_session(self, proxied, client, lane, session: str, asked) -> tuple:
+        """(the class and wait, the turn lingering for it or None) of a request of session:
+        its client's rule's, when one matches (clients.py), once the turns of the session
+        whose answers are ending have ended -- their seats go first (finishing.py)."""
+        proxied.session = session
+        if self.options.clients:
+            asked = proxied.asked = await self.options.clients.applied(
+                self.options, proxied.http.headers, session, client, asked)
+        await self.finishing.wait((lane.gate.lane.name, session))
+        return asked, lane.linger.take(session)
+
+    def _ending(self, proxied, ended: list):
+        """The relay's word that this request's answer is ending (finishing.py), under its
+        session's key -- once a forward-first turn is named (then an awaitable: the relay
+        waits for the name before the answer's last bytes)."""
+        if proxied.recording is not None and not proxied.recording.done():
+            async def named():
+                await proxied.recording.wait()
+                self._ending(proxied, ended)
+            return named()
+        key = (proxied.lane.gate.lane.name, proxied.session)
+        ended.append((key, self.finishing.begin(key)))
+        return None
 
     async def _held(self, upstream, proxied, reused, applied, ending) -> web.StreamResponse:
         """The lane is this request's (or it goes ungated): relayed to the engine, watched for a
@@ -283,7 +330,8 @@ class Proxy:
                                body, forwarded, {STATE: turn.state, **seat, **slot, **fence,
                                                  **applied},
                                cut=cut, ending=ending if turn.state == HELD and not turn.nested
-                               else None)
+                               else None,
+                               sent=proxied.recording and proxied.recording.start)
         except Unreachable as error:
             await unwatch(watch)
             return await self._down(upstream, proxied, reused, error, applied)
@@ -383,6 +431,7 @@ class Proxy:
         goes at once (nothing runs on it, and no linger keeps it), then the fallback chain; 502
         naming each attempt when none is left."""
         turn = proxied.turn
+        await _recorded(proxied)   # named and recorded before it is let go
         proxied.status = 502
         proxied.lane.linger.forget(reused)
         await asyncturn.release(turn, 502)
@@ -515,6 +564,46 @@ def _while_held(gate, askers):
         return [] if holding == 0 else askers()
 
     return asked
+
+
+class Recording:
+    """A forward-first turn's holder record and journal (and first its name, when the request
+    named no session: its client's process), written on the loop once its request has gone to
+    the engine (the relay's `sent`): while the engine works, not before the request leaves. At
+    once when the turn must be recorded before that (wait(): the engine did not answer)."""
+
+    __slots__ = ("turn", "proxied", "client", "task")
+
+    def __init__(self, turn, proxied, client=None):
+        self.turn, self.proxied, self.client = turn, proxied, client
+        self.task = None
+
+    def start(self) -> None:
+        if self.task is None:
+            self.task = asyncio.ensure_future(self._written())
+
+    def done(self) -> bool:
+        return self.task is not None and self.task.done()
+
+    async def wait(self) -> None:
+        """Until the turn is recorded (also when cancelled meanwhile; then CancelledError)."""
+        self.start()
+        await asyncturn.finished(self.task)
+
+    async def _written(self) -> None:
+        proxied, turn = self.proxied, self.turn
+        if self.client is not None:   # named after its client's process, else its address
+            session = await _client_session(self.client) or proxied.remote
+            proxied.session = session
+            turn.session = turn.record.session = session[:200]
+        turn.acquisition.record()
+
+
+async def _recorded(proxied) -> None:
+    """A forward-first turn's naming and record, finished: before its turn is let go (the
+    record and journal say who held it before they say it was released)."""
+    if proxied.recording is not None:
+        await proxied.recording.wait()
 
 
 async def _client_session(client) -> str | None:
