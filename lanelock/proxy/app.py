@@ -152,8 +152,10 @@ class Proxy:
         if listener is not None:
             listener.reading(handler, True)
         try:
-            return await asyncio.wait_for(proxied.http.read(), self.options.header_timeout)
-        except asyncio.TimeoutError:
+            # A timeout scope, not wait_for: no task of its own per request (the first byte).
+            async with asyncio.timeout(self.options.header_timeout):
+                return await proxied.http.read()
+        except TimeoutError:
             return None
         finally:
             if listener is not None:
