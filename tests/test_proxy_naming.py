@@ -17,6 +17,7 @@ import pytest
 from support.cli import TIMEOUT
 from support.engine import Engine
 from support.other_users import two_users  # noqa: F401 - a fixture
+from support.processes import read_line
 from support.proxy import Proxy, chat_body, history, lock_path
 
 pytest.importorskip("aiohttp")
@@ -157,7 +158,10 @@ def test_a_clients_socket_is_looked_for_among_its_own_users_processes_only(procs
 
     mallory, _ = two_users
     crowd = [procs.start(["setpriv", f"--reuid={mallory}", "--regid=nogroup", "--clear-groups",
-                          "sleep", "3600"], stdin=subprocess.DEVNULL) for _ in range(20)]
+                          "sh", "-c", "echo ready; exec sleep 3600"], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE) for _ in range(8)]
+    for sleeper in crowd:   # each runs as mallory once it says so
+        assert read_line(sleeper.stdout).strip() == "ready"
     uid = pwd.getpwnam(mallory).pw_uid
     assert all(os.stat(f"/proc/{sleeper.pid}").st_uid == uid for sleeper in crowd)
     read = []

@@ -234,15 +234,15 @@ class Proxy:
             # no turn of it lingering: that one would hold the lane), so a request that names
             # none is taken under its address and named after its client's process meanwhile.
             turn = new_turn(asked.wait, session or proxied.remote)
-            if asyncturn.held_unrecorded(turn):
+            if not lane.seated and asyncturn.held_unrecorded(turn):
                 proxied.session = session or proxied.remote
                 proxied.recording = Recording(turn, proxied, client if session is None else None)
-            elif session is None:   # busy, or seats: named first, then taken as any request
-                session = await _client_session(client) or proxied.remote
-                asked, reused = await self._for_session(proxied, client, lane, session, asked)
-                turn = None
             else:
                 turn = None
+                if session is None:   # busy, or seats: named first, then taken as any request
+                    session = await _client_session(client) or proxied.remote
+                    asked, reused = await self._for_session(proxied, client, lane, session,
+                                                            asked)
         applied = asked.headers()
         if turn is None:
             turn = reused.turn if reused else new_turn(asked.wait, session)
@@ -254,6 +254,8 @@ class Proxy:
                 try:
                     turn = proxied.turn = await _take(
                         turn, lambda wait: new_turn(wait, proxied.session), asked.wait)
+                    if turn.acquisition.seated is not None:
+                        lane.seated = turn.acquisition.seated
                 except asyncio.CancelledError:
                     await _abandoned(turn)
                     timing.waited = turn.waited   # the -v line says how long it waited

@@ -74,6 +74,7 @@ class Acquisition:
         # with the proxy's --pin-slots); None while it is part of none.
         self.part_of: int | None = None
         self.unwritten: float | None = None   # held (hold()), its record not yet written: when
+        self.seated: bool | None = None   # the lane had seats when last opened (None: not yet)
 
     @property
     def had_to_wait(self) -> bool:
@@ -140,6 +141,7 @@ class Acquisition:
         # A turn a crowded server kept out has waited since its first refusal: that counts.
         self.started_wait = self.crowded_since or time.monotonic()
         stops.reached(stops.BEFORE_ACQUIRE)
+        self.seated = handle.seated
         if not seats and handle.seated:
             store.release(handle)
             turn.handle = None
