@@ -133,7 +133,8 @@ def handoff_once(kind: str, env: dict, work: str, index, waiters: int = 1,
         else:
             _until_waiting(ws[-1].pid)
     # Nothing reads /proc/locks during the measured window, as on a user's machine: the polls
-    # above (which keep the kernel's file_rwsem path warm: PITFALLS 22-23) end well before it.
+    # above (which keep the kernel's file_rwsem path warm: listing /proc/locks takes file_rwsem for
+    # writing, and a warm path is what a user's machine never has) end well before it.
     time.sleep(SETTLE)
     stop = threading.Event()
     deflector = threading.Thread(target=_deflect_until, args=(stop, env, lane), daemon=True)
@@ -236,7 +237,7 @@ def handoff_queued(env: dict, count: int) -> None:
 def deflections(env: dict, count: int) -> None:
     """A turn that deflects (the lane held, 10 turns queued): its own time, and the hand-off of
     measure 3 while turns deflect meanwhile (a deflection reads who holds the lane; nothing it
-    reads may slow the hand-off: PITFALLS 22)."""
+    reads may slow the hand-off: listing /proc/locks takes the kernel's file_rwsem)."""
     work = tempfile.mkdtemp(prefix="lanelock-bench-deflect-")
     lane = "127.0.0.1:18089"
     fifo = os.path.join(work, "go")

@@ -215,7 +215,9 @@ def docs_and_man() -> dict[str, str]:
 def test_the_docs_cite_no_tracker_of_ours():
     """History belongs in git log: the docs say what is, not which of our issues made it so (a
     public upstream issue is cited by its repository: ggml-org/llama.cpp#14262)."""
-    for name, text in docs_and_man().items():
+    others = [*(TOP / "docs").glob("*.json"), *(TOP / "bench").glob("*.py")]
+    texts = {**docs_and_man(), **{str(path.relative_to(TOP)): path.read_text() for path in others}}
+    for name, text in texts.items():
         for words in re.findall(r"\b(?:issues? \d+|PITFALLS[^\n]{0,20})", text, re.I):
             raise AssertionError(f"{name}: {words!r}")
 

@@ -119,7 +119,7 @@ def test_a_proxy_short_of_descriptors_for_the_gate_never_forwards_beside_the_hol
             continue   # too few to start at all (Python's own imports)
         status, headers, body = request(proxy.port, "POST", CHAT, chat_body(),
                                         headers={"X-Lanelock-Wait": "0.2"})
-        assert (status, headers["X-Lanelock-State"]) == (503, "busy"), (limit, body)
+        assert (status, headers["X-Lanelock-State"]) == (503, "busy"), (limit, body, proxy.log())
         reasons.add(headers["X-Lanelock-Reason"])
         proxy.stop()
         assert "Traceback" not in proxy.log() and "without it" not in proxy.log(), proxy.log()

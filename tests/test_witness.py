@@ -20,6 +20,7 @@ from support.processes import read_line, wait_for
 
 PYTHON = sys.executable
 INTERVAL = 0.2
+LATE = 0.15   # how late a poll may come on a loaded 2-core machine
 
 
 class StandIn:
@@ -119,9 +120,11 @@ def test_a_direct_generation_is_unseen_within_two_intervals_and_timed_within_one
     (event,) = unseen_events(json_of, engine.backend)
     (generation,) = engine.stats()["generations"]
     # Detected within two intervals of the engine's own start; its length within one interval.
-    assert 0 <= event["ts"] - generation["started"] <= 2 * INTERVAL, (event, generation)
+    # (Plus LATE: the watcher's polls come every interval on an idle machine, later on a loaded
+    # one -- a poll is first seen at most an interval late, its last sighting at most one early.)
+    assert 0 <= event["ts"] - generation["started"] <= 2 * INTERVAL + LATE, (event, generation)
     real = generation["ended"] - generation["started"]
-    assert abs(event["duration"] - real) <= INTERVAL, (event, generation)
+    assert abs(event["duration"] - real) <= INTERVAL + LATE, (event, generation)
     assert (event["slots"], event["turns"], event["witness"], event["kind"]) == \
         (1, 0, "watch", "llama.cpp")
     found = engine_of(json_of, engine.backend)

@@ -137,7 +137,7 @@ class Proxy:
         # engine is asked (routes.py).
         body = await self._body(proxied)
         if body is None:
-            return _late_body(proxied, self.options.header_timeout)
+            return await _late_body(proxied, self.options.header_timeout)
         proxied.read_fields(body)
         proxied.options = self.options   # a reload (reload.py) leaves this request as it came
         upstream = proxied.http.app[UPSTREAM]
@@ -513,15 +513,20 @@ def _answer(status: int, body: bytes, headers: dict) -> web.Response:
     return response
 
 
-def _late_body(proxied, seconds: float) -> web.Response:
+async def _late_body(proxied, seconds: float) -> web.Response:
     """408 for a body that did not come in time, in the family's shape; the connection closes
-    (the rest of the body is never read)."""
+    once it is sent (the rest of the body is never read)."""
     dialect = dialects.of(proxied.path)
     body = dialects.error_answer(dialect, 408, "request_timeout",
                                  f"the request body did not arrive within {seconds:g} s of its "
                                  "header (--header-timeout)")
     response = _answer(408, body, {})
     response.force_close()
+    await response.prepare(proxied.http)
+    await response.write_eof()
+    # Closed here, not by aiohttp: it would linger up to 10 s reading the rest of a body that is
+    # not coming, the connection's place at the cap held all that time.
+    proxied.http.protocol.force_close()
     return response
 
 

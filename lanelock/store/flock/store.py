@@ -25,7 +25,9 @@ from ...errors import GateCrowded, GateUnavailable, RecordNotWritten, crowded
 from ...paths import Root, creation_problem, open_root
 from ...priority import CLASSES, DEFAULT_AGING, DEFAULT_RANK
 from .. import order, outlived
-from . import interrupt, journal, queue, seats, sidecar, taking, waiting
+# survey up front too: a deflecting turn names its holder through it, and at a low open-file
+# limit a module imported mid-turn is a descriptor it may not get (EMFILE: the proxy's 500).
+from . import interrupt, journal, queue, seats, sidecar, survey, taking, waiting
 from .record_claim import Refused, claim
 from .line import FlockLine
 from ..base import LaneStore, LockHandle
@@ -608,8 +610,6 @@ class FlockStore(LaneStore):
 
     # -- inspection ----------------------------------------------------------------------------------
     def survey(self, lane=None, handle=None) -> list:
-        from . import survey
-
         if lane is None:
             return [survey.facts(self.root.path, stem, aging=self.aging) for stem in
                     survey.lane_stems(self.root.path)]
@@ -622,20 +622,14 @@ class FlockStore(LaneStore):
         return [found]
 
     def waiting(self, lane) -> list:
-        from . import survey
-
         return survey.queue_rows(self.root.path, lane.stem, self.aging, kernel=False)
 
     def holding(self, lane, handle=None) -> tuple:
-        from . import survey
-
         return survey.holding_any(self.root.path, lane.stem)
 
     def seats_holding(self, lane, handle=None) -> tuple:
         """Each seat's record read as holding() reads seat 1's (never /proc/locks): seat 1 and
         every seat whose lock file exists, past the count too (a turn still on it is real)."""
-        from . import survey
-
         held, ago = survey.holding(self.path(self.names(lane.stem)["sidecar"]))
         count, agos = int(bool(held)), [ago]
         try:
@@ -671,8 +665,6 @@ class FlockStore(LaneStore):
             os.close(dir_fd)
 
     def lane_names(self) -> list[str]:
-        from . import survey
-
         return [survey.lane_name(stem) for stem in survey.lane_stems(self.root.path)]
 
     def events(self, lane, since: float | None) -> tuple:
