@@ -167,7 +167,7 @@ def test_a_clients_socket_is_looked_for_among_its_own_users_processes_only(procs
     read = []
     holds = socket_owner._holds
     monkeypatch.setattr(socket_owner, "_holds",
-                        lambda pid, target: read.append(pid) or holds(pid, target))
+                        lambda pid, *args: read.append(pid) or holds(pid, *args))
     with socket.create_server(("127.0.0.1", 0)) as server, \
             socket.create_connection(server.getsockname(), timeout=TIMEOUT) as client:
         accepted, peer = server.accept()
