@@ -9,7 +9,10 @@ chain, then 502. The holder's own request without turn.headers is told so at onc
 (handover.py). Every answer to a gated request says X-Lanelock-State, the class and wait
 applied, and X-Lanelock-Reason when deflected, busy or down. Linger keeps the lane for the same
 session between its requests, so an agent's tool-call loop keeps the engine's cache of its
-conversation. A request's state travels as one proxied.Proxied, handed from step to step.
+conversation. The first byte waits only for what decides: on a free lane of one seat the lane is
+taken and the request forwarded at once, and the turn's record and journal -- and the name of
+a client that sent no session -- follow once it has gone, while the engine works (Recording).
+A request's state travels as one proxied.Proxied, handed from step to step.
 
 Never logged: Authorization headers, bodies, the fallback key.
 """
@@ -34,8 +37,9 @@ from .finishing import Finishing
 from .listener import HEADER_TIMEOUT, IDLE_TIMEOUT, MAX_CONNECTIONS
 from .logs import Incidents
 from .lost import REASON_LOST, Cut, LaneLost, ProxyWords, unwatch
-from .client_process import LATER, ClientProcess
+from .client_process import ClientProcess
 from .per_lane import Lanes
+from .recording import Recording, client_session, recorded
 from .request_model import Disagree
 from .proxied import CUT, REASON, SEAT, SLOT, STATE, Timing
 from .relay import Unreachable, error_response, relay, request_headers
@@ -224,7 +228,7 @@ class Proxy:
         reused = turn = None
         session = given
         if session is None and self.options.clients:   # a rule may ask the session or program
-            session = await _client_session(client) or proxied.remote
+            session = await client_session(client) or proxied.remote
         if session is not None:
             asked, reused = await self._for_session(proxied, client, lane, session, asked)
         if reused is None:
@@ -240,7 +244,7 @@ class Proxy:
             else:
                 turn = None
                 if session is None:   # busy, or seats: named first, then taken as any request
-                    session = await _client_session(client) or proxied.remote
+                    session = await client_session(client) or proxied.remote
                     asked, reused = await self._for_session(proxied, client, lane, session,
                                                             asked)
         applied = asked.headers()
@@ -276,7 +280,7 @@ class Proxy:
         finally:
             cancelled = False
             try:
-                await _recorded(proxied)
+                await recorded(proxied)
             except asyncio.CancelledError:   # cancelled again: the turn ends all the same
                 cancelled = True
             try:
@@ -435,7 +439,7 @@ class Proxy:
         goes at once (nothing runs on it, and no linger keeps it), then the fallback chain; 502
         naming each attempt when none is left."""
         turn = proxied.turn
-        await _recorded(proxied)   # named and recorded before it is let go
+        await recorded(proxied)   # named and recorded before it is let go
         proxied.status = 502
         proxied.lane.linger.forget(reused)
         await asyncturn.release(turn, 502)
@@ -573,61 +577,6 @@ def _while_held(gate, askers):
         return [] if holding == 0 else askers()
 
     return asked
-
-
-class Recording:
-    """A forward-first turn's holder record and journal (and first its name, when the request
-    named no session: its client's process), written on the loop once its request has gone to
-    the engine (the relay's `sent`): while the engine works, not before the request leaves. At
-    once when the turn must be recorded before that (wait(): the engine did not answer)."""
-
-    __slots__ = ("turn", "proxied", "client", "task")
-
-    def __init__(self, turn, proxied, client=None):
-        self.turn, self.proxied, self.client = turn, proxied, client
-        self.task = None
-
-    def start(self) -> None:
-        if self.task is None:
-            self.task = asyncio.ensure_future(self._written())
-
-    def done(self) -> bool:
-        return self.task is not None and self.task.done()
-
-    async def wait(self) -> None:
-        """Until the turn is recorded (also when cancelled meanwhile; then CancelledError)."""
-        self.start()
-        await asyncturn.finished(self.task)
-
-    async def _written(self) -> None:
-        proxied, turn = self.proxied, self.turn
-        if self.client is not None:   # named after its client's process, else its address
-            session = await _client_session(self.client) or proxied.remote
-            proxied.session = session
-            turn.session = turn.record.session = session[:200]
-        turn.acquisition.record()
-
-
-async def _recorded(proxied) -> None:
-    """A forward-first turn's naming and record, finished: before its turn is let go (the
-    record and journal say who held it before they say it was released)."""
-    if proxied.recording is not None:
-        await proxied.recording.wait()
-
-
-async def _client_session(client) -> str | None:
-    """The session of the client's process (client_process.py): on the event loop when it is
-    a few system calls (the connection's name kept, or a recent client's process holding the
-    socket: a thread's start and wake-up would cost more), else off it; None when no thread
-    can be had (out of descriptors, even to import the pool: the gate then says crowded) --
-    the request is named by its address."""
-    session = client.session(scan=False)
-    if session is not LATER:
-        return session
-    try:
-        return await asyncio.to_thread(client.session)
-    except (OSError, RuntimeError):
-        return None
 
 
 async def _take(turn, new_turn, wait: float | None):
