@@ -75,7 +75,7 @@ def auto_count(place) -> tuple[int, str]:
     a lane can seat; the lane's kept count is then left as it was. Returns the count and what
     answered (slot_answer's words), said before the count is set."""
     from .errors import GateUnavailable
-    from .seat_count import MOST
+    from .store.seating import MOST
     from .witness import engine_url
 
     lane = place.lane

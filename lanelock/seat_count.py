@@ -9,13 +9,7 @@ be two gates. A smaller count evicts nobody: new turns wait until fewer hold.
 from __future__ import annotations
 
 from .errors import GateUnavailable, UsageProblem
-
-MOST = 256   # as the stores check it (store/flock/seats.py)
-
-
-def key(lane_name: str) -> str:
-    """The count's name among the values kept with the lanes."""
-    return "seats/" + lane_name
+from .store.seating import MOST, key, reckon
 
 
 def parse(text: str) -> int | str:
@@ -34,13 +28,10 @@ def parse(text: str) -> int | str:
 
 def read(place) -> int:
     """The lane's count as every turn reads it (GateUnavailable when the store cannot say)."""
-    value = place.store.kept(key(place.lane.name))
-    if value is None:
-        return 1
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MOST:
-        raise GateUnavailable(f"the kept seat count of {place.lane.name} is {value!r}, not a "
-                              "count: turns take it as 1; set it again")
-    return value
+    count, problem = reckon(place.store.kept(key(place.lane.name)), place.lane.name)
+    if problem:   # as every turn takes it (store/seating.py), said here with the mend
+        raise GateUnavailable(f"the kept seat count: {problem}; set it again")
+    return count
 
 
 def set_count(place, count: int) -> dict:

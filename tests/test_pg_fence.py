@@ -29,7 +29,7 @@ import sys
 import pytest
 
 from support.cli import LANELOCK, TIMEOUT, environ
-from support.processes import read_line
+from support.processes import line_with, read_line
 from support.server import Server
 from support.netns import namespace, reachable_server  # noqa: F401 - fixtures
 
@@ -163,8 +163,8 @@ def test_turns_in_sequence_have_fences_n_and_n_plus_1_everywhere(database, procs
                 if event["event"] == "acquired"]
     assert acquired == [1, 2, 3]                                     # the journal
 
-    # The proxy: on the answer and on the request the engine gets; a client's own is not
-    # forwarded. Each request is a turn of its own on the engine's lane (its own row): 1, then 2.
+    # The proxy: on the answer and on the request the engine gets, with its seat; a client's
+    # own of either is not forwarded. Each request is a turn of its own on the engine's lane (its own row): 1, then 2.
     engine = procs.start([PYTHON, "-c", RECORDER], stdout=subprocess.PIPE)
     port = int(read_line(engine.stdout))
     proxy = Server(procs, [*LANELOCK, "proxy", "--listen", "127.0.0.1:0", "--store", dsn, "-b",
@@ -172,7 +172,8 @@ def test_turns_in_sequence_have_fences_n_and_n_plus_1_everywhere(database, procs
     for expected in (1, 2):
         conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=TIMEOUT)
         conn.request("POST", "/v1/chat/completions", json.dumps({"model": "m", "messages": []}),
-                     {"Content-Type": "application/json", "X-Lanelock-Fence": "999"})
+                     {"Content-Type": "application/json", "X-Lanelock-Fence": "999",
+                      "X-Lanelock-Seat": "7"})
         answer = conn.getresponse()
         answer.read()
         conn.close()
@@ -181,6 +182,7 @@ def test_turns_in_sequence_have_fences_n_and_n_plus_1_everywhere(database, procs
         assert answer.headers["X-Lanelock-Fence"] == str(expected)
         forwarded = json.loads(read_line(engine.stdout))
         assert forwarded["x-lanelock-fence"] == str(expected), forwarded
+        assert forwarded["x-lanelock-seat"] == "1", forwarded   # the fence's seat, not the client's
     proxy.stop()
 
 
@@ -241,8 +243,9 @@ def test_a_terminated_holder_and_its_taker_both_journal_the_overlap(database, pr
     said = read_line(first.stderr)
     assert " lost" in said and "goes on" in said, said
 
-    # Another turn takes the lane while the first one's command goes on.
-    second = held(procs, dsn)
+    # Another turn takes the lane while the first one's command goes on, once the lost turn's
+    # lease has run out (the server cannot tell its loss from a cut link).
+    second = held(procs, dsn, "--wait", "60")
     lane = lane_status(dsn)
     assert lane["holder"]["fence"] == lost_fence + 1, lane
     assert lane["holder"]["took_over"]["fence"] == lost_fence, lane
@@ -280,8 +283,9 @@ def test_a_terminated_holder_and_its_taker_both_journal_the_overlap(database, pr
 @pytest.mark.slow
 def test_a_partitioned_holder_and_the_turn_that_takes_its_lane_journal_the_overlap(
         namespace, reachable_server, procs):
-    """The holder's host is cut off (its link down: no FIN, no RST); the server's keepalives end
-    its session, and a turn of another host takes the lane while the holder's command goes on.
+    """The holder's host is cut off (its link down: no FIN, no RST); its lease is not renewed, the
+    server ends its session, and a turn of another host takes the lane once the lease has run
+    out, while the holder's command goes on.
     The link back, the command ends: both journals say it, and history gives the overlap."""
     dsn = reachable_server.dsn
     here = ["ip", "netns", "exec", namespace.name]
@@ -293,8 +297,8 @@ def test_a_partitioned_holder_and_the_turn_that_takes_its_lane_journal_the_overl
     fence = lane_status(dsn)["holder"]["fence"]
 
     namespace.cut()
-    said = read_line(holder.stderr, TIMEOUT)
-    assert " lost" in said and "goes on" in said, said
+    said = line_with(holder.stderr, " lost:")   # its lease given up on, after trying
+    assert "goes on" in said, said
     taker = held(procs, dsn, "--wait", "30")   # another host's turn, beside the cut-off command
     lane = lane_status(dsn)
     assert lane["holder"]["fence"] == fence + 1 and lane["holder"]["took_over"]["fence"] == fence
@@ -387,7 +391,7 @@ def stopped_server(procs, lock_roots):
     os.kill(server.postmaster_pid(), signal.SIGINT)
     server.proc.wait(timeout=TIMEOUT)
     said = read_line(holder.stderr)
-    assert " lost" in said and "until the lane is taken back" in said, said
+    assert " lost" in said and "taking the lane back" in said, said
     return server, dsn, holder
 
 

@@ -274,3 +274,33 @@ def test_a_session_comes_back_to_its_own_seat_on_the_store(postgres, lock_roots,
     x, y = seat("x"), seat("y")
     assert {x, y} == {1, 2}
     assert [seat("x"), seat("y"), seat("y"), seat("x")] == [x, y, y, x]
+
+
+@pytest.mark.slow   # ten turns on the store (about 7 s); the flock store's twin is in the default tier
+def test_after_kill_9_of_seat_one_s_holder_sessions_rotate_over_both_seats_again_on_the_store(
+        postgres, lock_roots, run_cmd, holder):
+    """As on the flock store: sessions take turns one after another on a lane of two seats and
+    seat 1's holder (session q1) is killed -9 mid-turn. Its row was never released, and the
+    server no longer holds its seat: it counts as released when it died -- q1 comes back to it,
+    and three sessions taking turns rotate over both seats, each back on its own."""
+    store = lock_roots.watch_store(postgres.dsn)
+    lane = ["-b", "localhost:7041", "--store", store]
+    assert run_cmd([*LANELOCK, "seats", *lane, "2"]).returncode == 0
+
+    def turn(session: str) -> int:
+        held = holder(*lane, "--session", session, command=SEATED)
+        seat = seat_of(held)
+        assert held.release() == 0
+        return seat
+
+    assert [turn("q1"), turn("q2")] == [1, 2]
+    killed = holder(*lane, "--session", "q1", command=SEATED)
+    assert seat_of(killed) == 1
+    gone, command_gone = ExitWatch(killed.pid), ExitWatch(killed.child_pid)
+    os.killpg(killed.pid, signal.SIGKILL)
+    gone.wait()
+    command_gone.wait()
+    assert turn("q2") == 2   # its own seat
+    assert turn("q1") == 1   # its own, though its last turn there never released
+    taken = [turn(session) for _ in range(2) for session in ("q1", "q2", "q3")]
+    assert taken.count(1) >= 2 and taken.count(2) >= 2, taken

@@ -76,13 +76,15 @@ def test_terminated_session_releases_and_the_wrapper_notices(lanelock, holder, p
                          "AND objid = %s AND granted", key[0] & 0xFFFFFFFF, key[1] & 0xFFFFFFFF)
     assert len(rows) == 1
     sql(postgres, "SELECT pg_terminate_backend(%s)", rows[0][0])
-    # The wrapper says so the moment its session is gone (the server has let go by then): the
-    # command, still held on its pipe, runs on.
+    # The wrapper says so the moment its session is gone: the command, still held on its pipe,
+    # runs on.
     warning = read_line(held.proc.stderr)
     assert warning.startswith("lanelock: warning: lane ") and " lost" in warning, warning
-    assert state(lanelock) == "free"
+    # Its lease keeps other turns off while it runs (they cannot tell it from a cut link)...
+    assert state(lanelock) == "busy"
     assert held.release() == 0              # the command went on and finished
     assert "lanelock: warning:" not in held.stderr()   # the only warning was that one
+    assert state(lanelock) == "free"        # ...and not after it ended: no one to wait for
 
 
 def test_wait_hands_off_when_the_holder_ends(lanelock, holder, procs):

@@ -112,6 +112,10 @@ class Proxy:
         self.waiting = 0              # requests taking the lane now (most of them waiting for it)
         self.ungated = 0              # ungated generation requests (no lane file records them)
         gate.warn_with(self._gate_warning)
+        # Its requests' short questions share one connection per store server (a burst of
+        # them at once would be a burst of connections): store/pg/shared.py.
+        gate.store.serve_many()
+        gate.store.lease_holds()   # each held request's lane is watched (_watch)
         # Each lane's gate, linger, Retry-After and fallback chain (per_lane.py): the backend's
         # lane, and with lanes keyed by model one per model the requests name.
         self.lanes = Lanes(gate, options, say)
@@ -325,11 +329,15 @@ class Proxy:
             self.ungated += 1
         fence = {FENCE: str(turn.fence)} if turn.state == HELD and \
             turn.fence is not None else {}
-        forwarded = request_headers(proxied.http,
-                                    drop=(*self.options.own_credentials(), FENCE.lower()),
-                                    set_=fence)
         on = proxied.seat = _seat_of(turn)
         seat = {SEAT: str(on)} if on is not None else {}
+        # The engine gets the fence with its seat: each seat of a lane numbers its own turns,
+        # so a check at the engine keeps the largest fence per seat (hosts.md). A client's own
+        # of either is never forwarded.
+        forwarded = request_headers(proxied.http,
+                                    drop=(*self.options.own_credentials(), FENCE.lower(),
+                                          SEAT.lower()),
+                                    set_={**fence, **seat} if fence else {})
         body = await self._pinned(proxied, on)
         slot = {SLOT: str(proxied.slot)} if proxied.slot is not None else {}
         watch, cut = self._watch(turn, proxied)
@@ -414,6 +422,10 @@ class Proxy:
             return
         if not turn.nested:
             lane.retry_after.held(held_seconds)
+        if lane.linger.seconds > 0 and not turn.nested and not turn.lost and \
+                turn.gate.store.takes_lanes_away:
+            # No watch renews it while it lingers: its store must not end it for the silence.
+            await asyncio.to_thread(turn.gate.store.rest, turn.handle, lane.linger.seconds)
         if not lane.linger.keep(turn, session, reused):
             await asyncturn.release(turn, status, ended)
 

@@ -78,6 +78,8 @@ def run_turn(gate: Gate, argv: list[str], options: Options, say: Say) -> int:
     runner.hold_sigchld()   # before the turn starts a thread; the parked child has its mask
     if gate.store.takes_lanes_away:   # loaded while the turn waits, not on its hand-off (~3 ms)
         from .. import lanewatch  # noqa: F401
+
+        gate.store.lease_holds()   # its hold is watched (_watch): the store may lease it
     with parked:
         turn = gate.turn(session=options.session, model=options.model, argv=argv,
                          wait=options.wait, command_pid=parked.pid,
@@ -148,8 +150,13 @@ def _run(argv, changes, options: Options, say: Say, turn: Turn | None,
                      f"run{'s' if len(pids) == 1 else ''} ({group_words(pids)}); {kept} until "
                      f"{'it ends' if len(pids) == 1 else 'they end'}")
 
+        def stopped(now: bool) -> None:
+            if now and watch:   # the wrapper stops too: no renewals until it is continued
+                turn.gate.store.rest(turn.handle, None)
+            turn.mark_stopped(now)
+
         outcome = runner.run(starter, changes, kill_after=options.kill_after,
-                             on_spawn=spawned, on_stop=turn.mark_stopped if holding else None,
+                             on_spawn=spawned, on_stop=stopped if holding else None,
                              on_linger=lingering)
     except OSError as error:
         if starter is not None:
@@ -170,7 +177,7 @@ def _watch(turn: Turn | None, options: Options, say: Say, group: list[int]):
     """The lane's watch (lanewatch.py) for a holder whose store can take the lane away (a
     PostgreSQL session); None for a flock lane, which nothing takes away. With --on-lost stop,
     a lane lost for good stops the command's process group: SIGTERM, then SIGKILL after
-    --kill-after if it is still there. From the watch's thread, not through the wrapper's own
+    --kill-after (at the latest before a leased lane's lease ends) if it is still there. From the watch's thread, not through the wrapper's own
     signals: a signal sent to the wrapper just as the command ended would still be pending when
     runner.run unblocks them, and kill the wrapper before it releases."""
     if turn is None or not turn.held or turn.nested or turn.handle is None or \
@@ -184,7 +191,12 @@ def _watch(turn: Turn | None, options: Options, say: Say, group: list[int]):
         if not stop or not group:
             return
         runner.end_group(group[0])
-        if options.kill_after is not None and not watch.stopped_within(options.kill_after):
+        # A leased lane: the command is gone before another host may take the lane, whatever
+        # --kill-after says (store/pg/lease.py's margin).
+        after, bound = options.kill_after, watch.kill_within()
+        if bound is not None:
+            after = bound if after is None else min(after, bound)
+        if after is not None and not watch.stopped_within(after):
             runner.end_group(group[0], kill=True)
 
     watch = LaneWatch(turn, say.warn, Words(stop=stop), on_lost=lost)

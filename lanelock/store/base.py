@@ -166,10 +166,14 @@ class LaneStore(ABC):
         store that keeps none."""
         return None
 
-    def seat_count(self, lane) -> int:
-        """The lane's seat count, as a turn reads it (1 when none is kept or it cannot be
-        read: one seat can only make a turn wait, never run beside one too many)."""
-        return 1
+    _seats_warned = False
+
+    def seat_warning(self, why: str) -> None:
+        """A seat count that cannot be read or believed (store/seating.py: taken as one seat):
+        said once per store."""
+        if not self._seats_warned:
+            self._seats_warned = True
+            self.warn(why)
 
     def make_seats(self, lane, count: int) -> None:
         """Whatever the lane's seats 2..count need before the count is kept, made by the user
@@ -246,6 +250,40 @@ class LaneStore(ABC):
         it (an outage, not a release). True: held again; False: lost for good; None: not yet,
         ask again. Default: lost for good."""
         return False
+
+    def serve_many(self) -> None:
+        """This process serves many turns at once (the proxy): the store's short questions
+        (who holds the lane, kept values, counts) may share what it keeps open for them rather
+        than open something each time (store/pg/shared.py). Default: nothing to share."""
+
+    def lease_holds(self) -> None:
+        """This process watches every turn it holds (run, the proxy: lanewatch.py), so its holds
+        may be leased: taken back by the store when the watch stops renewing them
+        (store/pg/lease.py). Default: nothing leased."""
+
+    def rest(self, handle, seconds: float | None) -> None:
+        """This hold is kept unwatched for up to seconds (None: for as long as it takes): a
+        proxy's turn lingering between a session's requests, a `run` stopped with its command.
+        The store must not take it away for that silence (store/pg/lease.py). Default: nothing
+        to do."""
+
+    # A leased hold (store/pg/lease.py): the watch renews it, and a lost lease counts as lost
+    # DECIDE s before it ends, its command killed by KILL_BY s before it ends.
+    DECIDE = 0.0
+    KILL_BY = 0.0
+
+    def renews(self, handle) -> float | None:
+        """Seconds between the watch's renewals of this hold; None: nothing to renew."""
+        return None
+
+    def renew(self, handle) -> bool:
+        """Renew the hold; False: not answered in time (the link counts as lost)."""
+        return True
+
+    def lease_deadline(self, handle) -> float | None:
+        """The monotonic moment another turn may take the lane after this hold is lost; None:
+        not leased."""
+        return None
 
     # -- the turn's records (RecordNotWritten on failure) --------------------------------------------
     @abstractmethod

@@ -137,6 +137,16 @@ def read_line(stream, timeout: float = TIMEOUT) -> str:
     return data.decode()
 
 
+def line_with(stream, words: str, timeout: float = TIMEOUT) -> str:
+    """The first line from a binary pipe that holds words (the lines before it skipped),
+    within timeout seconds each; AssertionError at EOF."""
+    while True:
+        line = read_line(stream, timeout)
+        assert line, f"no line with {words!r} before the end"
+        if words in line:
+            return line
+
+
 def wait_for(condition, what: str = "condition", timeout: float = 30.0):
     """Last resort when no process can tell us (a waiter blocked in the kernel, a stopped
     process that is not our child, a server's lock table): re-check a condition until a deadline.

@@ -33,7 +33,7 @@ class FlockLine(Line):
     # -- the lane's own lock ---------------------------------------------------------------------------
     def lock(self, timeout: float | None, cancel=None) -> bool:
         if self.handle.seated:   # any of the lane's seats
-            return taking.wait(self.store, self.handle, timeout, cancel)
+            return taking.take(self.store, self.handle, timeout, cancel)
         try:   # a zero timeout: one try without blocking (waiting.wait)
             return waiting.wait(self.handle, timeout, cancel)
         except OSError as error:
@@ -41,7 +41,7 @@ class FlockLine(Line):
 
     async def lock_async(self, timeout: float | None) -> bool:
         if self.handle.seated:
-            return await taking.wait_async(self.store, self.handle, timeout)
+            return await taking.take_async(self.store, self.handle, timeout)
         if timeout is not None and timeout <= 0:
             return self.store.try_lane_lock(self.handle)
         try:

@@ -16,9 +16,8 @@ with two holding) count against it, and a seat is taken only while fewer than N 
 the count are never taken again, so asking whether one is held (a shared lock tried and let go)
 disturbs nobody.
 
-Which free seat a turn takes: the one its session held last (the engine's slot keeps that
-session's cache), else the one held least recently, so the seats other sessions just used stay
-theirs.
+Which seat a turn takes, never one too many, the head's wait on any seat: store/seating.py's,
+for every store; this module is the files only.
 """
 
 from __future__ import annotations
@@ -28,17 +27,10 @@ import fcntl
 import os
 import stat
 
+from ..seating import MOST
 from ..shared_file import open_made_by, owners
-from .sidecar import read as read_record
 
-KEY = "seats/"
 FILES = "seat-files/"   # kept: the inode of each seat's lock file as make() made it
-MOST = 256   # a count past this is a typo, not an engine
-
-
-def key(lane_name: str) -> str:
-    """The lane's count's name among the kept values."""
-    return KEY + lane_name
 
 
 def files_key(lane_name: str) -> str:
@@ -59,13 +51,6 @@ def lock_name(stem: str, seat: int) -> str:
 def record_name(lock: str) -> str:
     """The holder record beside a seat's lock file."""
     return lock[:-len(".lock")] + ".json"
-
-
-def count_of(value) -> int | None:
-    """A kept count, checked (None: not a count a lane can have)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MOST:
-        return None
-    return value
 
 
 class Planted(Exception):
@@ -215,44 +200,3 @@ def held(dir_fd: int, stem: str, seat: int) -> bool:
     finally:
         os.close(fd)
     return False
-
-
-def preference(dir_fd: int, stem: str, seats: int, session: str | None) -> list[int]:
-    """The seats 1..seats in the order a turn of session tries them: the one its session held
-    last first, then the least recently held (never held first), the ones held now last. A
-    seat whose holder died (kill -9: no release written) counts as released when it died."""
-    from ...holder import released_ago
-
-    ranked = []
-    for seat in range(1, seats + 1):
-        record, _ = read_record(record_name(lock_name(stem, seat)), dir_fd=dir_fd)
-        ago = released_ago(record)
-        if ago is None and record is not None:
-            ago = died_ago(record)
-        if record is None:
-            ranked.append(((1, 0.0), seat))          # never held: as least recent as can be
-        elif ago is None:
-            ranked.append(((3, 0.0), seat))          # held now (or unreadable): tried last
-        elif session is not None and record.get("session") == session:
-            ranked.append(((0, ago), seat))          # this session's: the latest first
-        else:
-            ranked.append(((2, -ago), seat))         # least recently released first
-    return [seat for _, seat in sorted(ranked)]
-
-
-def died_ago(record: dict) -> float | None:
-    """Seconds since the unreleased record's turn died, at most (it died after it took the
-    seat; nobody saw when): None while it lives, or when this boot's clock cannot say."""
-    from ... import proc
-    from ...facts import boot_id
-    from ...holder import field
-
-    pid, ticks = field(record, "pid", int), field(record, "start_ticks", int)
-    since = field(record, "acquired_monotonic", float)
-    if pid is None or ticks is None or since is None or record.get("boot_id") != boot_id():
-        return None
-    if proc.start_ticks(pid) == ticks:
-        return None   # alive: held (or letting go)
-    import time
-
-    return max(0.0, time.monotonic() - since)

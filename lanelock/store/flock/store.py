@@ -18,86 +18,20 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import stat
 
-from ... import locks, proc, say
+from ... import say
 from ...errors import GateCrowded, GateUnavailable, RecordNotWritten, crowded
 from ...paths import Root, creation_problem, open_root
 from ...priority import CLASSES, DEFAULT_AGING, DEFAULT_RANK
-from .. import order, outlived
+from .. import order
 # survey up front too: a deflecting turn names its holder through it, and at a low open-file
 # limit a module imported mid-turn is a descriptor it may not get (EMFILE: the proxy's 500).
-from . import interrupt, journal, queue, seats, sidecar, survey, taking, waiting
-from .record_claim import Refused, claim
+from . import interrupt, journal, lock_file, queue, seats, sidecar, survey, taken, taking, waiting
+from .handle import Handle
 from .line import FlockLine
-from ..base import LaneStore, LockHandle
+from ..base import LaneStore
 
 CONTENDED = frozenset({errno.EWOULDBLOCK, errno.EAGAIN})
-_OPEN = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a planted FIFO must not hang us
-
-
-class Handle(LockHandle):
-    __slots__ = ("dir_fd", "fd", "name", "st", "caveat", "stem", "journal_fd", "record", "locked",
-                 "queue", "asker", "outlived", "refused", "split", "seat", "seats", "past",
-                 "lane_st", "seat_refused", "record_fd")
-
-    def __init__(self, dir_fd: int, fd: int | None, name: str, st: os.stat_result | None,
-                 caveat: str | None = None, stem: str = ""):
-        self.dir_fd, self.fd, self.name, self.st = dir_fd, fd, name, st   # name: the lock file
-        self.caveat = caveat   # e.g. the root is on a network filesystem
-        self.stem = stem
-        self.journal_fd: int | None = None   # a holder's events share one descriptor
-        self.record: sidecar.Written | None = None   # this turn's record, kept open to extend
-        self.locked = False   # this handle holds the lane (try_lock or wait_lock said True)
-        self.queue = None     # the lane's queue.Queue, once asked
-        self.asker: dict | None = None   # who waits (LockHandle.asker), for the queue's entry
-        self.outlived = None   # a killed turn's command, still running (outlived.Command)
-        self.refused: str | None = None   # why a file planted at the lock's name is not locked
-        self.split: tuple | None = None   # (pid, inode): a live holder of the removed lock file
-        # The seat the handle is on (its lock file: name), the lane's count read at open(), the
-        # seats past it whose files exist (held ones count against it: seats.py), and seat 1's
-        # lock file (the lane's identity, whichever seat is held).
-        self.seat, self.seats, self.past = 1, 1, ()
-        self.lane_st: os.stat_result | None = None
-        self.seat_refused: list[str] = []   # seats this turn found planted (their reasons)
-        self.record_fd: int | None = None   # the record, opened writable as the lock was taken
-
-    @property
-    def exists(self) -> bool:
-        return self.fd is not None or self.refused is not None
-
-    @property
-    def ident(self) -> tuple:
-        # Seat 1's inode, which every spelling of the lane shares, whichever seat is held.
-        st = self.lane_st or self.st
-        return ("flock", st.st_dev, st.st_ino) if st is not None else ()
-
-    @property
-    def seated(self) -> bool:
-        """More than the lane's one lock to think of: seats, or seats past the count."""
-        return self.seats > 1 or bool(self.past)
-
-    @property
-    def record_name(self) -> str:
-        """The holder record of the seat the handle is on."""
-        return seats.record_name(self.name)
-
-    def close(self) -> None:
-        # The lock's descriptor first: closing it lets the next turn in; the rest can follow.
-        for fd in (self.fd, self.journal_fd, self.record_fd, self.dir_fd):
-            if fd is not None and fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self.fd = self.dir_fd = self.journal_fd = self.record_fd = None
-        self.locked = False
-        if self.queue is not None:
-            self.queue.close()
-            self.queue = None
-        if self.record is not None:
-            self.record.close()
-            self.record = None
 
 
 class FlockStore(LaneStore):
@@ -111,7 +45,6 @@ class FlockStore(LaneStore):
         self.journal_max_bytes = journal_max_bytes or journal.DEFAULT_MAX_BYTES
         self.aging = priority_aging
         self._caveat_checked: str | None = None
-        self._seats_warned = False
         self._queue_warned = False
         # The signal that calls an abandoned kernel wait off (interrupt.py) can be handled only
         # if installed from the main thread: a gate is usually built there, its turns may wait
@@ -215,8 +148,8 @@ class FlockStore(LaneStore):
         try:
             if self._caveat_checked != self.root.path:   # once per store: mounts do not move
                 self._caveat_checked = self.root.path
-                handle.caveat = network_caveat(self.root.path, os.fstat(dir_fd))
-            self._open_file(handle, create)
+                handle.caveat = lock_file.network_caveat(self.root.path, os.fstat(dir_fd))
+            lock_file.open_file(self, handle, create)
             handle.lane_st = handle.st
             taking.count(self, handle, lane)
         except GateUnavailable:
@@ -229,72 +162,9 @@ class FlockStore(LaneStore):
         return handle
 
     # -- seats (taking.py walks them) ------------------------------------------------------------
-    def seat_count(self, lane) -> int:
-        """The lane's seat count as a turn reads it (1 when none is kept)."""
-        try:
-            return seats.count_of(self.kept(seats.key(lane.name))) or 1
-        except GateUnavailable:
-            return 1
-
-    def seat_warning(self, why: str) -> None:
-        """A seat count that cannot be read or believed: said once per store."""
-        if not self._seats_warned:
-            self._seats_warned = True
-            self.warn(why)
-
     def on_seat(self, handle: Handle, seat: int, fd: int | None = None) -> None:
-        """Point the handle at the seat's lock file: opened here, not locked; or fd, a
-        descriptor on it a wait has just locked (the caller checks it, as any lock taken)."""
-        if fd is None and handle.seat == seat and (handle.fd is not None
-                                                    or (handle.refused and seat == 1)):
-            return
-        if handle.fd is not None:
-            os.close(handle.fd)
-        handle.fd, handle.st, handle.refused, handle.split = None, None, None, None
-        handle.seat, handle.name = seat, seats.lock_name(handle.stem, seat)
-        if fd is not None:
-            handle.fd, handle.st = fd, os.fstat(fd)
-            return
-        try:
-            if seat == 1:
-                self._open_file(handle, create=True)
-                return
-            # Seats 2.. were made by whoever set the count (seats.make), never by a turn: a
-            # seat file or folder another user made or changed is this seat's reason to be
-            # busy (said, with what to remove), never a gate switched off or a crash.
-            handle.fd = seats.open_seat(handle.dir_fd, handle.stem, seat)
-            handle.st = os.fstat(handle.fd)
-        except seats.Planted as planted:
-            handle.refused = f"seat {seat} of the lane: {self.path(str(planted))}"
-            handle.seat_refused.append(handle.refused)
-        except GateUnavailable:
-            raise
-        except OSError as error:
-            kind = GateCrowded if crowded(error) else GateUnavailable
-            raise kind(f"cannot open {self.path(handle.name)}: {error.strerror}") from None
-
-    def _open_file(self, handle: Handle, create: bool) -> None:
-        """Open (or create) the lock file. Something planted at its name that cannot be locked
-        (a FIFO, a directory, another user's file nobody else may open) is refused
-        with the reason, and the lane counts as busy until it is removed: failing open there
-        would let anyone who may write the root switch the gate off for everyone."""
-        handle.fd, handle.refused, created = None, None, False
-        try:
-            handle.fd, created = _open_lock(handle.dir_fd, handle.name, create)
-        except _Planted as planted:
-            handle.refused = f"lock file {self.path(handle.name)} {planted}: remove it"
-            return
-        if handle.fd is None:
-            return
-        handle.st = os.fstat(handle.fd)
-        if not stat.S_ISREG(handle.st.st_mode):
-            os.close(handle.fd)
-            handle.fd, handle.st = None, None
-            handle.refused = f"lock file {self.path(handle.name)} is not a regular file: remove it"
-        elif created:
-            from .split import orphan_holder
-
-            handle.split = orphan_holder(self.root.path, handle.name)
+        """Point the handle at the seat's lock file (lock_file.on_seat)."""
+        lock_file.on_seat(self, handle, seat, fd)
 
     # -- taking the lock: True only when the lane is this turn's --------------------------------
     # A flock on a file that was removed or replaced meanwhile is on an orphan inode: the next turn
@@ -303,7 +173,7 @@ class FlockStore(LaneStore):
     # under it) keeps the lane: we let go and say busy.
     def try_lock(self, handle: Handle, rank: int = DEFAULT_RANK) -> bool:
         if handle.seated:
-            return bool(taking.try_seats(self, handle)) and \
+            return taking.take(self, handle, 0) and \
                 order.keep_free_lane(FlockLine(self, handle), rank)
         for _ in range(order.AGAIN_TRIES):
             ours = self.checked(handle, self.try_lane_lock(handle))
@@ -318,7 +188,7 @@ class FlockStore(LaneStore):
         """The lane just kept by a one-seat turn: its record claimed (_record_claimed), else the
         lane let go at once (busy, the reason in handle.refused). A seat's was claimed as it
         was taken (checked)."""
-        if handle.seated or self._record_claimed(handle):
+        if handle.seated or taken.record_claimed(self, handle):
             return True
         self.hand_on(handle)
         return False
@@ -422,102 +292,11 @@ class FlockStore(LaneStore):
 
     def checked(self, handle: Handle, got: bool) -> bool | None:
         """After a lock was tried: True (the lane is ours), False (busy), None (the file was
-        replaced under it: the new one is open, lock again)."""
-        if not got:
-            return False
-        if self._current(handle):
-            # A seat's record is claimed as its lock is taken (a refused one: the next seat); a
-            # one-seat lane's once the lane is kept (claimed()), after the queue's look: one
-            # descriptor fewer at once, for a turn at a low open-file limit.
-            if handle.seated and not self._record_claimed(handle):
-                fcntl.flock(handle.fd, fcntl.LOCK_UN)
-                return False
-            # The record, read only when its turn never released (the usual hand-off skips it).
-            record, _ = sidecar.read(handle.record_name, dir_fd=handle.dir_fd,
-                                     live_only=True)
-            if self._orphan_holds(handle, record) or self._split_found(handle, record):
-                fcntl.flock(handle.fd, fcntl.LOCK_UN)
-                return False
-            handle.outlived = outlived.running_command(record)
-            if handle.outlived is not None and not sidecar.turns_command(
-                    handle.outlived, self.path(handle.name), record):
-                handle.outlived = None   # the record names it; the process does not say so
-            handle.locked = True
-            return True
-        os.close(handle.fd)   # our lock is on an orphan inode: let it go, open the lane's file
-        handle.fd, handle.st = None, None
-        try:
-            self._open_file(handle, create=True)
-        except OSError as error:
-            raise GateUnavailable(f"cannot open {self.path(handle.name)}: {error.strerror}") from None
-        return None
-
-    def _record_claimed(self, handle: Handle) -> bool:
-        """The lock just taken: this turn's record opened writable before anything runs
-        (record_claim.py). False, the reason in handle.refused, when another user controls it:
-        the turn must not run unrecorded (a kill -9 would leave its command unseen)."""
-        if handle.record_fd is not None:
-            os.close(handle.record_fd)
-            handle.record_fd = None
-        try:
-            handle.record_fd = claim(handle.dir_fd, handle.record_name)
-        except Refused as why:
-            handle.refused = f"{self.path(str(why))}: remove it"
-            if handle.seat > 1:
-                handle.seat_refused.append(handle.refused)
-            return False
-        handle.refused = None
-        return True
+        replaced under it: the new one is open, lock again) -- taken.checked."""
+        return taken.checked(self, handle, got)
 
     def keeps_being_replaced(self, handle: Handle) -> GateUnavailable:
         return GateUnavailable(f"lock file {self.path(handle.name)} keeps being replaced")
-
-    def _current(self, handle: Handle) -> bool:
-        """Is the locked file still the lane's file (not removed, not replaced)?"""
-        try:
-            now = os.lstat(handle.name, dir_fd=handle.dir_fd)
-        except OSError:
-            return False
-        return (now.st_dev, now.st_ino) == (handle.st.st_dev, handle.st.st_ino)
-
-    def _split_found(self, handle: Handle, record: dict | None) -> bool:
-        """This turn created the lock file, and a live process holds the removed one (split.py):
-        the lane is held. What was found is written as that holder's record (its own, if any,
-        went with the file), so every later turn finds it as _orphan_holds does, and `status`
-        says the lane is split."""
-        if handle.split is None:
-            return False
-        pid, inode = handle.split
-        ticks = proc.start_ticks(pid)
-        if ticks is None:
-            return False
-        from ...facts import boot_id, hostname
-
-        try:
-            written = sidecar.write(handle.dir_fd, handle.record_name, {
-                "schema": sidecar.SCHEMA, "pid": pid, "start_ticks": ticks, "boot_id": boot_id(),
-                "hostname": hostname(), "lock_inode": inode, "session": "?",
-                "argv": (proc.command_words(pid) or [])[:64],
-                "note": "found holding the removed lock file"})
-            written.close()
-        except OSError:
-            pass   # this turn still deflects; the next to create the file looks again
-        return True
-
-    def _orphan_holds(self, handle: Handle, record: dict | None) -> bool:
-        """Does a live turn hold a removed or replaced lock file of this lane? Its lock is on the
-        old inode, ours on the new one: taking the lane now would make two gates. The sidecar
-        names it (pid, start time, lock_inode); the kernel confirms it."""
-        inode = sidecar.field(record, "lock_inode", int)
-        pid = sidecar.field(record, "pid", int)
-        if record is None or "released_at" in record or inode is None or pid is None \
-                or inode == handle.st.st_ino or pid == os.getpid():
-            return False
-        if proc.start_ticks(pid) != sidecar.field(record, "start_ticks", int):
-            return False
-        if sidecar.opens_lock(pid, handle.st, inode) is False:
-            return False   # it has no such file open: a forged record (the lock table unread)
-        return locks.holds_other_inode(pid, handle.st, inode) is not None
 
     def release(self, handle: Handle, count: dict | None = None) -> None:
         # Closing the last fd on the description drops the flock; the file itself stays. The
@@ -669,74 +448,3 @@ class FlockStore(LaneStore):
 
     def events(self, lane, since: float | None) -> tuple:
         return journal.read(self.where(lane)["journal_path"], since=since)
-
-
-NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "9p",
-                        "fuse.sshfs", "afs", "lustre", "gpfs", "beegfs"})
-
-
-def network_caveat(path: str, st: os.stat_result) -> str | None:
-    """A warning when the root is on a network filesystem: flock there does not reliably exclude
-    processes on other machines (wake#593, portalocker#92). Local disks have a real device number
-    (major != 0), so only anonymous devices pay for a look at mountinfo."""
-    if os.major(st.st_dev) != 0:
-        return None
-    device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    try:
-        with open("/proc/self/mountinfo", "rb") as handle:
-            lines = handle.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        fields = line.split()
-        if len(fields) > 2 and fields[2] == device and " - " in line:
-            fstype = line.split(" - ", 1)[1].split()[0]
-            if fstype in NETWORK_FS:
-                return (f"lock root {path} is on {fstype}: flock there does not reliably exclude "
-                        "other machines; keep the root on a local disk")
-            return None
-    return None
-
-
-class _Planted(Exception):
-    """Something at the lock file's name that no turn can lock: what it is."""
-
-
-def _open_lock(dir_fd: int, name: str, create: bool) -> tuple:
-    """(fd, created): fd None when there is no lock file and create is False. Raises _Planted
-    for a directory or a file this user may not open at all."""
-    for _ in range(8):
-        try:
-            return os.open(name, os.O_RDWR | _OPEN, dir_fd=dir_fd), False
-        except FileNotFoundError:
-            if not create:
-                return None, False
-            try:
-                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN, 0o644, dir_fd=dir_fd)
-            except FileExistsError:
-                continue  # another turn created it first: open theirs
-            # Readable by all is enough: flock(2) works on a read-only descriptor.
-            os.fchmod(fd, 0o644)
-            return fd, True
-        except OSError as error:
-            # Another user's 0644 lock file, or a read-only filesystem: a read-only descriptor
-            # locks it just as well.
-            if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-                try:
-                    return os.open(name, os.O_RDONLY | _OPEN, dir_fd=dir_fd), False
-                except PermissionError:
-                    raise _Planted(_unreadable(dir_fd, name)) from None
-            if error.errno == errno.ELOOP:
-                raise GateUnavailable(f"lock file {name} is a symlink; refusing to follow it") from None
-            if error.errno == errno.EISDIR:
-                raise _Planted("is not a regular file") from None
-            raise
-    raise GateUnavailable(f"lock file {name} keeps vanishing")
-
-
-def _unreadable(dir_fd: int, name: str) -> str:
-    try:
-        st = os.lstat(name, dir_fd=dir_fd)
-    except OSError:
-        return "cannot be opened"
-    return f"is mode {stat.S_IMODE(st.st_mode):04o} of uid {st.st_uid}: other users cannot lock it"

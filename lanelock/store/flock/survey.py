@@ -14,6 +14,7 @@ import stat
 
 from ... import locks, proc
 from . import seats, sidecar
+from .. import seating
 from ..base import LaneFacts
 from ..record_facts import read_record
 
@@ -75,7 +76,7 @@ def seat_numbers(root: str, stem: str, lane: str) -> tuple:
             values = {}
         if values is None:
             return 1, ()
-        count = seats.count_of(values.get(seats.key(lane))) or 1
+        count = seating.count_of(values.get(seating.key(lane))) or 1
         try:
             made = seats.made(dir_fd, stem)
         except OSError:

@@ -36,10 +36,14 @@ TRY = ("SELECT tried.got, pg_backend_pid(), set_config('" + TAKEN + "', tried.go
        "FROM (SELECT pg_try_advisory_lock(%s, %s) AS got) AS tried")
 TRY_ALONE = "SELECT pg_try_advisory_lock(%s, %s), pg_backend_pid()"
 # The lane's row while its turn has not released: (record, a turn of this host, the seconds
-# left of its claim when it held the lane as the server went down: outage.CLAIM_GRACE).
-UNRELEASED = ("SELECT record, record->>'hostname' = %s, CASE WHEN updated_at < "
+# left of its claim when it held the lane as the server went down: outage.CLAIM_GRACE, or of
+# its lease: lease.py).
+# A leased row (lease.py) holds off takers until its lease, counted from its last renewal, ends.
+UNRELEASED = ("SELECT record, record->>'hostname' = %s, GREATEST(CASE WHEN updated_at < "
               "pg_postmaster_start_time() THEN %s - extract(epoch FROM "
-              "clock_timestamp() - pg_postmaster_start_time())::float8 END "
+              "clock_timestamp() - pg_postmaster_start_time())::float8 END, "
+              "(record->>'lease')::float8 - extract(epoch FROM clock_timestamp() - "
+              "updated_at)::float8) "
               "FROM lanelock_holders WHERE key2 = %s AND NOT record ? 'released_at'")
 QUEUE_IF_TAKEN = pg_queue.LIVE + f" AND current_setting('{TAKEN}') = 'true'"
 # A live waiter of this host in the lane's server queue (store.host_queued's question).
@@ -135,10 +139,11 @@ def flush_leave(handle) -> None:
         pass
 
 
-def with_leave(handle, sql: str, params) -> object:
-    """sql's one row's first column, the pending queue leave in front of it in the same round
-    trip (the leave kept when the query fails: flush_leave then)."""
-    statements = _leave_sql(handle)
+def with_leave(handle, sql: str, params, front=()) -> object:
+    """sql's one row's first column, the pending queue leave (and the statements front) in
+    front of it in the same round trip (the leave kept when the query fails: flush_leave
+    then)."""
+    statements = [*front, *_leave_sql(handle)]
     if not statements:
         with handle.conn.cursor() as cursor:
             cursor.execute(sql, params)

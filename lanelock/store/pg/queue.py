@@ -202,18 +202,34 @@ def until_taken(conn, attempt, deadline: float | None, death, cancelled) -> bool
     cancel is never a server-side cancel, an ERROR in its log)."""
     import time
 
-    pause, dead = RECHECK, False
+    pauses = Pauses()
     while True:
         if attempt():
             return True
-        now = time.monotonic()
-        if (cancelled is not None and cancelled()) or (deadline is not None and now >= deadline):
+        if (cancelled is not None and cancelled()) or \
+                (deadline is not None and time.monotonic() >= deadline):
             return False
-        until = now + pause if deadline is None else min(deadline, now + pause)
-        if _woken(conn, until, None if dead else death(), cancelled):
-            dead, pause = True, AFTER_DEATH
-        elif pause < RECHECK:
-            pause = min(RECHECK, pause * 2)
+        pauses.sleep(conn, deadline, death, cancelled)
+
+
+class Pauses:
+    """until_taken's sleeps between tries, for any wait that tries on its own (the seat walk:
+    store/seating.py): on the session's LISTEN, at most RECHECK; after the watched death,
+    AFTER_DEATH, doubling back up to RECHECK."""
+
+    def __init__(self):
+        self.pause, self.dead = RECHECK, False
+
+    def sleep(self, conn, deadline: float | None, death, cancelled) -> None:
+        """One sleep, until a wake-up, the deadline (None: none) or the pause's end."""
+        import time
+
+        now = time.monotonic()
+        until = now + self.pause if deadline is None else min(deadline, now + self.pause)
+        if _woken(conn, until, None if self.dead else death(), cancelled):
+            self.dead, self.pause = True, AFTER_DEATH
+        elif self.pause < RECHECK:
+            self.pause = min(RECHECK, self.pause * 2)
 
 
 def death_of(pid, ticks=None) -> int | None:

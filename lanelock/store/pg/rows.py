@@ -27,5 +27,7 @@ def holder_params(handle, record: dict) -> dict:
     """The parameters of WRITE_FENCED / WRITE_UNFENCED for the handle's turn's record."""
     record = dict(record, store_key=list(handle.key), backend_pid=handle.backend_pid)
     record.pop("fence", None)   # the server's count, never the caller's
+    if getattr(handle, "lease", None):   # a watched holder's row stays leased (lease.py)
+        record["lease"] = handle.lease
     return {"key": handle.key[1], "lane": handle.lane, "record": json.dumps(record),
             "backend": handle.backend_pid}

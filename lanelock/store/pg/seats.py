@@ -10,19 +10,16 @@ anyone must decrement.
 
 The count is read as the turn connects, in the statement that asks the session's backend
 (store._session); a lane of one seat whose rows never named another seat then takes the
-one-lock path of old, statement for statement. A lane of more seats reads its rows (who held
-which seat last) and tries the seats in the turn's order in ONE statement that stops at the
-first it gets: the seat its session held last, then the least recently released (the seats other
-sessions just used stay theirs), the ones held now last.
-
-A smaller count never evicts a turn: seats past the count whose rows exist (they were held) count
-against it while held, and a seat is kept only while fewer than N hold.
-
-The head of the queue waits for ANY seat without polling: it LISTENs on the channel of every seat
-(each seat's unlock notifies its own, in the statement that unlocks: store.unlock_lane), and
-watches the death of every holder of this host (one epoll over their pidfds); a holder that died
-elsewhere notified no one and is asked after every queue.RECHECK, as for one lock
-(queue.until_taken).
+one-lock path of old, statement for statement. Every rule of the seats -- the count's bound and
+validity, which seat a turn takes, never one too many, the head's wait on any seat -- is
+store/seating.py's, as for the flock store; this module is the medium (PgSeats): the lane's rows
+and which seats the server holds, read in one statement; the seats tried in the policy's order
+in ONE statement that stops at the first it gets; which seats are held; and the head's sleep on
+the session's LISTEN (every seat's channel: each seat's unlock notifies its own, in the
+statement that unlocks: store.unlock_lane), woken too by the death of every holder of this host
+(one epoll over their pidfds); a holder that died elsewhere notified no one and is asked after
+every queue.RECHECK, as for one lock (queue.until_taken). A seat whose row was never released
+and that the server no longer holds: its holder died (its session ended), wherever it ran.
 """
 
 from __future__ import annotations
@@ -30,11 +27,10 @@ from __future__ import annotations
 import hashlib
 import json
 
+from .. import seating
+from ..seating import AGAIN, MOST, Medium
 from . import queue as pg_queue
 from .session import NAMESPACE, driver, keeps
-
-KEY = "seats/"
-MOST = 256   # as seat_count.MOST: a count past this is a typo, not an engine
 # The count and the highest seat any row of the lane names, in the statement a new session runs
 # anyway (store._session): a probe of the kept values' key and a look over the holder rows (one
 # per lane and seat), no round trip of their own.
@@ -42,27 +38,26 @@ COUNT_COLUMNS = (
     "(SELECT value FROM lanelock_kept WHERE name = %(seats)s), "
     "(SELECT max((record->'seat')::numeric) FROM lanelock_holders "
     "WHERE lane = %(lane)s AND jsonb_typeof(record->'seat') = 'number')")
-# The count and every row of the lane, in one statement (a look of a seated turn).
+# The count, every row of the lane and which of their seats the server holds, in one statement
+# (a look of a seated turn): a row never released whose seat nobody holds is a dead holder's.
 _LOOK = ("SELECT (SELECT value FROM lanelock_kept WHERE name = %s), "
          "(SELECT coalesce(jsonb_agg(jsonb_build_array(key2, record)), '[]') "
-         "FROM lanelock_holders WHERE lane = %s)")
+         "FROM lanelock_holders WHERE lane = %s), "
+         "(SELECT coalesce(array_agg(objid::bigint), '{}') FROM pg_locks "
+         "WHERE locktype = 'advisory' AND granted AND classid = %s AND objsubid = 2 "
+         "AND objid::bigint IN (SELECT key2::bigint & 4294967295 FROM lanelock_holders "
+         "WHERE lane = %s))")
 # The first free seat of a list, in its order: the scan stops at the first lock taken (LIMIT 1
 # over the array's rows, no sort), so no seat after it is touched.
 _TRY = ("SELECT t.seat, pg_backend_pid() FROM unnest(%s::int[], %s::int[]) AS t(key2, seat) "
         "WHERE pg_try_advisory_lock(%s::int, t.key2) LIMIT 1")
-_OTHERS = ("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
-           "AND classid = %s AND objsubid = 2 AND objid::bigint = ANY(%s::bigint[]) "
-           "AND pid <> pg_backend_pid()")
+_HELD = ("SELECT objid::bigint FROM pg_locks WHERE locktype = 'advisory' AND granted "
+         "AND classid = %s AND objsubid = 2 AND objid::bigint = ANY(%s::bigint[])")
 _HERE = ("SELECT h.record->'pid', h.record->'start_ticks' FROM lanelock_holders h "
          "JOIN pg_locks l ON l.pid = h.backend_pid AND l.locktype = 'advisory' AND l.granted "
          "AND l.classid = %s AND l.objsubid = 2 "
          "AND l.objid::bigint = (h.key2::bigint & 4294967295) "
          "WHERE h.lane = %s AND h.record->>'hostname' = %s")
-
-
-def key(lane_name: str) -> str:
-    """The lane's count's name among the kept values (seat_count.key)."""
-    return KEY + lane_name
 
 
 def seat_key(lane_name: str, seat: int) -> tuple[int, int]:
@@ -72,29 +67,24 @@ def seat_key(lane_name: str, seat: int) -> tuple[int, int]:
                                      signed=True)
 
 
-def count_of(value) -> int | None:
-    """A kept count, checked (None: not a count a lane can have)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MOST:
-        return None
-    return value
-
-
-def reckon(value, highest) -> tuple[int, tuple]:
-    """(the count, the seats past it), from COUNT_COLUMNS' two values: a kept value that is no
-    count is one seat (fewer seats can only make a turn wait, never run beside one too many)."""
-    seats = count_of(value) or 1
+def reckon(value, highest, lane: str = "") -> tuple[int, tuple, str | None]:
+    """(the count, the seats past it, why the kept value was not believed), from COUNT_COLUMNS'
+    two values (seating.reckon: a kept value that is no count is one seat)."""
+    seats, problem = seating.reckon(value, lane)
     top = int(highest) if highest is not None and 1 <= highest <= MOST else 1
-    return seats, tuple(range(seats + 1, top + 1))
+    return seats, tuple(range(seats + 1, top + 1)), problem
 
 
-def counted(handle, value, highest) -> None:
-    """The handle's count and seats past it, from COUNT_COLUMNS' two values."""
-    handle.seats, handle.past = reckon(value, highest)
+def counted(handle, value, highest) -> str | None:
+    """The handle's count and seats past it, from COUNT_COLUMNS' two values; why the kept value
+    was not believed (the store says it once), or None."""
+    handle.seats, handle.past, problem = reckon(value, highest, handle.lane)
+    return problem
 
 
 def count_params(conn, lane: str) -> dict | None:
     """The parameters of COUNT_COLUMNS, or None where the database keeps no values."""
-    return {"seats": key(lane), "lane": lane} if keeps(conn) else None
+    return {"seats": seating.key(lane), "lane": lane} if keeps(conn) else None
 
 
 def survey_count(conn, lane: str) -> tuple[int, int]:
@@ -107,7 +97,7 @@ def survey_count(conn, lane: str) -> tuple[int, int]:
         cursor.execute("SELECT " + COUNT_COLUMNS, params)
         value, highest = cursor.fetchone()
 
-    seats, past = reckon(value, highest)
+    seats, past, _ = reckon(value, highest)
     return seats, max((seats, *past))
 
 
@@ -126,97 +116,115 @@ def write_kept(conn, name: str, value) -> None:
                  (name, json.dumps(value)))
 
 
-# -- taking a seat --------------------------------------------------------------------------------
-def preference(records: dict, seats: int, session: str | None) -> list[int]:
-    """The seats 1..seats in the order a turn of session tries them (records: seat -> its row's
-    record): the one its session held last first, then the least recently released (never held
-    first), the ones not released (held now, or their holder killed) last."""
-    from ...holder import released_ago
+# -- the seat walk's medium (store/seating.py walks it) -------------------------------------------
+class PgSeats(Medium):
+    """A turn's handle as the seat walk asks it. listened: the channels this session LISTENs on,
+    for a wait (every seat's is added before each try, so a release after it is a
+    notification); None for a try. cancelled(): the wait was given up."""
 
-    ranked = []
-    for seat in range(1, seats + 1):
-        record = records.get(seat)
-        ago = released_ago(record)
-        if record is None:
-            ranked.append(((1, 0.0), seat))
-        elif ago is None:
-            ranked.append(((3, 0.0), seat))
-        elif session is not None and record.get("session") == session:
-            ranked.append(((0, ago), seat))
-        else:
-            ranked.append(((2, -ago), seat))
-    return [seat for _, seat in sorted(ranked)]
+    def __init__(self, store, handle, listened: set | None = None, cancelled=None):
+        self.store, self.handle, self.listened, self.cancelled = store, handle, listened, cancelled
+        self.deaths, self.pauses = None, pg_queue.Pauses()
 
+    def records(self) -> tuple:
+        """The count (handle.seats, handle.past), the rows by seat and which seats the server
+        holds, read in one statement."""
+        handle = self.handle
+        lane = handle.lane
+        with handle.conn.cursor() as cursor:
+            cursor.execute(_LOOK, (seating.key(lane), lane, NAMESPACE, lane))
+            value, rows, locked = cursor.fetchone()
+        by_key = {}
+        highest = 1
+        for key2, record in rows or []:
+            if isinstance(record, dict):
+                by_key[key2] = record
+                seat = seating.seat_number(record.get("seat"))
+                if seat is not None:
+                    highest = max(highest, seat)
+        problem = counted(handle, value, highest)
+        if problem:
+            self.store.seat_warning(f"lane store: {problem}")
+        top = max(handle.seats, highest)
+        if self.listened is not None:
+            for seat in range(1, top + 1):
+                channel = pg_queue.lane_channel(seat_key(lane, seat))
+                if channel not in self.listened:
+                    pg_queue.listen(handle.conn, channel)
+                    self.listened.add(channel)
+        locked = set(locked or ())
+        records = {seat: by_key.get(seat_key(lane, seat)[1]) for seat in range(1, handle.seats + 1)}
+        held = {seat for seat in range(1, top + 1)
+                if seat_key(lane, seat)[1] & 0xFFFFFFFF in locked}
+        return handle.seats, handle.past, records, held
 
-def _look(handle) -> dict:
-    """The count (handle.seats, handle.past) and the lane's rows by seat, read in one statement."""
-    with handle.conn.cursor() as cursor:
-        cursor.execute(_LOOK, (key(handle.lane), handle.lane))
-        value, rows = cursor.fetchone()
-    by_key = {}
-    highest = 1
-    for key2, record in rows or []:
-        if isinstance(record, dict):
-            by_key[key2] = record
-            seat = record.get("seat")
-            if isinstance(seat, int) and not isinstance(seat, bool) and 1 <= seat <= MOST:
-                highest = max(highest, seat)
-    counted(handle, value, highest)
-    top = max(handle.seats, highest)
-    return {seat: by_key.get(seat_key(handle.lane, seat)[1]) for seat in range(1, top + 1)}
+    def try_seats(self, order: list) -> int | None:
+        """The seats tried in order in ONE statement that stops at the first it gets: that seat,
+        the handle on it (checked as a single lock's take is), or None -- also when the one got
+        is claimed by a turn taking it back after a restart (outage.py: let go, no wake-up)."""
+        handle = self.handle
+        lane = handle.lane
+        with handle.conn.cursor() as cursor:
+            cursor.execute(_TRY, ([seat_key(lane, seat)[1] for seat in order], order, NAMESPACE))
+            row = cursor.fetchone()
+        if row is None:
+            return None
+        seat, backend = row
+        handle.key, handle.seat, handle.held = seat_key(lane, seat), seat, True
+        handle.taken = None   # nothing read with this try (handoff.py): the checks read the seat's
+        self.store._same_session(handle, backend)   # the pooler check; the row: a claim, a command
+        if handle.claimed is not None:
+            let_go(handle)
+            return None
+        return seat
+
+    def held(self, seats) -> set:
+        keys = {seat_key(self.handle.lane, seat)[1] & 0xFFFFFFFF: seat for seat in seats}
+        with self.handle.conn.cursor() as cursor:
+            cursor.execute(_HELD, (NAMESPACE, list(keys)))
+            return {keys[row[0]] for row in cursor.fetchall() if row[0] in keys}
+
+    def let_go(self) -> None:
+        let_go(self.handle)
+
+    def wait_any(self, seats: list, timeout: float | None, cancel=None):
+        """A sleep on the session's LISTEN (every seat's channel), woken by any seat's unlock,
+        by the death of a holder of this host, and every queue.RECHECK: AGAIN (look again), or
+        None once the wait is given up. No statement waits in the server."""
+        import time
+
+        if self.deaths is None:
+            self.deaths = _deaths(self.handle) or False
+        given_up = self._given_up
+        if given_up():
+            return None
+        self.pauses.sleep(self.handle.conn, None if timeout is None else
+                          time.monotonic() + timeout,
+                          lambda: self.deaths.fileno() if self.deaths else None, given_up)
+        return None if given_up() else AGAIN
+
+    def _given_up(self) -> bool:
+        return self.handle.cancelled or (self.cancelled is not None and self.cancelled())
+
+    def close(self) -> None:
+        if self.deaths:
+            self.deaths.close()
 
 
 def try_seats(store, handle) -> bool:
-    """_try_seats for a try (try_lock): a server error is GateUnavailable."""
+    """One look for a try (try_lock): True with the handle on the seat taken; a server error is
+    GateUnavailable."""
     from ...errors import GateUnavailable
     from .session import first_line
 
     try:
-        return _try_seats(store, handle)
+        return seating.wait(PgSeats(store, handle), _session(handle), 0) is not None
     except driver().Error as error:
         raise GateUnavailable(f"lane store: {first_line(error)}") from None
 
 
-def _try_seats(store, handle, listened: set | None = None) -> bool:
-    """One try of every seat, in the turn's order: True with the handle on the seat taken (its key,
-    its seat, held; checked as a single lock's take is); False when none is free, the one got is
-    claimed by a turn taking it back after a restart, or as many as the count hold (seats past
-    it). listened: the channels this session LISTENs on (a wait's: every seat's is added before
-    the try, so a release after it is a notification)."""
-    lane = handle.lane
-    records = _look(handle)
-    top = max((handle.seats, *handle.past))
-    if listened is not None:
-        for seat in range(1, top + 1):
-            channel = pg_queue.lane_channel(seat_key(lane, seat))
-            if channel not in listened:
-                pg_queue.listen(handle.conn, channel)
-                listened.add(channel)
-    order = preference(records, handle.seats, (handle.asker or {}).get("session"))
-    with handle.conn.cursor() as cursor:
-        cursor.execute(_TRY, ([seat_key(lane, seat)[1] for seat in order], order, NAMESPACE))
-        row = cursor.fetchone()
-    if row is None:
-        return False
-    seat, backend = row
-    handle.key, handle.seat, handle.held = seat_key(lane, seat), seat, True
-    handle.taken = None   # nothing read with this try (handoff.py): the checks read the seat's
-    store._same_session(handle, backend)   # the pooler check; the seat's row: a claim, a command
-    # A turn that held the seat as the server went down is taking it back (outage.py): let go
-    # without a wake-up, as below, and ask again.
-    if handle.claimed is not None or (handle.past and _too_many(handle, top)):
-        let_go(handle)
-        return False
-    return True
-
-
-def _too_many(handle, top: int) -> bool:
-    """Holding a seat, does this turn make more holders than the count (seats past it held)?"""
-    keys = [seat_key(handle.lane, seat)[1] & 0xFFFFFFFF for seat in range(1, top + 1)]
-    with handle.conn.cursor() as cursor:
-        cursor.execute(_OTHERS, (NAMESPACE, keys))
-        others = cursor.fetchone()[0]
-    return others + 1 > handle.seats
+def _session(handle) -> str | None:
+    return (handle.asker or {}).get("session")
 
 
 def let_go(handle) -> None:
@@ -234,33 +242,18 @@ def on_lane(handle) -> None:
 # -- waiting for any seat --------------------------------------------------------------------------
 def lock_any(store, handle, timeout: float | None, cancelled=None) -> bool:
     """The queue's head: block until one of the lane's seats is this turn's (True, the handle on
-    it), timeout passes (None: never) or the wait is cancelled (False). A try of every seat, then
-    a sleep on the session's LISTEN (every seat's channel), woken by any seat's unlock, by the
-    death of a holder of this host, and every queue.RECHECK -- queue.until_taken, the one way a
-    lanelock session waits; no statement waits in the server."""
-    import time
-
+    it), timeout passes (None: never) or the wait is cancelled (False): the seat walk
+    (seating.wait) over PgSeats -- queue.until_taken's sleeps, the one way a lanelock session
+    waits; no statement waits in the server."""
     from ...errors import GateUnavailable
     from .session import first_line
 
     psycopg = driver()
     store.connected(handle)
-    deadline = None if timeout is None else time.monotonic() + timeout
     listened: set = set()
-    deaths = None
-
-    def attempt() -> bool:
-        nonlocal deaths
-        if _try_seats(store, handle, listened):
-            return True
-        if deaths is None:
-            deaths = _deaths(handle)
-        return False
-
-    given_up = (lambda: handle.cancelled or (cancelled is not None and cancelled()))
+    medium = PgSeats(store, handle, listened, cancelled)
     try:
-        got = pg_queue.until_taken(handle.conn, attempt, deadline,
-                                   lambda: None if deaths is None else deaths.fileno(), given_up)
+        got = seating.wait(medium, _session(handle), timeout) is not None
         if got and listened:
             # A holder hears no other seat's release: each would wake its lane watch, which
             # watches this socket for the session's end (lanewatch.py).
@@ -271,8 +264,7 @@ def lock_any(store, handle, timeout: float | None, cancelled=None) -> bool:
             return False
         raise GateUnavailable(f"lane store: {first_line(error)}") from None
     finally:
-        if deaths is not None:
-            deaths.close()
+        medium.close()
 
 
 def _deaths(handle):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from ...errors import GateUnavailable, RecordNotWritten, ServerCrowded
 from .. import order, outlived
-from . import outage
+from . import lease, outage, shared
 from . import queue as pg_queue
 from ..base import LaneFacts, LaneStore, LockHandle
 from ...priority import DEFAULT_AGING
@@ -72,6 +72,10 @@ class PgHandle(LockHandle):
     unreleased: dict | None = None  # the row of a turn that never released, when this one took
     cut_off: bool = False          # the session's link timed out (lost(): a partition)
     local: object = None           # its place on the host lane (hostqueue.Local), or None
+    # The lease (lease.py): renewed by the watch's thread while the turn holds the lane.
+    lease: float | None = None     # seconds the row's lease lasts after a renewal (None: none)
+    lease_from: float | None = None  # monotonic: when the last answered renewal was sent
+    frozen: bool = False           # a renewal went unanswered: the session is not trusted
     exists = True                  # a lock row exists as soon as anyone asks
     # The hand-off's round trips (handoff.py): what the try that took the lock read after it,
     # the queue leave and the release that go with the session's next statement.
@@ -147,23 +151,12 @@ class PgStore(LaneStore):
 
         self._kept(f"lanelock keep {name}", lambda conn: seats.write_kept(conn, name, value))
 
-    def seat_count(self, lane) -> int:
-        """The lane's seat count as a turn reads it (1 when none is kept or it cannot be read)."""
-        from . import seats
-
-        try:
-            return seats.count_of(self.kept(seats.key(lane.name))) or 1
-        except GateUnavailable:
-            return 1
-
     def _kept(self, application_name: str, function):
         """function(a connection of its own) on the table of kept values; GateUnavailable when
         the server cannot be reached or the table cannot be made or read."""
         from .session import NOT_KEPT, keeps
 
-        conn = self.connect(application_name)
-        try:
-            problem = ensure_schema(conn)
+        with shared.asking(self, application_name) as (conn, problem):
             if not keeps(conn):   # never a statement on a missing table: an ERROR in the log
                 raise GateUnavailable(f"lane store {redact(self.dsn)}: {problem or NOT_KEPT}")
             try:
@@ -171,8 +164,6 @@ class PgStore(LaneStore):
             except driver().Error as error:
                 raise GateUnavailable(f"lane store {redact(self.dsn)}: "
                                       f"{problem or first_line(error)}") from None
-        finally:
-            conn.close()
 
     def open(self, lane_obj, *, create: bool = True) -> PgHandle:
         """A handle with no connection yet: a turn that waits behind another of this host never
@@ -245,8 +236,9 @@ class PgStore(LaneStore):
                                "extract(epoch FROM pg_postmaster_start_time())::float8"
                                + ("" if params is None else ", " + seats.COUNT_COLUMNS), params)
                 row = cursor.fetchone()
-                if params is not None:
-                    seats.counted(handle, *row[2:])
+                problem = None if params is None else seats.counted(handle, *row[2:])
+                if problem:   # said once; the lane is taken as one seat
+                    self.seat_warning(f"lane store: {problem}")
                 return row[:2]
         except driver().Error as error:
             conn.close()
@@ -398,6 +390,28 @@ class PgStore(LaneStore):
     def retake(self, handle: PgHandle) -> bool | None:
         return outage.retake(self, handle)
 
+    def serve_many(self) -> None:
+        shared.keep_open()
+
+    def lease_holds(self) -> None:
+        lease.watched()
+
+    # -- the lease (lease.py): a lost link is not a restart ---------------------------------------
+    DECIDE = lease.DECIDE
+    KILL_BY = lease.KILL_BY
+
+    def renews(self, handle: PgHandle) -> float | None:
+        return lease.RENEW if handle.conn is not None and handle.held else None
+
+    def renew(self, handle: PgHandle) -> bool:
+        return lease.renew(handle)
+
+    def rest(self, handle: PgHandle, seconds: float | None) -> None:
+        lease.rest(handle, seconds)
+
+    def lease_deadline(self, handle: PgHandle) -> float | None:
+        return lease.deadline(handle)
+
     def _join(self, handle: PgHandle, rank: int, waited: float = 0.0) -> int | None:
         """This turn's ticket; None when the queue cannot be used (said once: the wait then
         takes the server's order, the lane's own lock alone)."""
@@ -540,30 +554,39 @@ class PgStore(LaneStore):
             return None, None
         record, here, claim = row
         claim = claim if claim is not None and claim > 0 else None
+        if claim is not None and here and _ended_here(record):
+            claim = None   # its turn died on this host: nothing will take the lane back
         if claim is None and isinstance(record, dict):
             handle.unreleased = record
         return record if here and isinstance(record, dict) else None, claim
 
     def release(self, handle: PgHandle, count: dict | None = None) -> None:
-        from .handoff import let_go, write_alone
-
         local = handle.local
         try:
-            if handle.held and local is not None:   # no gap for another host's later waiter
-                from ...facts import hostname
-                from . import hostqueue
-
-                # each look lets go in its own round trip once a head of this host has joined
-                hostqueue.await_next_head(local, lambda: let_go(self, handle, hostname()))
-            # Only a lock this session holds: a turn that deflected or gave its wait up holds
-            # none, and the server warns of every unlock of a lock not held ("you don't own a
-            # lock"). The release's row and events go first, in the same round trip.
-            if handle.held:
-                let_go(self, handle)
-            elif handle.releasing is not None:   # the lock gone meanwhile: written all the same
-                write_alone(self, handle)
+            with lease.Bounded(handle):
+                self._let_go(handle, local)
         except GateUnavailable:
             pass   # the session is gone, and the lock with it
+        self._released(handle, local, count)
+
+    def _let_go(self, handle: PgHandle, local) -> None:
+        from .handoff import let_go, write_alone
+
+        if handle.held and local is not None:   # no gap for another host's later waiter
+            from ...facts import hostname
+            from . import hostqueue
+
+            # each look lets go in its own round trip once a head of this host has joined
+            hostqueue.await_next_head(local, lambda: let_go(self, handle, hostname()))
+        # Only a lock this session holds: a turn that deflected or gave its wait up holds
+        # none, and the server warns of every unlock of a lock not held ("you don't own a
+        # lock"). The release's row and events go first, in the same round trip.
+        if handle.held:
+            let_go(self, handle)
+        elif handle.releasing is not None:   # the lock gone meanwhile: written all the same
+            write_alone(self, handle)
+
+    def _released(self, handle: PgHandle, local, count: dict | None) -> None:
         # The count after the unlock, on the same connection: the next turn starts while this
         # one counts (the hand-off waits for no bookkeeping), and it is counted before release
         # returns.
@@ -585,23 +608,13 @@ class PgStore(LaneStore):
 
     def _count_apart(self, lane: str, count: dict) -> None:
         try:
-            conn = self.connect(f"lanelock count {lane}")
+            with shared.asking(self, f"lanelock count {lane}", False) as (conn, _):
+                self._add_count(conn, lane, count)
         except GateUnavailable:
             return
-        try:
-            self._add_count(conn, lane, count)
-        finally:
-            conn.close()
 
     def count(self, lane, outcome: str, **facts) -> None:
-        try:
-            conn = self.connect(f"lanelock count {lane.name}")
-        except GateUnavailable:
-            return
-        try:
-            self._add_count(conn, lane.name, dict(facts, outcome=outcome))
-        finally:
-            conn.close()
+        self._count_apart(lane.name, dict(facts, outcome=outcome))
 
     def _add_count(self, conn, lane: str, count: dict) -> None:
         """Read, add, write in one transaction with the row locked: concurrent turns add up."""
@@ -627,16 +640,13 @@ class PgStore(LaneStore):
         # Counts that cannot be read are unknown, never 0: a 0 would read as a reset to Prometheus
         # (and the next scrape's total as that many new turns).
         try:
-            conn = self.connect("lanelock metrics")
+            with shared.asking(self, "lanelock metrics", False) as (conn, _):
+                row = conn.execute("SELECT counts FROM lanelock_counts WHERE lane = %s",
+                                   (facts.lane,)).fetchone()
         except GateUnavailable as error:
             return dict(counts.unknown(), problem=str(error))
-        try:
-            row = conn.execute("SELECT counts FROM lanelock_counts WHERE lane = %s",
-                               (facts.lane,)).fetchone()
         except driver().Error as error:
             return dict(counts.unknown(), problem=f"lane store counts: {first_line(error)}")
-        finally:
-            conn.close()
         return dict(counts.merge(row[0] if row else None, outcome=None), problem=None)
 
     # -- holder record and events ------------------------------------------------------------
@@ -648,8 +658,16 @@ class PgStore(LaneStore):
         keeps its fence. handle.fence is the row's generation afterwards."""
         from .handoff import flush_leave, with_leave
 
+        # A watched hold is leased from its first write, its session's idle limit set in the
+        # same round trip (lease.py): a link lost before the watch's first renewal was answered
+        # still leaves the holder a deadline it knows, the row says it, and the server ends the
+        # session.
+        front = []
+        if lease.WATCHED and not handle.lease:
+            handle.lease, front = lease.LEASE, lease.arming(handle.conn)
         params = holder_params(handle, record)
         psycopg = driver()
+        sent = time.monotonic()   # the row's updated_at renews a lease too (lease.py)
         try:
             with handle.conn.cursor() as cursor:
                 handle.fence = None
@@ -657,13 +675,17 @@ class PgStore(LaneStore):
                     # Tables of an earlier lanelock this role may not alter (ensure_schema left
                     # them as they are): the record is written, without a fence.
                     flush_leave(handle)
+                    for sql, values in front:
+                        cursor.execute(sql, values)
                     cursor.execute(WRITE_UNFENCED, params)
-                    return
-                try:   # the queue left by a turn that took the lane, in the same round trip
-                    handle.fence = with_leave(handle, WRITE_FENCED, params)
-                except psycopg.errors.UndefinedColumn:   # the column dropped since: the same
-                    flush_leave(handle)
-                    cursor.execute(WRITE_UNFENCED, params)
+                else:
+                    try:   # the queue left by a turn that took the lane, in the same round trip
+                        handle.fence = with_leave(handle, WRITE_FENCED, params, front)
+                    except psycopg.errors.UndefinedColumn:   # the column dropped since: the same
+                        flush_leave(handle)
+                        cursor.execute(WRITE_UNFENCED, params)
+            if handle.lease:
+                handle.lease_from = sent
         except psycopg.Error as error:
             flush_leave(handle)
             raise RecordNotWritten(f"lane store: {first_line(error)}") from None
@@ -713,15 +735,11 @@ class PgStore(LaneStore):
             raise RecordNotWritten(str(error)) from None
 
     def events(self, lane, since: float | None) -> tuple:
-        conn = self.connect(f"lanelock history {lane.name}")
-        ensure_schema(conn)
-        try:
+        with shared.asking(self, f"lanelock history {lane.name}") as (conn, _):
             with conn.cursor() as cursor:
                 cursor.execute("SELECT event FROM lanelock_events WHERE lane = %s AND ts >= %s "
                                "ORDER BY ts, id", (lane.name, since if since is not None else 0.0))
                 rows = cursor.fetchall()
-        finally:
-            conn.close()
         events = [row[0] for row in rows if isinstance(row[0], dict)]
         return events, len(rows) - len(events)
 
@@ -730,28 +748,26 @@ class PgStore(LaneStore):
         pg_stat_activity is the truth; the holder row only labels it. handle: read through the
         turn's own connection (a deflection asks on the busy path: no second connection)."""
         # a handle with no session (a waiter behind another of its host): a short one of its own
-        own = handle is None or lane is None or handle.conn is None
-        conn = self.connect("lanelock status") if own else handle.conn
+        # (the process's shared one in a proxy: shared.py)
+        if handle is None or lane is None or handle.conn is None:
+            with shared.asking(self, "lanelock status") as (conn, _):
+                return self._survey(conn, lane)
+        return self._survey(handle.conn, lane)
+
+    def _survey(self, conn, lane) -> list:
         try:
-            if own:
-                ensure_schema(conn)
             lanes = self._lanes(conn) if lane is None else [lane.name]
             return [self._facts(conn, name) for name in lanes]
         except driver().Error as error:
             raise GateUnavailable(f"lane store {redact(self.dsn)}: {first_line(error)}") from None
-        finally:
-            if own:
-                conn.close()
 
     def lane_names(self) -> list[str]:
-        conn = self.connect("lanelock status")
-        try:
-            ensure_schema(conn)
-            return self._lanes(conn)
-        except driver().Error as error:
-            raise GateUnavailable(f"lane store {redact(self.dsn)}: {first_line(error)}") from None
-        finally:
-            conn.close()
+        with shared.asking(self, "lanelock status") as (conn, _):
+            try:
+                return self._lanes(conn)
+            except driver().Error as error:
+                raise GateUnavailable(f"lane store {redact(self.dsn)}: "
+                                      f"{first_line(error)}") from None
 
     @staticmethod
     def _lanes(conn) -> list[str]:
@@ -906,6 +922,19 @@ def _lockers(cursor, key: tuple[int, int]) -> list[tuple]:
         "AND l.classid = %s AND l.objid = %s AND l.objsubid = 2",
         (key[0] & 0xFFFFFFFF, key[1] & 0xFFFFFFFF))
     return cursor.fetchall()
+
+
+def _ended_here(record) -> bool:
+    """Has the turn of this host a holder row names ended (its process gone, or another process
+    since under its pid)? A lease or a restart's claim keeps the lane for a holder that can
+    still take it back, never for one that is gone."""
+    from ...proc import start_ticks
+
+    if not isinstance(record, dict) or not isinstance(record.get("pid"), int):
+        return False
+    ticks = record.get("start_ticks")
+    now = start_ticks(record["pid"])
+    return now is None or (ticks is not None and now != ticks)
 
 
 def _timed_out(fd: int | None) -> bool:
