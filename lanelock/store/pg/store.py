@@ -27,14 +27,15 @@ import os
 import time
 
 from ...errors import GateUnavailable, ServerCrowded
-from .. import order, outlived
-from . import lease, outage, records, shared, survey
+from .. import order
+from . import lease, outage, records, shared, survey, taken
 from . import queue as pg_queue
 from ..base import LaneStore
 from ...priority import DEFAULT_AGING
 from .handle import PgHandle, lane_key
 from .line import PgLine
-from .session import BOUND, connect, driver, ended, ensure_schema, first_line, redact
+from .session import (BOUND, connect, driver, ended, ensure_schema, first_line, redact, socket_of,
+                      timed_out)
 
 # A stop point (turn/stops.py) that wants the release written while the lane is still held.
 _PAUSE, _DURING_RELEASE = "LANELOCK_DEBUG_PAUSE", "during-release"
@@ -132,7 +133,7 @@ class PgStore(LaneStore):
         ensure_schema(conn)
         backend, started = self._session(conn, handle)
         handle.conn, handle.backend_pid, handle.fd, handle.started = \
-            conn, backend, _socket(conn), started
+            conn, backend, socket_of(conn), started
 
     def disconnect(self, handle: PgHandle) -> None:
         """Close the handle's session (with it, any lock and ticket it held): a waiter that is
@@ -191,7 +192,7 @@ class PgStore(LaneStore):
         conn = self.connect(f"lanelock {handle.lane}")
         backend, started = self._session(conn)
         handle.close()
-        handle.conn, handle.backend_pid, handle.fd = conn, backend, _socket(conn)
+        handle.conn, handle.backend_pid, handle.fd = conn, backend, socket_of(conn)
         handle.started, handle.held = started, False
 
     def watch_fd(self, handle: PgHandle) -> int | None:
@@ -414,7 +415,7 @@ class PgStore(LaneStore):
             if backend:
                 return True
             if death is None:
-                death = self._holder_death(handle)
+                death = taken.holder_death(handle)
             return False
 
         try:
@@ -435,70 +436,9 @@ class PgStore(LaneStore):
                 os.close(death)
         return self._same_session(handle, backend)
 
-    def _holder_death(self, handle: PgHandle) -> int | None:
-        """A pidfd of the lane's holder when it is a process of this host: its row, written by
-        the session that holds the lock now (its start time checked), names it."""
-        from ...facts import hostname
-
-        try:
-            with handle.conn.cursor() as cursor:
-                cursor.execute("SELECT h.record->'pid', h.record->'start_ticks' FROM "
-                               "lanelock_holders h JOIN pg_locks l ON l.pid = h.backend_pid "
-                               "AND l.locktype = 'advisory' AND l.granted AND l.classid = %s "
-                               "AND l.objid = %s AND l.objsubid = 2 "
-                               "WHERE h.key2 = %s AND h.record->>'hostname' = %s",
-                               (handle.key[0] & 0xFFFFFFFF, handle.key[1] & 0xFFFFFFFF,
-                                handle.key[1], hostname()))
-                row = cursor.fetchone()
-        except driver().Error:
-            return None   # no holder table (records only label turns): asked every RECHECK
-        return None if row is None else pg_queue.death_of(row[0], row[1])
-
     def _same_session(self, handle: PgHandle, backend: int | None = None) -> bool:
-        """The session (and so the lock) is ours: a transaction-mode pooler would hand later
-        statements to another backend, where the session lock does not live. backend: the pid
-        the statement that took the lock ran on (asked now when not given)."""
-        if backend is None:
-            backend = self._call(handle, "SELECT pg_backend_pid()", ())
-        if backend != handle.backend_pid:
-            raise GateUnavailable("the lane store connection goes through a transaction-mode "
-                                  "pooler (backend pid changed); connect to PostgreSQL directly")
-        record, handle.claimed = self._unreleased(handle)
-        handle.outlived = outlived.running_command(record)
-        if handle.outlived is not None and handle.taken is not None:
-            handle.taken.queue = None   # the look comes after that command's end: read then
-        return True
-
-    def _unreleased(self, handle: PgHandle) -> tuple[dict | None, float | None]:
-        """The lane's row when its turn never released, in one query (a row only then, so the
-        usual hand-off reads nothing back): (its record when the turn was this machine's -- it
-        was killed, its command may run on --, the seconds left of its claim when it held the
-        lane as the server went down: outage.CLAIM_GRACE from the server's start).
-        handle.unreleased: that turn's record (with its fence) when this take stands -- no claim
-        holds it off: the lane was taken from a turn that never let it go (lost, or killed)."""
-        from ...facts import hostname
-        from .handoff import NOT_READ, UNRELEASED
-
-        handle.unreleased = None
-        taken = handle.taken
-        if taken is not None and taken.row is not NOT_READ:   # read with the try (handoff.py)
-            row, taken.row = taken.row, NOT_READ
-        else:
-            try:
-                with handle.conn.cursor() as cursor:
-                    cursor.execute(UNRELEASED, (hostname(), outage.CLAIM_GRACE, handle.key[1]))
-                    row = cursor.fetchone()
-            except driver().Error:
-                return None, None   # no holder table (records only label turns): none to wait for
-        if row is None:
-            return None, None
-        record, here, claim = row
-        claim = claim if claim is not None and claim > 0 else None
-        if claim is not None and here and _ended_here(record):
-            claim = None   # its turn died on this host: nothing will take the lane back
-        if claim is None and isinstance(record, dict):
-            handle.unreleased = record
-        return record if here and isinstance(record, dict) else None, claim
+        """The session is ours and the lane's row lets this take stand (taken.py)."""
+        return taken.same_session(self, handle, backend)
 
     def release(self, handle: PgHandle, count: dict | None = None) -> None:
         local = handle.local
@@ -626,7 +566,7 @@ class PgStore(LaneStore):
         a partition) is handle.cut_off: the server's keepalives end the session within the same
         bound, so the lane is someone else's to take even while the server cannot be asked
         (outage.retake)."""
-        handle.cut_off = _timed_out(handle.fd)
+        handle.cut_off = timed_out(handle.fd)
         try:
             self._call(handle, "SELECT 1", ())
             return False
@@ -650,46 +590,3 @@ class PgStore(LaneStore):
                 return cursor.fetchone()[0] if fetch else None
         except psycopg.Error as error:
             raise GateUnavailable(f"lane store: {first_line(error)}") from None
-
-
-def _ended_here(record) -> bool:
-    """Has the turn of this host a holder row names ended (its process gone, or another process
-    since under its pid)? A lease or a restart's claim keeps the lane for a holder that can
-    still take it back, never for one that is gone."""
-    from ...proc import start_ticks
-
-    if not isinstance(record, dict) or not isinstance(record.get("pid"), int):
-        return False
-    ticks = record.get("start_ticks")
-    now = start_ticks(record["pid"])
-    return now is None or (ticks is not None and now != ticks)
-
-
-def _timed_out(fd: int | None) -> bool:
-    """Did the session's socket fail because the link gave up (ETIMEDOUT: keepalives or
-    tcp_user_timeout; no route or network on the way), rather than being closed by the server?"""
-    import errno
-    import socket
-
-    given_up = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN,
-                errno.ENETDOWN)
-
-    if fd is None:
-        return False
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return False
-    try:
-        return sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) in given_up
-    except OSError:
-        return False
-    finally:
-        sock.close()
-
-
-def _socket(conn) -> int | None:
-    try:
-        return conn.pgconn.socket
-    except Exception:  # psycopg internals: without the socket we only cannot watch for loss
-        return None
