@@ -4,7 +4,7 @@ the separate statements they replace guaranteed.
 
 Taking (try_and_read): the try, and pipelined behind it, each in a statement of its own -- so
 each reads after the lock is had, a statement's snapshot being taken as it starts (the session
-reads committed: session.py) -- the lane's row when its turn never released (store._unreleased:
+reads committed: session.py) -- the lane's row when its turn never released (taken.unreleased:
 a claim, a command that may run on, a took-over) and the lane's queue (the look the order takes
 once the lock is its: PgLine.look, order.keep_free_lane). The queue is read only when the try
 took the lock (TAKEN, a session setting the try sets), so a busy try costs the server no more.
@@ -60,7 +60,7 @@ NOT_READ = object()   # a Taken's row once used
 
 class Taken:
     """What a try that took the lock read after it: the unreleased row (a row, or None) and the
-    queue's rows (pg_queue.LIVE's), each used once (store._unreleased, store.taken_queue)."""
+    queue's rows (pg_queue.LIVE's), each used once (taken.unreleased, store.taken_queue)."""
 
     __slots__ = ("row", "queue")
 

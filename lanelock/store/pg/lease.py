@@ -15,7 +15,7 @@ holder's last word, and the holder knows that moment from its side:
   limit raised (rest).
 - On the server, nobody else takes the lane until LEASE s after the row's last renewal: a taker
   that gets the lock while an unreleased leased row is younger than that lets it go and asks
-  again (handoff.UNRELEASED, store._unreleased), and the holder's own session ends LEASE s after
+  again (handoff.UNRELEASED, taken.unreleased), and the holder's own session ends LEASE s after
   its last statement (idle_session_timeout: a frozen link keeps no lane longer than that).
 - The holder measures the same interval from when it SENT its last answered renewal (before the
   server stamped it): deadline(). It knows it lost the link within RENEW + ANSWER s of that

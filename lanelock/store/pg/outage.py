@@ -4,7 +4,7 @@ holder's advisory lock too, and nothing said who held the lane once the server w
 - The claim: the holder's row (lanelock_holders), written before the server started and not
   released, names a turn that held the lane as it went down. For CLAIM_GRACE after the server's
   start, a taker that gets the lock while such a row stands lets it go and asks again every
-  CLAIM_PAUSE (store.py _unreleased, lock_lane): the holder comes first.
+  CLAIM_PAUSE (taken.unreleased, store.lock_lane): the holder comes first.
 - retake(): the holder, told its session ended (lanewatch.py), opens a new session;
   a changed server start time says it was a restart, and it takes the lock outside the queue.
   The same start time says the server ended the session itself (pg_terminate_backend, a

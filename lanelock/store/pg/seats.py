@@ -61,7 +61,7 @@ _HERE = ("SELECT h.record->'pid', h.record->'start_ticks' FROM lanelock_holders 
 
 
 def seat_key(lane_name: str, seat: int) -> tuple[int, int]:
-    """The advisory key of a seat: seat 1's is the lane's own (store.lane_key)."""
+    """The advisory key of a seat: seat 1's is the lane's own (handle.lane_key)."""
     text = lane_name if seat == 1 else f"{lane_name}\0{seat}"
     return NAMESPACE, int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big",
                                      signed=True)

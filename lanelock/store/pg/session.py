@@ -14,6 +14,8 @@ tables, set up once per database without racing.
 
 from __future__ import annotations
 
+import os
+
 from ...errors import GateUnavailable, ServerCrowded
 
 NAMESPACE = 0x4C4E4C4B
@@ -209,3 +211,33 @@ def ended(conn) -> bool:
 def first_line(error: Exception) -> str:
     text = str(error).strip() or type(error).__name__
     return text.splitlines()[0][:300]
+
+
+def timed_out(fd: int | None) -> bool:
+    """Did the session's socket fail because the link gave up (ETIMEDOUT: keepalives or
+    tcp_user_timeout; no route or network on the way), rather than being closed by the server?"""
+    import errno
+    import socket
+
+    given_up = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN,
+                errno.ENETDOWN)
+
+    if fd is None:
+        return False
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        return sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) in given_up
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
+def socket_of(conn) -> int | None:
+    try:
+        return conn.pgconn.socket
+    except Exception:  # psycopg internals: without the socket we only cannot watch for loss
+        return None

@@ -23,82 +23,23 @@ waits on (outage.reconnect).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
-from dataclasses import dataclass
 
-from ...errors import GateUnavailable, RecordNotWritten, ServerCrowded
-from .. import order, outlived
-from . import lease, outage, shared
+from ...errors import GateUnavailable, ServerCrowded
+from .. import order
+from . import lease, outage, records, shared, survey, taken
 from . import queue as pg_queue
-from ..base import LaneFacts, LaneStore, LockHandle
+from ..base import LaneStore
 from ...priority import DEFAULT_AGING
+from .handle import PgHandle, lane_key
 from .line import PgLine
-from .rows import WRITE_FENCED, WRITE_UNFENCED, holder_params
-from .session import (BOUND, NAMESPACE, connect, driver, ended, ensure_schema, fenced,
-                      first_line, redact)
+from .session import (BOUND, connect, driver, ended, ensure_schema, first_line, redact, socket_of,
+                      timed_out)
 
-NO_ROW = "no holder row yet"
 # A stop point (turn/stops.py) that wants the release written while the lane is still held.
 _PAUSE, _DURING_RELEASE = "LANELOCK_DEBUG_PAUSE", "during-release"
 WITNESS_NAMESPACE = 0x4C4E5754   # "LNWT": the lane's one witness, never a lane's or a queue's key
-COLLISION = "advisory key collision"
-
-
-def lane_key(lane_name: str) -> tuple[int, int]:
-    """The documented advisory key of a lane: (NAMESPACE, signed int32 of sha256(name)[:4])."""
-    return NAMESPACE, int.from_bytes(hashlib.sha256(lane_name.encode()).digest()[:4], "big",
-                                     signed=True)
-
-
-@dataclass
-class PgHandle(LockHandle):
-    conn: object
-    lane: str
-    key: tuple[int, int]
-    backend_pid: int
-    ident: tuple = ()              # ("pg", dsn, key): every spelling of the lane shares it
-    fd: int | None = None          # the connection's socket, watched for a lost session
-    caveat: str | None = None
-    cancelled: bool = False        # cancel_wait() gave up the wait
-    held: bool = False             # this session holds the lane's lock (release unlocks it then)
-    asker: dict | None = None      # who waits (LockHandle.asker)
-    outlived: object = None  # a killed turn's command still running (outlived.Command)
-    started: float | None = None   # the server's start (epoch s) when this session began
-    claimed: float | None = None   # seconds left of another turn's claim (the take was let go)
-    fence: int | None = None       # the lane row's generation this turn wrote (write_holder)
-    unreleased: dict | None = None  # the row of a turn that never released, when this one took
-    cut_off: bool = False          # the session's link timed out (lost(): a partition)
-    local: object = None           # its place on the host lane (hostqueue.Local), or None
-    # The lease (lease.py): renewed by the watch's thread while the turn holds the lane.
-    lease: float | None = None     # seconds the row's lease lasts after a renewal (None: none)
-    lease_from: float | None = None  # monotonic: when the last answered renewal was sent
-    frozen: bool = False           # a renewal went unanswered: the session is not trusted
-    exists = True                  # a lock row exists as soon as anyone asks
-    # The hand-off's round trips (handoff.py): what the try that took the lock read after it,
-    # the queue leave and the release that go with the session's next statement.
-    taken: object = None           # handoff.Taken
-    reads: bool = True             # the try may read the row and the queue with it
-    leaving: tuple | None = None   # (ticket, listening) of the queue left once the lane is had
-    releasing: object = None       # handoff.Releasing: the release's row and events, unwritten
-    # Seats (seats.py): the lane's count read as the session began, the seats past it some row
-    # names, and the seat the handle is on (key is that seat's: ident keeps the lane's).
-    seats: int = 1
-    past: tuple = ()
-    seat: int = 1
-
-    @property
-    def seated(self) -> bool:
-        """More than the lane's one lock to think of: seats, or seats past the count."""
-        return self.seats > 1 or bool(self.past)
-
-    def close(self) -> None:
-        try:
-            self.conn.close()
-        except Exception:  # closing a broken connection: nothing left to do
-            pass
 
 
 class PgStore(LaneStore):
@@ -192,7 +133,7 @@ class PgStore(LaneStore):
         ensure_schema(conn)
         backend, started = self._session(conn, handle)
         handle.conn, handle.backend_pid, handle.fd, handle.started = \
-            conn, backend, _socket(conn), started
+            conn, backend, socket_of(conn), started
 
     def disconnect(self, handle: PgHandle) -> None:
         """Close the handle's session (with it, any lock and ticket it held): a waiter that is
@@ -251,7 +192,7 @@ class PgStore(LaneStore):
         conn = self.connect(f"lanelock {handle.lane}")
         backend, started = self._session(conn)
         handle.close()
-        handle.conn, handle.backend_pid, handle.fd = conn, backend, _socket(conn)
+        handle.conn, handle.backend_pid, handle.fd = conn, backend, socket_of(conn)
         handle.started, handle.held = started, False
 
     def watch_fd(self, handle: PgHandle) -> int | None:
@@ -474,7 +415,7 @@ class PgStore(LaneStore):
             if backend:
                 return True
             if death is None:
-                death = self._holder_death(handle)
+                death = taken.holder_death(handle)
             return False
 
         try:
@@ -495,70 +436,9 @@ class PgStore(LaneStore):
                 os.close(death)
         return self._same_session(handle, backend)
 
-    def _holder_death(self, handle: PgHandle) -> int | None:
-        """A pidfd of the lane's holder when it is a process of this host: its row, written by
-        the session that holds the lock now (its start time checked), names it."""
-        from ...facts import hostname
-
-        try:
-            with handle.conn.cursor() as cursor:
-                cursor.execute("SELECT h.record->'pid', h.record->'start_ticks' FROM "
-                               "lanelock_holders h JOIN pg_locks l ON l.pid = h.backend_pid "
-                               "AND l.locktype = 'advisory' AND l.granted AND l.classid = %s "
-                               "AND l.objid = %s AND l.objsubid = 2 "
-                               "WHERE h.key2 = %s AND h.record->>'hostname' = %s",
-                               (handle.key[0] & 0xFFFFFFFF, handle.key[1] & 0xFFFFFFFF,
-                                handle.key[1], hostname()))
-                row = cursor.fetchone()
-        except driver().Error:
-            return None   # no holder table (records only label turns): asked every RECHECK
-        return None if row is None else pg_queue.death_of(row[0], row[1])
-
     def _same_session(self, handle: PgHandle, backend: int | None = None) -> bool:
-        """The session (and so the lock) is ours: a transaction-mode pooler would hand later
-        statements to another backend, where the session lock does not live. backend: the pid
-        the statement that took the lock ran on (asked now when not given)."""
-        if backend is None:
-            backend = self._call(handle, "SELECT pg_backend_pid()", ())
-        if backend != handle.backend_pid:
-            raise GateUnavailable("the lane store connection goes through a transaction-mode "
-                                  "pooler (backend pid changed); connect to PostgreSQL directly")
-        record, handle.claimed = self._unreleased(handle)
-        handle.outlived = outlived.running_command(record)
-        if handle.outlived is not None and handle.taken is not None:
-            handle.taken.queue = None   # the look comes after that command's end: read then
-        return True
-
-    def _unreleased(self, handle: PgHandle) -> tuple[dict | None, float | None]:
-        """The lane's row when its turn never released, in one query (a row only then, so the
-        usual hand-off reads nothing back): (its record when the turn was this machine's -- it
-        was killed, its command may run on --, the seconds left of its claim when it held the
-        lane as the server went down: outage.CLAIM_GRACE from the server's start).
-        handle.unreleased: that turn's record (with its fence) when this take stands -- no claim
-        holds it off: the lane was taken from a turn that never let it go (lost, or killed)."""
-        from ...facts import hostname
-        from .handoff import NOT_READ, UNRELEASED
-
-        handle.unreleased = None
-        taken = handle.taken
-        if taken is not None and taken.row is not NOT_READ:   # read with the try (handoff.py)
-            row, taken.row = taken.row, NOT_READ
-        else:
-            try:
-                with handle.conn.cursor() as cursor:
-                    cursor.execute(UNRELEASED, (hostname(), outage.CLAIM_GRACE, handle.key[1]))
-                    row = cursor.fetchone()
-            except driver().Error:
-                return None, None   # no holder table (records only label turns): none to wait for
-        if row is None:
-            return None, None
-        record, here, claim = row
-        claim = claim if claim is not None and claim > 0 else None
-        if claim is not None and here and _ended_here(record):
-            claim = None   # its turn died on this host: nothing will take the lane back
-        if claim is None and isinstance(record, dict):
-            handle.unreleased = record
-        return record if here and isinstance(record, dict) else None, claim
+        """The session is ours and the lane's row lets this take stand (taken.py)."""
+        return taken.same_session(self, handle, backend)
 
     def release(self, handle: PgHandle, count: dict | None = None) -> None:
         local = handle.local
@@ -591,9 +471,9 @@ class PgStore(LaneStore):
         # one counts (the hand-off waits for no bookkeeping), and it is counted before release
         # returns.
         if count is not None and handle.conn is not None:
-            self._add_count(handle.conn, handle.lane, dict(count))
+            records.add_count(handle.conn, handle.lane, dict(count))
         elif count is not None and not self._unreachable:   # a waiter that never connected
-            self._count_apart(handle.lane, dict(count))
+            records.count_apart(self, handle.lane, dict(count))
         handle.close()
         if local is not None:
             local.close()
@@ -606,112 +486,18 @@ class PgStore(LaneStore):
         except GateUnavailable:
             return True   # nothing to wait for that can be seen
 
-    def _count_apart(self, lane: str, count: dict) -> None:
-        try:
-            with shared.asking(self, f"lanelock count {lane}", False) as (conn, _):
-                self._add_count(conn, lane, count)
-        except GateUnavailable:
-            return
-
     def count(self, lane, outcome: str, **facts) -> None:
-        self._count_apart(lane.name, dict(facts, outcome=outcome))
-
-    def _add_count(self, conn, lane: str, count: dict) -> None:
-        """Read, add, write in one transaction with the row locked: concurrent turns add up."""
-        from .. import counts
-
-        psycopg = driver()
-        try:
-            with conn.transaction(), conn.cursor() as cursor:
-                cursor.execute("INSERT INTO lanelock_counts (lane, counts) VALUES (%s, %s) "
-                               "ON CONFLICT (lane) DO NOTHING", (lane, json.dumps(counts.empty())))
-                cursor.execute("SELECT counts FROM lanelock_counts WHERE lane = %s FOR UPDATE",
-                               (lane,))
-                row = cursor.fetchone()
-                data = counts.merge(row[0] if row else None, **count)
-                cursor.execute("UPDATE lanelock_counts SET counts = %s WHERE lane = %s",
-                               (json.dumps(data), lane))
-        except psycopg.Error:
-            pass   # metrics only: a turn never warns about a count
+        records.count_apart(self, lane.name, dict(facts, outcome=outcome))
 
     def counts(self, facts) -> dict:
-        from .. import counts
+        return records.counts_of(self, facts)
 
-        # Counts that cannot be read are unknown, never 0: a 0 would read as a reset to Prometheus
-        # (and the next scrape's total as that many new turns).
-        try:
-            with shared.asking(self, "lanelock metrics", False) as (conn, _):
-                row = conn.execute("SELECT counts FROM lanelock_counts WHERE lane = %s",
-                                   (facts.lane,)).fetchone()
-        except GateUnavailable as error:
-            return dict(counts.unknown(), problem=str(error))
-        except driver().Error as error:
-            return dict(counts.unknown(), problem=f"lane store counts: {first_line(error)}")
-        return dict(counts.merge(row[0] if row else None, outcome=None), problem=None)
-
-    # -- holder record and events ------------------------------------------------------------
+    # -- holder record and events (records.py) -----------------------------------------------
     def write_holder(self, handle: PgHandle, record: dict) -> None:
-        """The turn's row. Its generation (the fence) grows by one when a turn other than the
-        row's last one writes it -- counted in the server, in the statement that writes the row,
-        under the lane's lock: no two turns can have the same one, and a later turn always has a
-        larger one. The same turn writing again (its command, ^Z, a regained lane, its release)
-        keeps its fence. handle.fence is the row's generation afterwards."""
-        from .handoff import flush_leave, with_leave
-
-        # A watched hold is leased from its first write, its session's idle limit set in the
-        # same round trip (lease.py): a link lost before the watch's first renewal was answered
-        # still leaves the holder a deadline it knows, the row says it, and the server ends the
-        # session.
-        front = []
-        if lease.WATCHED and not handle.lease:
-            handle.lease, front = lease.LEASE, lease.arming(handle.conn)
-        params = holder_params(handle, record)
-        psycopg = driver()
-        sent = time.monotonic()   # the row's updated_at renews a lease too (lease.py)
-        try:
-            with handle.conn.cursor() as cursor:
-                handle.fence = None
-                if not fenced(handle.conn):
-                    # Tables of an earlier lanelock this role may not alter (ensure_schema left
-                    # them as they are): the record is written, without a fence.
-                    flush_leave(handle)
-                    for sql, values in front:
-                        cursor.execute(sql, values)
-                    cursor.execute(WRITE_UNFENCED, params)
-                else:
-                    try:   # the queue left by a turn that took the lane, in the same round trip
-                        handle.fence = with_leave(handle, WRITE_FENCED, params, front)
-                    except psycopg.errors.UndefinedColumn:   # the column dropped since: the same
-                        flush_leave(handle)
-                        cursor.execute(WRITE_UNFENCED, params)
-            if handle.lease:
-                handle.lease_from = sent
-        except psycopg.Error as error:
-            flush_leave(handle)
-            raise RecordNotWritten(f"lane store: {first_line(error)}") from None
+        records.write_holder(handle, record)
 
     def holder_row(self, conn, key, lane) -> tuple[dict | None, str | None]:
-        try:
-            with conn.cursor() as cursor:
-                # to_jsonb: the generation of tables an earlier lanelock made has no column
-                cursor.execute("SELECT lane, record, backend_pid, "
-                               "(to_jsonb(held)->>'generation')::bigint "
-                               "FROM lanelock_holders AS held WHERE key2 = %s", (key[1],))
-                row = cursor.fetchone()
-        except Exception as error:
-            return None, f"holder row unreadable: {first_line(error)}"
-        if row is None:
-            return None, NO_ROW
-        row_lane, record, backend, generation = row
-        if row_lane != lane:
-            return None, (f"{COLLISION}: lane {lane!r} and lane {row_lane!r} hash to "
-                          f"the same key {key}; one of them must change its name")
-        if not isinstance(record, dict):
-            return None, "holder row is not a JSON object"
-        record = dict(record, backend_pid=backend)
-        if generation:   # 0: written by a lanelock before fences (the column's default)
-            record["fence"] = generation
-        return record, None
+        return survey.holder_row(conn, key, lane)
 
     def write_release(self, handle: PgHandle, full_record, fields: dict) -> None:
         """The release's row is written with the unlock, committed before it, in one round trip
@@ -724,126 +510,18 @@ class PgStore(LaneStore):
         handle.releasing = Releasing({**full_record(), **fields})
 
     def append_event(self, handle: PgHandle, *events: dict) -> None:
-        if handle.releasing is not None:   # the release's events, written with its row
-            handle.releasing.events.extend(events)
-            return
-        rows = [(handle.lane, event.get("ts", time.time()), json.dumps(event)) for event in events]
-        # One statement, one round trip however many events, in their order. Not pipelined: a
-        # pipeline's closing Flush leaves the server's session without its idle limit
-        # (idle_session_timeout is armed only as it says it is ready for a query), and this is
-        # a holder's last word before its watch renews (lease.py).
-        try:
-            self._call(handle, "INSERT INTO lanelock_events (lane, ts, event) VALUES " +
-                       ", ".join(["(%s, %s, %s)"] * len(rows)),
-                       [value for row in rows for value in row], fetch=False)
-        except GateUnavailable as error:
-            raise RecordNotWritten(str(error)) from None
+        records.append_event(self, handle, *events)
 
     def events(self, lane, since: float | None) -> tuple:
-        with shared.asking(self, f"lanelock history {lane.name}") as (conn, _):
-            with conn.cursor() as cursor:
-                cursor.execute("SELECT event FROM lanelock_events WHERE lane = %s AND ts >= %s "
-                               "ORDER BY ts, id", (lane.name, since if since is not None else 0.0))
-                rows = cursor.fetchall()
-        events = [row[0] for row in rows if isinstance(row[0], dict)]
-        return events, len(rows) - len(events)
+        return records.events(self, lane, since)
 
+    # -- inspection (survey.py) ----------------------------------------------------------------
     def survey(self, lane=None, handle=None) -> list:
-        """Facts for one lane (or every lane the store knows): pg_locks joined with
-        pg_stat_activity is the truth; the holder row only labels it. handle: read through the
-        turn's own connection (a deflection asks on the busy path: no second connection)."""
-        # a handle with no session (a waiter behind another of its host): a short one of its own
-        # (the process's shared one in a proxy: shared.py)
-        if handle is None or lane is None or handle.conn is None:
-            with shared.asking(self, "lanelock status") as (conn, _):
-                return self._survey(conn, lane)
-        return self._survey(handle.conn, lane)
-
-    def _survey(self, conn, lane) -> list:
-        try:
-            lanes = self._lanes(conn) if lane is None else [lane.name]
-            return [self._facts(conn, name) for name in lanes]
-        except driver().Error as error:
-            raise GateUnavailable(f"lane store {redact(self.dsn)}: {first_line(error)}") from None
+        """Facts for one lane (or every lane the store knows): survey.py."""
+        return survey.survey(self, lane, handle)
 
     def lane_names(self) -> list[str]:
-        with shared.asking(self, "lanelock status") as (conn, _):
-            try:
-                return self._lanes(conn)
-            except driver().Error as error:
-                raise GateUnavailable(f"lane store {redact(self.dsn)}: "
-                                      f"{first_line(error)}") from None
-
-    @staticmethod
-    def _lanes(conn) -> list[str]:
-        with conn.cursor() as cursor:
-            cursor.execute("SELECT DISTINCT lane FROM lanelock_holders ORDER BY lane")
-            return [row[0] for row in cursor.fetchall()]
-
-    def _facts(self, conn, lane: str) -> LaneFacts:
-        """The lane's facts (seat 1's), with its count and every other seat's (seats.py): 2..the
-        count, and a seat past it while held."""
-        from . import seats
-
-        facts = self._seat_facts(conn, lane)
-        facts.seats, top = seats.survey_count(conn, lane)
-        for seat in range(2, top + 1):
-            other = self._seat_facts(conn, lane, seat)
-            if seat <= facts.seats or other.held:
-                facts.other_seats.append(other)
-        return facts
-
-    def _seat_facts(self, conn, lane: str, seat: int = 1) -> LaneFacts:
-        from .seats import seat_key
-
-        key = seat_key(lane, seat)
-        facts = LaneFacts(lane, self.locator(lane) if seat == 1 else
-                          f"{redact(self.dsn)}#advisory({key[0]},{key[1]})")
-        facts.seat = seat
-        facts.kernel_source = "pg_locks"
-        facts.bound = BOUND
-        with conn.cursor() as cursor:
-            rows = _lockers(cursor, key)
-        for pid, granted, app, addr in rows:
-            entry = {"pid": pid, "command": f"{app or '?'} from {addr or 'local socket'}",
-                     "lanelock": bool(app and app.startswith("lanelock"))}
-            (facts.holders if granted else facts.waiters).append(entry)
-        facts.held = bool(facts.holders)
-        if seat > 1:   # the lane's queue is seat 1's facts'
-            return self._row_facts(conn, facts, key, lane)
-        try:
-            facts.queue = pg_queue.describe(conn, lane, self.aging)
-        except driver().Error:
-            facts.queue = []   # no queue table (no CREATE privilege): nobody queues here
-        from . import hostqueue
-
-        # the waiters of this host still on its host lane (only its head is in the server's)
-        try:
-            heads = {entry.facts.get("entry") for entry in pg_queue.live(conn, lane)}
-        except driver().Error:
-            heads = set()
-        facts.queue = hostqueue.merged(facts.queue, hostqueue.local_rows(
-            self._root().path, self.dsn, lane, self.aging, heads))
-        return self._row_facts(conn, facts, key, lane)
-
-    def _row_facts(self, conn, facts: LaneFacts, key, lane: str) -> LaneFacts:
-        """The facts of the seat's holder row (who holds, or held last)."""
-        from ...facts import hostname
-        from ..record_facts import read_record
-
-        record, problem = self.holder_row(conn, key, lane)
-        facts.record, facts.record_problem = record, problem
-        facts.record_absent = problem == NO_ROW
-        facts.collision = bool(problem and problem.startswith(COLLISION))
-        facts.exists = record is not None or facts.held or facts.collision
-        if record is None:
-            return facts
-        facts.matches = facts.held and record.get("backend_pid") == facts.holders[0]["pid"]
-        if not facts.matches and facts.held:
-            facts.store_stale = "the holder row describes an earlier turn"
-        # another host's turn is alive while its session holds the lane: not alive here
-        read_record(facts, record, record.get("hostname") == hostname())
-        return facts
+        return survey.lane_names(self)
 
     def event_handle(self, lane, again: bool = False) -> PgHandle | None:
         """A connection of its own for an event no lock handle carries (an abandoned wait, a
@@ -874,7 +552,7 @@ class PgStore(LaneStore):
                 cursor.execute("SELECT pg_try_advisory_lock(%s, %s)", key)
                 if cursor.fetchone()[0]:
                     return PgHandle(conn, lane.name, key, 0), None
-                names = [app for _, granted, app, _ in _lockers(cursor, key) if granted and app]
+                names = [app for _, granted, app, _ in survey.lockers(cursor, key) if granted and app]
             conn.close()
             return None, (names[0].removeprefix("lanelock witness ") if names
                           else "another session")
@@ -888,7 +566,7 @@ class PgStore(LaneStore):
         a partition) is handle.cut_off: the server's keepalives end the session within the same
         bound, so the lane is someone else's to take even while the server cannot be asked
         (outage.retake)."""
-        handle.cut_off = _timed_out(handle.fd)
+        handle.cut_off = timed_out(handle.fd)
         try:
             self._call(handle, "SELECT 1", ())
             return False
@@ -912,57 +590,3 @@ class PgStore(LaneStore):
                 return cursor.fetchone()[0] if fetch else None
         except psycopg.Error as error:
             raise GateUnavailable(f"lane store: {first_line(error)}") from None
-
-
-def _lockers(cursor, key: tuple[int, int]) -> list[tuple]:
-    """[(backend pid, granted, application_name, client address)] of the sessions holding or
-    waiting for an advisory key (two-int form)."""
-    cursor.execute(
-        "SELECT l.pid, l.granted, a.application_name, host(a.client_addr) FROM pg_locks l "
-        "LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
-        "AND l.classid = %s AND l.objid = %s AND l.objsubid = 2",
-        (key[0] & 0xFFFFFFFF, key[1] & 0xFFFFFFFF))
-    return cursor.fetchall()
-
-
-def _ended_here(record) -> bool:
-    """Has the turn of this host a holder row names ended (its process gone, or another process
-    since under its pid)? A lease or a restart's claim keeps the lane for a holder that can
-    still take it back, never for one that is gone."""
-    from ...proc import start_ticks
-
-    if not isinstance(record, dict) or not isinstance(record.get("pid"), int):
-        return False
-    ticks = record.get("start_ticks")
-    now = start_ticks(record["pid"])
-    return now is None or (ticks is not None and now != ticks)
-
-
-def _timed_out(fd: int | None) -> bool:
-    """Did the session's socket fail because the link gave up (ETIMEDOUT: keepalives or
-    tcp_user_timeout; no route or network on the way), rather than being closed by the server?"""
-    import errno
-    import socket
-
-    given_up = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN,
-                errno.ENETDOWN)
-
-    if fd is None:
-        return False
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return False
-    try:
-        return sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) in given_up
-    except OSError:
-        return False
-    finally:
-        sock.close()
-
-
-def _socket(conn) -> int | None:
-    try:
-        return conn.pgconn.socket
-    except Exception:  # psycopg internals: without the socket we only cannot watch for loss
-        return None
