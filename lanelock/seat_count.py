@@ -42,6 +42,7 @@ def set_count(place, count: int) -> dict:
         was = None
     place.store.make_seats(place.lane, count)   # the seats first: no count without its seats
     place.store.keep(key(place.lane.name), None if count == 1 else count)
+    place.store.forget_seats(place.lane, count)   # after the count: see store.forget_seats
     return {"lane": place.lane.name, "seats": count, "was": was}
 
 

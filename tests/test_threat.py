@@ -462,9 +462,10 @@ while True:
 def test_status_all_looks_at_a_bounded_number_of_engines_on_this_machine_only(lock_dir, procs,
                                                                             lanelock):
     """Anyone can make lanes (lock files) in the shared root: 3,000 named for hosts elsewhere
-    and 20 for local ports. `status --all` lists them all, reaches no other host, and looks at
-    no more than ALL_ENGINE_LOOKS local engines (before: it resolved and asked every one)."""
-    from lanelock.inspection.status import ALL_ENGINE_LOOKS
+    and 20 for local ports, made last. `status --all` judges the ALL_LANES made last (saying in
+    one line how many more there are), reaches no other host, and looks at no more than
+    ALL_ENGINE_LOOKS local engines (before: it resolved and asked every one)."""
+    from lanelock.inspection.status import ALL_ENGINE_LOOKS, ALL_LANES
 
     listeners = procs.start([sys.executable, "-c", LISTENERS, "20"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
@@ -476,7 +477,8 @@ def test_status_all_looks_at_a_bounded_number_of_engines_on_this_machine_only(lo
         (lock_dir / f"localhost-{port}.lock").touch()
     done = lanelock("status", "--all", "--json", timeout=60)
     lanes = json.loads(done.stdout)["lanes"]
-    assert len(lanes) == 3020
+    assert len(lanes) == ALL_LANES
+    assert f"{3020 - ALL_LANES} more lanes not listed" in done.stderr, done.stderr
     far = [lane for lane in lanes if lane["lane"].startswith("10.")]
     assert all("looks only at engines on this machine" in lane["engine"]["problem"]
                for lane in far), far[0]
@@ -484,6 +486,7 @@ def test_status_all_looks_at_a_bounded_number_of_engines_on_this_machine_only(lo
     asked = read_line(listeners.stdout).split()
     assert 0 < len(asked) <= ALL_ENGINE_LOOKS, asked
     near = [lane for lane in lanes if lane["lane"].startswith("localhost:")]
+    assert len(near) == 20
     assert sum("at most" in (lane["engine"]["problem"] or "") for lane in near) \
         == len(near) - ALL_ENGINE_LOOKS
 

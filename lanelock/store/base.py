@@ -180,6 +180,10 @@ class LaneStore(ABC):
         who may set it (GateUnavailable when it cannot be). Default: nothing (a store whose seats
         are rows)."""
 
+    def forget_seats(self, lane, count: int) -> None:
+        """Once a count is kept: whatever the seats past it need no more, forgotten where no turn
+        holds them (one still held keeps new turns out until it lets go). Default: nothing."""
+
     def keep(self, name: str, value) -> None:
         """Keep value under name (None: forget it) for every process that reads this store.
         GateUnavailable when it cannot be written. Default: a store that keeps none."""

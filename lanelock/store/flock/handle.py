@@ -13,7 +13,7 @@ from . import seats, sidecar
 class Handle(LockHandle):
     __slots__ = ("dir_fd", "fd", "name", "st", "caveat", "stem", "journal_fd", "record", "locked",
                  "queue", "asker", "outlived", "refused", "split", "seat", "seats", "past",
-                 "lane_st", "seat_refused", "record_fd")
+                 "lane_st", "seat_refused", "record_fd", "lane")
 
     def __init__(self, dir_fd: int, fd: int | None, name: str, st: os.stat_result | None,
                  caveat: str | None = None, stem: str = ""):
@@ -35,6 +35,7 @@ class Handle(LockHandle):
         self.lane_st: os.stat_result | None = None
         self.seat_refused: list[str] = []   # seats this turn found planted (their reasons)
         self.record_fd: int | None = None   # the record, opened writable as the lock was taken
+        self.lane: str | None = None   # the lane's name, once its count was read (taking.count)
 
     @property
     def exists(self) -> bool:

@@ -23,7 +23,7 @@ from ... import say
 from ...errors import GateCrowded, GateUnavailable, RecordNotWritten, crowded
 from ...paths import Root, creation_problem, open_root
 from ...priority import CLASSES, DEFAULT_AGING, DEFAULT_RANK
-from .. import order
+from .. import order, seating
 # survey up front too: a deflecting turn names its holder through it, and at a low open-file
 # limit a module imported mid-turn is a descriptor it may not get (EMFILE: the proxy's 500).
 from . import interrupt, journal, lock_file, queue, seats, sidecar, survey, taken, taking, waiting
@@ -107,8 +107,8 @@ class FlockStore(LaneStore):
         no turn ever makes a seat's files, so no turn's user owns them."""
         from . import kept
 
-        if count <= 1:   # one seat: nothing to make; the seats made before stay kept (made():
-            return       # one still held past the count keeps new turns out until it lets go)
+        if count <= 1:   # one seat: nothing to make (forget_seats: the seats made before)
+            return
         dir_fd = open_root(self.root, create=True)
         try:
             kept.may_set(dir_fd)
@@ -124,6 +124,33 @@ class FlockStore(LaneStore):
             raise GateUnavailable(f"cannot make the seats of {lane.name} in "
                                   f"{self.path(seats.folder(lane.stem))}: "
                                   f"{error.strerror or error}") from None
+        finally:
+            os.close(dir_fd)
+
+    def forget_seats(self, lane, count: int) -> None:
+        """The seats past the count nobody holds now, forgotten (kept seat-files: a turn and
+        `status` look at no others; a lane of one seat then looks at none). Asked after the new
+        count is kept: a turn that read the old count and takes a seat past the new one after
+        this look finds the new count as it takes it (taking.FlockSeats) and lets it go; one
+        that took it before is held here, and kept."""
+        from . import kept
+
+        try:
+            dir_fd = open_root(self.root, create=False)
+        except (OSError, GateUnavailable):
+            return
+        try:
+            values = kept.read(dir_fd) or {}
+            files = values.get(seats.files_key(lane.name))
+            if not isinstance(files, dict):
+                return
+            still = {number: inode for number, inode in files.items()
+                     if (seat := seating.seat_number(number)) is not None
+                     and (seat <= count or seats.held(dir_fd, lane.stem, seat))}
+            if still != files:
+                kept.write(dir_fd, seats.files_key(lane.name), still or None)
+        except (kept.Untrusted, OSError):
+            pass   # the map stays as it was: more seats looked at, never fewer
         finally:
             os.close(dir_fd)
 

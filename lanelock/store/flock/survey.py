@@ -211,15 +211,36 @@ def _moved_seat(root: str, lane: str, seat: int, path: str) -> str | None:
                 return None   # still there: planted otherwise, not moved
         except OSError:
             pass
-        pid = inode_holder(os.fstat(dir_fd).st_dev, inode)
+        device = os.fstat(dir_fd).st_dev
+        pid = inode_holder(device, inode)
     finally:
         os.close(dir_fd)
-    if pid is None:
+    if pid is None or _reused(pid, device, inode, os.path.join(root, path.split(".seats/")[0])):
         return None
     command = proc.describe_process(pid)["command"][:120]
     return (f"{path} was moved or removed under its holder pid {pid} ({command}; inode "
             f"{inode}): the lane is split; the seat is that holder's until it ends, then set "
             "the count again (lanelock seats)")
+
+
+def _reused(pid: int, device: int, inode: int, stem_path: str) -> bool:
+    """Is the flocked inode the seat file was made with now another of the lane's own files (its
+    number reused once the seat file was removed: seat 1's lock file, a queue entry), as the
+    holder's open descriptor names it? Then no seat file was moved under a holder."""
+    fds = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(fds)
+    except OSError:
+        return False   # another user's process, to a non-root reader: not known
+    for name in names:
+        try:
+            st = os.stat(os.path.join(fds, name))
+            target = os.readlink(os.path.join(fds, name))
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (device, inode):
+            return target == f"{stem_path}.lock" or target.startswith(f"{stem_path}.queue/")
+    return False
 
 
 def _seat_planted(root: str, lock: str, seat: int) -> str | None:

@@ -32,6 +32,7 @@ def count(store, handle, lane) -> None:
         values = {}
     if values is None:   # nothing was ever kept: no seats, no folder to look in
         return
+    handle.lane = lane.name
     handle.seats, problem = seating.reckon(values.get(seating.key(lane.name)), lane.name)
     if problem:
         store.seat_warning(f"{store.path(kept.NAME)}: {problem}")
@@ -63,7 +64,7 @@ class FlockSeats(Medium):
                     break
             else:
                 raise store.keeps_being_replaced(handle)
-            if ours:
+            if ours and self._counted(seat):
                 return seat
         return None
 
@@ -102,7 +103,29 @@ class FlockSeats(Medium):
             return None
         self.store.on_seat(self.handle, busy[got], opened[got].fd)
         opened[got].fd = None
-        return busy[got]
+        return busy[got] if self._counted(busy[got]) else seating.AGAIN
+
+    def _counted(self, seat: int) -> bool:
+        """A seat >= 2 just taken: is it within the count as kept now? A count made smaller
+        since this turn read it may have had its seats past it forgotten (store.forget_seats,
+        which asks who holds them after the new count is kept): such a seat is let go, and the
+        handle takes the count as it is now."""
+        handle = self.handle
+        if seat <= 1 or handle.lane is None:
+            return True
+        from . import kept
+
+        try:
+            values = kept.read(handle.dir_fd) or {}
+        except (kept.Untrusted, OSError):
+            values = {}
+        count = seating.reckon(values.get(seating.key(handle.lane)), handle.lane)[0]
+        if seat <= count:
+            return True
+        handle.seats = count
+        handle.past = tuple(other for other in seats.made(values, handle.lane) if other > count)
+        self.store.hand_on(handle)
+        return False
 
     def _openable(self, numbers: list) -> tuple:
         """(the seats, their files) that can be waited on: a seat whose file is planted
