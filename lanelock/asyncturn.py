@@ -74,7 +74,7 @@ async def acquire(turn):
         await asyncio.shield(done)
     except asyncio.CancelledError:
         steps.stop_waiting()
-        await _finished(done)
+        await finished(done)
         steps.give_back()   # a lock the wait got too late goes back unrecorded
         await release(turn, None)
         raise
@@ -83,11 +83,35 @@ async def acquire(turn):
     if not turn.gate.store.blocking_io:
         return steps.record()
     try:
-        await _finished(asyncio.ensure_future(asyncio.to_thread(steps.record)))
+        await finished(asyncio.ensure_future(asyncio.to_thread(steps.record)))
     except asyncio.CancelledError:
         await release(turn, None)
         raise
     return turn
+
+
+def held_unrecorded(turn) -> bool:
+    """A free lane of one seat, taken for this task on the loop: True when the turn holds it
+    (Acquisition.hold()), its record and journal not yet written -- turn.acquisition.record()
+    writes them, and the release does if nothing did. False, nothing taken and nothing
+    recorded: the lane is busy or has seats, or the store is not the local flock store, or the
+    gate is off or broken -- take a new turn as usual (it records what it finds)."""
+    from .errors import GateUnavailable, WouldBlock
+    from .turn.states import HELD
+
+    gate, steps = turn.gate, turn.acquisition
+    if gate.store.blocking_io or gate.config_error or not gate.gated:
+        return False
+    steps.begin(_owner())
+    try:
+        if steps.try_first(try_only=True, seats=False) is None and \
+                steps.decision is not None and steps.decision.state == HELD:
+            steps.hold()
+            return True
+    except (WouldBlock, GateUnavailable):
+        pass
+    steps.give_back()
+    return False
 
 
 async def _take_without_a_thread(turn) -> None:
@@ -115,7 +139,7 @@ async def _off_loop(function, *args):
     """function(*args) in the loop's thread pool; a cancellation waits for it to end, then
     propagates (so what it took is known and let go)."""
     future = asyncio.ensure_future(asyncio.to_thread(function, *args))
-    await _finished(future)
+    await finished(future)
     return future.result()
 
 
@@ -124,7 +148,7 @@ async def release(turn, exit_status, ended: str | None = None) -> None:
     awaiting task does not stop it. ended: as Turn.release's."""
     if turn.state is None:
         return
-    await _finished(asyncio.ensure_future(asyncio.to_thread(turn.release, exit_status,
+    await finished(asyncio.ensure_future(asyncio.to_thread(turn.release, exit_status,
                                                             ended=ended)))
 
 
@@ -132,7 +156,7 @@ async def settle(turn, outcome: str | None = None) -> None:
     """turn.settle() off the loop: counting is store work (a lock on the counts file, a
     PostgreSQL round trip) that must not stall the other tasks."""
     if turn.unsettled:
-        await _finished(asyncio.ensure_future(asyncio.to_thread(turn.settle, outcome)))
+        await finished(asyncio.ensure_future(asyncio.to_thread(turn.settle, outcome)))
 
 
 def _settle(future, result, error) -> None:
@@ -144,7 +168,7 @@ def _settle(future, result, error) -> None:
         future.set_result(result)
 
 
-async def _finished(future) -> None:
+async def finished(future) -> None:
     """Wait for future to finish even if this task is cancelled meanwhile (then re-raise)."""
     cancelled = False
     while not future.done():

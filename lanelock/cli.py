@@ -234,7 +234,10 @@ def status(backend, lock_dir, model, key_by, store, all_lanes, json_, watch):
         except KeyboardInterrupt:
             return exitcodes.OK
     results = fetch()
+    from .inspection.status import left_out_note
     from .models_command import add_to_status, status_lines
+
+    notes += left_out_note(gate.store) if all_lanes else []
 
     shown = add_to_status(gate.store, results)
     render.status(results, json_, notes=notes, none=no_lanes(gate))
@@ -369,7 +372,9 @@ def metrics(backend, lock_dir, model, key_by, store, all_lanes, textfile):
     for note in lane_notes(gate, all_lanes):
         render.warn(note)
     scraped = lanes_fetch(gate.store, None if all_lanes else gate.lane)()
-    for note in counts_problems(scraped[0]):
+    from .inspection.status import left_out_note
+
+    for note in (left_out_note(gate.store) if all_lanes else []) + counts_problems(scraped[0]):
         render.warn(note)
     data = exposition(LaneCollector(lambda: scraped))
     if textfile is None:

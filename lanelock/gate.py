@@ -285,6 +285,8 @@ class Turn:
         if self.nested:
             self.state = RELEASED
             return
+        if self.acquisition.unwritten is not None:   # held (hold()) and not yet recorded
+            self.acquisition.record()
         handle = self.handle
         duration = round(time.monotonic() - self.record.started, 6)
         if not self.lost:   # a lost lane already belongs to someone else: leave its record alone

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
+import socket
 import subprocess
 import sys
 
@@ -14,7 +16,9 @@ import pytest
 
 from support.cli import TIMEOUT
 from support.engine import Engine
-from support.proxy import Proxy, chat_body, history
+from support.other_users import two_users  # noqa: F401 - a fixture
+from support.processes import read_line
+from support.proxy import Proxy, chat_body, history, lock_path
 
 pytest.importorskip("aiohttp")
 
@@ -123,3 +127,53 @@ def test_the_names_kept_per_connection_are_bounded_and_never_outlive_their_conne
     assert names.get(Transport()) is None
     names.put(first, (os.getpid(), -1, "me"))   # a process with this pid but another start
     assert names.get(first) is None
+
+
+def test_a_turn_forwarded_before_its_client_was_named_is_recorded_under_that_name(
+        procs, lanelock, lock_dir):
+    """On a free lane of one seat the request goes to the engine before its client is looked
+    up; the turn's holder record and its journal (acquired, then released) still carry the
+    client process's name, never the address it was taken under."""
+    engine = Engine(procs, delay=0.001)
+    proxy = Proxy(procs, engine.backend, "--no-witness")
+    pid, answers = agent(proxy.port, requests=1)
+    assert answers == [[200, "held"]]
+    record = json.loads(lock_path(lock_dir, engine).with_suffix(".json").read_text())
+    assert record["session"].endswith(f"/{pid}") and "@" in record["session"], record
+    assert "released_at" in record
+    events = [event for event in history(lanelock, engine.backend)
+              if event.get("event") in ("acquired", "released")]
+    assert [event["event"] for event in events] == ["acquired", "released"], events
+    assert {event["session"] for event in events} == {record["session"]}
+    assert events[0]["turn"] == events[1]["turn"] == record["turn"]
+    assert proxy.stop() == 0
+
+
+def test_a_clients_socket_is_looked_for_among_its_own_users_processes_only(procs, two_users,
+                                                                           monkeypatch):
+    """Who holds a client's socket (the turn's askers on a lane with a seat held, a client's
+    name) is looked for among the processes of the socket's user: another user's processes
+    are skipped without their descriptors being read, however many there are."""
+    from lanelock.proxy import socket_owner
+
+    mallory, _ = two_users
+    crowd = [procs.start(["setpriv", f"--reuid={mallory}", "--regid=nogroup", "--clear-groups",
+                          "sh", "-c", "echo ready; exec sleep 3600"], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE) for _ in range(8)]
+    for sleeper in crowd:   # each runs as mallory once it says so
+        assert read_line(sleeper.stdout).strip() == "ready"
+    uid = pwd.getpwnam(mallory).pw_uid
+    assert all(os.stat(f"/proc/{sleeper.pid}").st_uid == uid for sleeper in crowd)
+    read = []
+    holds = socket_owner._holds
+    monkeypatch.setattr(socket_owner, "_holds",
+                        lambda pid, *args: read.append(pid) or holds(pid, *args))
+    with socket.create_server(("127.0.0.1", 0)) as server, \
+            socket.create_connection(server.getsockname(), timeout=TIMEOUT) as client:
+        accepted, peer = server.accept()
+        with accepted:
+            found = socket_owner.owners(peer, accepted.getsockname())
+    assert found == [os.getpid()]
+    assert read and not {sleeper.pid for sleeper in crowd} & set(read)
+    for sleeper in crowd:
+        sleeper.kill()

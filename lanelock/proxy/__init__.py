@@ -28,6 +28,8 @@ same store, same records) while the engine answers; a busy lane sends it to the 
 - request_model.py   where a request names its model, read as the engine reads it;
 - engine_names.py    models as the engine names them (llama-swap's paths, Ollama's spellings);
 - app.py             the routes' handlers: lane, linger, fallbacks, busy answer, 502;
+- recording.py       a request forwarded on a free lane before its turn is recorded: the record
+                     and journal (and its client's name) written once it has gone;
 - traffic.py         the in-flight count and the -v line (middleware);
 - listener.py        the listening socket: connections capped, slow and idle ones closed;
 - logs.py            trouble said once per incident (aiohttp's and asyncio's lines too);

@@ -9,7 +9,10 @@ chain, then 502. The holder's own request without turn.headers is told so at onc
 (handover.py). Every answer to a gated request says X-Lanelock-State, the class and wait
 applied, and X-Lanelock-Reason when deflected, busy or down. Linger keeps the lane for the same
 session between its requests, so an agent's tool-call loop keeps the engine's cache of its
-conversation. A request's state travels as one proxied.Proxied, handed from step to step.
+conversation. The first byte waits only for what decides: on a free lane of one seat the lane is
+taken and the request forwarded at once, and the turn's record and journal -- and the name of
+a client that sent no session -- follow once it has gone, while the engine works (Recording).
+A request's state travels as one proxied.Proxied, handed from step to step.
 
 Never logged: Authorization headers, bodies, the fallback key.
 """
@@ -34,8 +37,9 @@ from .finishing import Finishing
 from .listener import HEADER_TIMEOUT, IDLE_TIMEOUT, MAX_CONNECTIONS
 from .logs import Incidents
 from .lost import REASON_LOST, Cut, LaneLost, ProxyWords, unwatch
-from .client_process import LATER, ClientProcess
+from .client_process import ClientProcess
 from .per_lane import Lanes
+from .recording import Recording, client_session, recorded
 from .request_model import Disagree
 from .proxied import CUT, REASON, SEAT, SLOT, STATE, Timing
 from .relay import Unreachable, error_response, relay, request_headers
@@ -156,8 +160,10 @@ class Proxy:
         if listener is not None:
             listener.reading(handler, True)
         try:
-            return await asyncio.wait_for(proxied.http.read(), self.options.header_timeout)
-        except asyncio.TimeoutError:
+            # A timeout scope, not wait_for: no task of its own per request (the first byte).
+            async with asyncio.timeout(self.options.header_timeout):
+                return await proxied.http.read()
+        except TimeoutError:
             return None
         finally:
             if listener is not None:
@@ -202,7 +208,6 @@ class Proxy:
                 max_wait=self.options.max_wait)
         except class_and_wait.Malformed as error:
             return self._refused(dialect, error)
-        applied = asked.headers()
         try:
             model = proxied.model = await self.lanes.model_of(upstream, proxied,
                                                               self._asking_headers(request))
@@ -211,21 +216,12 @@ class Proxy:
         lane = proxied.lane = self.lanes.of(model)
         gate = lane.gate
         client = ClientProcess(request, gate.lock_path)
-        session = proxied.session = (
-            request.headers.get(self.options.session_header) or dialect.session_of(proxied.fields)
-            or await _client_session(client) or proxied.remote)
-        if self.options.clients:   # the client's rule, when one matches (clients.py)
-            asked = proxied.asked = await self.options.clients.applied(
-                self.options, request.headers, session, client, asked)
-            applied = asked.headers()
-        # A turn of this session whose answer is ending lets its seat go first (finishing.py).
-        key = (gate.lane.name, session)
-        await self.finishing.wait(key)
-        reused = lane.linger.take(session)
+        given = request.headers.get(self.options.session_header) or \
+            dialect.session_of(proxied.fields)
         path = proxied.path[:200]
-        ended = []   # this request's turn, once the relay says its answer is ending
+        ended = []   # (session key, event): this request's turn, once its answer is ending
 
-        def new_turn(wait):
+        def new_turn(wait, session):
             return gate.turn(
                 session=session[:200], model=model and model[:200],
                 argv=[proxied.method, path], wait=wait,
@@ -233,37 +229,96 @@ class Proxy:
                 askers=_while_held(gate, client.askers), priority=asked.priority,
                 fallback=any(fallback.serves(dialect) for fallback in self.options.fallbacks))
 
-        turn = proxied.turn = reused.turn if reused else new_turn(asked.wait)
+        reused = turn = None
+        session = given
+        if session is None and self.options.clients:   # a rule may ask the session or program
+            session = await client_session(client) or proxied.remote
+        if session is not None:
+            asked, reused = await self._for_session(proxied, client, lane, session, asked)
+        if reused is None:
+            # Forward first: a free lane of one seat is taken for the request at once, and the
+            # request goes; its record and journal are written while the engine works
+            # (Recording). There a request's session decides nothing (no seat to keep for it,
+            # no turn of it lingering: that one would hold the lane), so a request that names
+            # none is taken under its address and named after its client's process meanwhile.
+            turn = new_turn(asked.wait, session or proxied.remote)
+            if not lane.seated and asyncturn.held_unrecorded(turn):
+                proxied.session = session or proxied.remote
+                proxied.recording = Recording(turn, proxied, client if session is None else None)
+            else:
+                turn = None
+                if session is None:   # busy, or seats: named first, then taken as any request
+                    session = await client_session(client) or proxied.remote
+                    asked, reused = await self._for_session(proxied, client, lane, session,
+                                                            asked)
+        applied = asked.headers()
+        if turn is None:
+            turn = reused.turn if reused else new_turn(asked.wait, session)
+        proxied.turn = turn
         timing = proxied.timing = Timing()
         try:
-            if reused is None:
+            if reused is None and proxied.recording is None:
                 self.waiting += 1
                 try:
-                    turn = proxied.turn = await _take(turn, new_turn, asked.wait)
+                    turn = proxied.turn = await _take(
+                        turn, lambda wait: new_turn(wait, proxied.session), asked.wait)
+                    if turn.acquisition.seated is not None:
+                        lane.seated = turn.acquisition.seated
                 except asyncio.CancelledError:
                     await _abandoned(turn)
                     timing.waited = turn.waited   # the -v line says how long it waited
                     raise
                 finally:
                     self.waiting -= 1
-                timing.waited = turn.waited
+            timing.waited = turn.waited
             timing.held_from(turn.state)
             if turn.state == HELD and not turn.nested:
                 self.failing = False
             if turn.state in (HELD, UNGATED, FAIL_OPEN):
                 return await self._held(upstream, proxied, reused, applied,
-                                        lambda: ended.append(self.finishing.begin(key)))
+                                        lambda: self._ending(proxied, ended))
             if turn.state == DEFLECTED:
                 return await self._deflected(upstream, proxied, client, applied)
             await _abandoned(turn)
             raise asyncio.CancelledError   # a cancelled wait: the client is gone
         finally:
+            cancelled = False
             try:
-                await self._end(lane, turn, session, proxied.status, reused,
+                await recorded(proxied)
+            except asyncio.CancelledError:   # cancelled again: the turn ends all the same
+                cancelled = True
+            try:
+                await self._end(lane, turn, proxied.session, proxied.status, reused,
                                 timing.held_until_now(), proxied.ended())
             finally:
-                for event in ended:
+                for key, event in ended:
                     self.finishing.done(key, event)
+            if cancelled:
+                raise asyncio.CancelledError
+
+    async def _for_session(self, proxied, client, lane, session: str, asked) -> tuple:
+        """(the class and wait, the turn lingering for it or None) of a request of session:
+        its client's rule's, when one matches (clients.py), once the turns of the session
+        whose answers are ending have ended -- their seats go first (finishing.py)."""
+        proxied.session = session
+        if self.options.clients:
+            asked = proxied.asked = await self.options.clients.applied(
+                self.options, proxied.http.headers, session, client, asked)
+        await self.finishing.wait((lane.gate.lane.name, session))
+        return asked, lane.linger.take(session)
+
+    def _ending(self, proxied, ended: list):
+        """The relay's word that this request's answer is ending (finishing.py), under its
+        session's key -- once a forward-first turn is named (then an awaitable: the relay
+        waits for the name before the answer's last bytes)."""
+        if proxied.recording is not None and not proxied.recording.done():
+            async def named():
+                await proxied.recording.wait()
+                self._ending(proxied, ended)
+            return named()
+        key = (proxied.lane.gate.lane.name, proxied.session)
+        ended.append((key, self.finishing.begin(key)))
+        return None
 
     async def _held(self, upstream, proxied, reused, applied, ending) -> web.StreamResponse:
         """The lane is this request's (or it goes ungated): relayed to the engine, watched for a
@@ -291,7 +346,8 @@ class Proxy:
                                body, forwarded, {STATE: turn.state, **seat, **slot, **fence,
                                                  **applied},
                                cut=cut, ending=ending if turn.state == HELD and not turn.nested
-                               else None)
+                               else None,
+                               sent=proxied.recording and proxied.recording.start)
         except Unreachable as error:
             await unwatch(watch)
             return await self._down(upstream, proxied, reused, error, applied)
@@ -395,6 +451,7 @@ class Proxy:
         goes at once (nothing runs on it, and no linger keeps it), then the fallback chain; 502
         naming each attempt when none is left."""
         turn = proxied.turn
+        await recorded(proxied)   # named and recorded before it is let go
         proxied.status = 502
         proxied.lane.linger.forget(reused)
         await asyncturn.release(turn, 502)
@@ -532,21 +589,6 @@ def _while_held(gate, askers):
         return [] if holding == 0 else askers()
 
     return asked
-
-
-async def _client_session(client) -> str | None:
-    """The session of the client's process (client_process.py): on the event loop when it is
-    a few system calls (the connection's name kept, or a recent client's process holding the
-    socket: a thread's start and wake-up would cost more), else off it; None when no thread
-    can be had (out of descriptors, even to import the pool: the gate then says crowded) --
-    the request is named by its address."""
-    session = client.session(scan=False)
-    if session is not LATER:
-        return session
-    try:
-        return await asyncio.to_thread(client.session)
-    except (OSError, RuntimeError):
-        return None
 
 
 async def _take(turn, new_turn, wait: float | None):

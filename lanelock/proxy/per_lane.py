@@ -36,10 +36,13 @@ MAX_LANES = 256    # model lanes kept built at once
 class Lane:
     """What the proxy keeps for one lane."""
 
-    __slots__ = ("gate", "linger", "retry_after", "chain")
+    __slots__ = ("gate", "linger", "retry_after", "chain", "seated")
 
     def __init__(self, gate, options, say):
         self.gate = gate
+        # The lane had seats when a turn last opened it: its requests are not forwarded
+        # before they are taken as any (app.py), which would open it twice.
+        self.seated = False
         self.linger = Linger(options.linger)
         self.retry_after = RetryAfter(gate)
         self.chain = Chain(gate, options, say)

@@ -32,7 +32,7 @@ class Proxied:
 
     __slots__ = ("http", "target", "path", "body", "_fields", "dialect", "model", "session",
                  "asked", "turn", "state", "status", "done", "cut", "timing", "fallback",
-                 "lane", "options", "seat", "slot", "own")
+                 "lane", "options", "seat", "slot", "own", "recording")
 
     def __init__(self, http):
         self.http = http
@@ -56,6 +56,8 @@ class Proxied:
         self.seat: int | None = None           # the seat a held request ran on
         self.slot: int | None = None           # the engine slot it was pinned to (--pin-slots)
         self.own = False                       # the proxy's own answer (own.py): not logged
+        # A forward-first turn's naming and record (app.py), under way while its request goes.
+        self.recording = None
 
     @property
     def method(self) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 from aiohttp import ClientError, web
+from aiohttp.payload import BytesPayload
 
 from ..handover import HEADER
 from .lost import CUT_WORDS, LaneLost
@@ -54,17 +55,19 @@ def response_headers(upstream) -> list:
 
 
 async def relay(session, proxied, url: str, body: bytes, headers: dict, extra: dict,
-                answer_within: float | None = None, cut=None, ending=None) -> web.StreamResponse:
+                answer_within: float | None = None, cut=None, ending=None,
+                sent=None) -> web.StreamResponse:
     """Send the request (proxied.Proxied) to url and stream the answer to the client; extra:
     headers of ours. What was relayed is written into proxied (status, state, done, cut) as it
     happens: the turn's record and the -v line read it even when the client hung up midway.
     answer_within: seconds for the answer's status line and headers (a fallback's bound; None
     for the local engine, which may think for minutes before a non-streamed answer). cut: the
     held request's lost.Cut -- LaneLost when it fires before the answer started; after, the
-    stream stops where it was (proxied.cut says why). ending: called once, just before the
-    bytes that end the answer are written -- the last of a Content-Length body, a stream's
-    terminal event, the chunked terminator -- so nothing the client does on the answer's end
-    comes before it."""
+    stream stops where it was (proxied.cut says why). ending: called once (what it returns
+    awaited, if anything), just before the bytes that end the answer are written -- the last of
+    a Content-Length body, a stream's terminal event, the chunked terminator -- so nothing the
+    client does on the answer's end comes before it. sent: called once the request has gone
+    (its body written to the connection; at once for a request without one)."""
     import asyncio
 
     from yarl import URL
@@ -74,9 +77,11 @@ async def relay(session, proxied, url: str, body: bytes, headers: dict, extra: d
     try:
         # encoded=True: the target goes out byte for byte as the client sent it (yarl would
         # otherwise resolve dot segments: the path judged must be the path forwarded).
+        if sent is not None and not body:
+            sent()
+        data = (Sent(body, sent) if sent is not None else body) if body else None
         context = session.request(request.method, URL(url, encoded=True), headers=headers,
-                                  data=body if body else None, allow_redirects=False,
-                                  skip_auto_headers=skip)
+                                  data=data, allow_redirects=False, skip_auto_headers=skip)
         entering = context.__aenter__()
         if cut is not None:
             entering = cut.entered(asyncio.ensure_future(entering))
@@ -120,11 +125,11 @@ async def relay(session, proxied, url: str, body: bytes, headers: dict, extra: d
                     left = None if left is None else left - len(chunk)
                     if left is not None and left <= 0 or whole((tail + chunk)[-TAIL:]):
                         ending, end = None, ending
-                        end()
+                        await _said(end)
                 await response.write(chunk)
                 tail = (tail + chunk)[-TAIL:]
             if ending is not None:
-                ending()
+                await _said(ending)
             await response.write_eof()
         except asyncio.CancelledError:
             # The client hung up (the handler is cancelled) -- an SDK closes a stream at its
@@ -150,7 +155,31 @@ async def relay(session, proxied, url: str, body: bytes, headers: dict, extra: d
         await context.__aexit__(None, None, None)
 
 
+class Sent(BytesPayload):
+    """A body that says when it has been written to the connection (sent())."""
+
+    def __init__(self, value: bytes, sent):
+        super().__init__(value)
+        self._sent = sent
+
+    async def write(self, writer) -> None:
+        await super().write(writer)
+        self._sent()
+
+    async def write_with_length(self, writer, content_length) -> None:
+        await super().write_with_length(writer, content_length)
+        self._sent()
+
+
 TAIL = 512   # bytes kept of a relayed answer's end: more than a terminal event takes
+
+
+async def _said(ending) -> None:
+    """ending() called; what it returns awaited, when it returns something (the session it
+    names is being looked up: app.py's forward-first turns)."""
+    waiting = ending()
+    if waiting is not None:
+        await waiting
 
 
 def whole(tail: bytes) -> bool:

@@ -3,8 +3,9 @@
 The socket first: its inode and owner uid, from the kernel in one round trip (sockdiag.py), or,
 where the kernel has no sock_diag for TCP, from /proc/net/tcp (tcp6) read up to the line sought.
 Then the process holding socket:[inode] among its descriptors: first the few processes that
-owned a client socket lately (a client opening a connection per request is found at the first
-look, whatever the number of processes on the machine), then -- only for a process not seen
+owned a client socket lately, each at the descriptor it was last found on first (a client
+opening a connection per request is found at the first look, mostly with one readlink,
+whatever the number of processes on the machine), then -- only for a process not seen
 before -- that uid's processes in /proc (a /proc/PID of another uid is skipped with one stat).
 The recent owners are a bounded list (RECENT), never a list that grows with the connections
 served; a remembered pid is only a place to look first (whoever holds the socket owns it).
@@ -22,7 +23,10 @@ from . import sockdiag
 
 RECENT = 32   # processes remembered as lately owning a client socket
 
-_recent: OrderedDict[int, None] = OrderedDict()   # pids, newest last
+# pids, newest last, each with the descriptor its client socket was last found on: a process
+# that opens a connection per request gets the lowest free descriptor each time, mostly the same
+# one, so it is looked at first (one readlink instead of the whole descriptor table).
+_recent: OrderedDict[int, str | None] = OrderedDict()
 _lock = threading.Lock()   # owners() runs in the event loop's thread pool
 
 
@@ -37,47 +41,57 @@ def owners(peer, local, *, every: bool = True, scan: bool = True) -> list[int] |
     inode, uid = found
     target = f"socket:[{inode}]"
     with _lock:
-        candidates = list(reversed(_recent))
-    pids = []
-    for pid in candidates:
-        if _holds(pid, target):
-            pids.append(pid)
+        candidates = list(reversed(_recent.items()))
+    found = {}   # pid -> the descriptor holding the socket
+    for pid, hint in candidates:
+        fd = _holds(pid, target, hint)
+        if fd is not None:
+            found[pid] = fd
             if not every:
                 break
-    if not pids and not scan:
+    if not found and not scan:
         return None
-    if not pids or every:
-        seen = set(pids)
-        pids += [pid for pid in _scan(uid, target) if pid not in seen]
-    for pid in pids:
-        _remember(pid)
-    return sorted(pids)
+    if not found or every:
+        for pid, fd in _scan(uid, target):
+            found.setdefault(pid, fd)
+    for pid, fd in found.items():
+        _remember(pid, fd)
+    return sorted(found)
 
 
-def _remember(pid: int) -> None:
+def _remember(pid: int, fd: str) -> None:
     with _lock:
-        _recent[pid] = None
+        _recent[pid] = fd
         _recent.move_to_end(pid)
         while len(_recent) > RECENT:
             _recent.popitem(last=False)
 
 
-def _holds(pid: int, target: str) -> bool:
+def _holds(pid: int, target: str, hint: str | None = None) -> str | None:
+    """The descriptor of pid's on target (socket:[INODE]), None when it has none; hint: the
+    descriptor to look at first."""
+    if hint is not None:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{hint}") == target:
+                return hint
+        except OSError:
+            pass
     try:
         descriptors = os.listdir(f"/proc/{pid}/fd")
     except OSError:   # gone, or not ours to read
-        return False
+        return None
     for fd in descriptors:
         try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
-                return True
+            if fd != hint and os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                return fd
         except OSError:
             continue
-    return False
+    return None
 
 
-def _scan(uid: int, target: str) -> list[int]:
-    """Every process of uid holding target: the whole of /proc, the costly step."""
+def _scan(uid: int, target: str) -> list[tuple[int, str]]:
+    """(pid, descriptor) of every process of uid holding target: the whole of /proc, the costly
+    step."""
     pids = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -87,8 +101,9 @@ def _scan(uid: int, target: str) -> list[int]:
                 continue
         except OSError:
             continue
-        if _holds(int(name), target):
-            pids.append(int(name))
+        fd = _holds(int(name), target)
+        if fd is not None:
+            pids.append((int(name), fd))
     return pids
 
 

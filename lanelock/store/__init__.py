@@ -4,6 +4,7 @@ Shared by every store:
 - base.py       the contract every store implements (LaneStore), and LaneFacts for `status`;
 - order.py      who goes next: every rule of the order, and the waiting walk; a store gives it
                 a medium (a Line, and answers about its entries);
+- seating.py    the seats, the same way: every rule once, a walk each store's medium answers;
 - record_facts.py  what a holder record says of its turn (alive, ending, stopped), once;
 - counts.py     the cumulative counts' shape (and their file, for stores that keep files);
 - outlived.py   a killed turn's command that still runs; availability.py: an ungated root.

@@ -327,6 +327,17 @@ class LaneStore(ABC):
         an open handle on that lane the store may read through (no second connection). Raises
         GateUnavailable when the store cannot be read."""
 
+    left_out = 0   # how many lanes survey_all() left out, at its last call
+
+    def survey_all(self, most: int) -> list:
+        """LaneFacts of at most `most` lanes of the store's, those changed last (status --all,
+        metrics --all: bounded in time and memory whatever other users make); left_out says how
+        many more it knows. Default: survey() of them all, cut (a store whose lanes anyone may
+        make -- the flock store's shared root -- chooses before it judges, and overrides it)."""
+        found = self.survey()
+        self.left_out = max(0, len(found) - most)
+        return found[:most]
+
     def lane_names(self) -> list[str]:
         """The names of every lane the store knows (a listing, cheaper than judging them all).
         Default: from survey()."""

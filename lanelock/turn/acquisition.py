@@ -7,6 +7,10 @@
     decide()     after the wait: held, deflected, or abandoned (stop_waiting() was called)
     record()     write what was decided -- the holder record and 'acquired', or 'deflected'
 
+A held decision may also be recorded in two steps: hold() (the turn holds the lane from then on:
+its state, token, clocks and seat), then record() (its holder record and journal). The proxy
+forwards a request on a free lane of one seat in between, and names the turn's session meanwhile.
+
 take() is try_first, the wait and decide in one thread, with a crowded server asked again within
 the turn's wait; Turn.acquire() is take() then record(). Deciding records nothing, so a driver
 may let a decision go unrecorded: an asyncio turn takes in one place and records only once its
@@ -69,6 +73,8 @@ class Acquisition:
         # The seat of the holding turn a handed-over turn is part of (its requests' engine slot,
         # with the proxy's --pin-slots); None while it is part of none.
         self.part_of: int | None = None
+        self.unwritten: float | None = None   # held (hold()), its record not yet written: when
+        self.seated: bool | None = None   # the lane had seats when last opened (None: not yet)
 
     @property
     def had_to_wait(self) -> bool:
@@ -109,9 +115,11 @@ class Acquisition:
             tries += 1
             time.sleep(pause)
 
-    def try_first(self, try_only: bool = False) -> Wait | None:
+    def try_first(self, try_only: bool = False, seats: bool = True) -> Wait | None:
         """Open the lane's lock and try it: None when the turn is decided (nested, or the lock
-        taken: record() records it), else the Wait. try_only: WouldBlock instead of a Wait."""
+        taken: record() records it), else the Wait. try_only: WouldBlock instead of a Wait.
+        seats=False: WouldBlock for a lane of seats too, before anything is asked or tried
+        there (a caller that cannot yet say who asks)."""
         turn = self.turn
         gate, store = turn.gate, turn.gate.store
         # Facts the holder record needs, read (once per process) before the lock: after it, they
@@ -133,6 +141,11 @@ class Acquisition:
         # A turn a crowded server kept out has waited since its first refusal: that counts.
         self.started_wait = self.crowded_since or time.monotonic()
         stops.reached(stops.BEFORE_ACQUIRE)
+        self.seated = handle.seated
+        if not seats and handle.seated:
+            store.release(handle)
+            turn.handle = None
+            raise WouldBlock
         # On a lane of seats, a turn handed over (or the holder itself asking) is asked about
         # before any seat is tried: a free seat must not make one turn two. On one seat only a
         # busy lane asks, so a free lane never pays for the lookup.
@@ -175,12 +188,25 @@ class Acquisition:
     def record(self):
         """Write what decide() decided: the holder record and 'acquired', or 'deflected'.
         Nothing to write (ungated, nested, fail-open, cancelled, recorded already): nothing."""
+        if self.decision is not None and self.decision.state == HELD:
+            self.hold()
+        if self.unwritten is not None:
+            return self._written()
         decision, self.decision = self.decision, None
         if decision is None:
             return self.turn
-        if decision.state == HELD:
-            return self._held(self.turn.handle, decision.ident)
         return self._deflect(self.turn.handle, decision.holder)
+
+    def hold(self) -> None:
+        """A held decision (decide() took the lane) takes effect: the turn holds the lane from
+        now on -- its state, token, clocks and seat -- its holder record and journal not yet
+        written (record() writes them; the release writes them first if nothing did)."""
+        decision, self.decision = self.decision, None
+        turn = self.turn
+        turn.state = HELD
+        nesting.hold(decision.ident, self.owner, turn)
+        self.unwritten = turn.record.holding(handover.new_token(), turn.handle)
+        stops.reached(stops.AFTER_ACQUIRE)
 
     # -- a driver's way out ----------------------------------------------------------------------
     def give_back(self) -> None:
@@ -256,13 +282,9 @@ class Acquisition:
         if outer is not None:
             turn.record.token, turn.record.fence = outer.token, outer.fence
 
-    def _held(self, handle, ident):
-        turn = self.turn
-        turn.state = HELD
-        nesting.hold(ident, self.owner, turn)
-        now = turn.record.holding(handover.new_token())
-        stops.reached(stops.AFTER_ACQUIRE)
-        turn.record.held(handle, now, turn.waited if self.had_to_wait else None)
+    def _written(self):
+        turn, now, self.unwritten = self.turn, self.unwritten, None
+        turn.record.held(turn.handle, now, turn.waited if self.had_to_wait else None)
         return turn
 
     def _deflect(self, handle, holder: dict | None = None):

@@ -120,9 +120,11 @@ class TurnRecord:
             self.gate.store.release(handle)
 
     # -- what the turn became --------------------------------------------------------------------
-    def holding(self, token: str) -> float:
-        """The lane is held, as the turn named token: its clocks start. Returns time.time()."""
+    def holding(self, token: str, handle) -> float:
+        """The lane is held (handle), as the turn named token: its clocks start, its seat is
+        known. Returns time.time()."""
         self.token = token
+        self.seat, self.seats = handle.seat, handle.seats
         self.started = time.monotonic()
         now = time.time()
         self.acquired_at = utc_now(now)
@@ -134,7 +136,6 @@ class TurnRecord:
         let go. The record is written before the caller runs anything: whoever sees the command
         running must also find who runs it."""
         self.took_over = taken_from(getattr(handle, "unreleased", None), self.token)
-        self.seat, self.seats = handle.seat, handle.seats
         self.write(handle)
         self.fence = getattr(handle, "fence", None)
         # Who holds, precisely enough for `history` to tell a live turn from a killed one.

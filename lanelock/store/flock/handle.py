@@ -29,7 +29,7 @@ class Handle(LockHandle):
         self.refused: str | None = None   # why a file planted at the lock's name is not locked
         self.split: tuple | None = None   # (pid, inode): a live holder of the removed lock file
         # The seat the handle is on (its lock file: name), the lane's count read at open(), the
-        # seats past it whose files exist (held ones count against it: seats.py), and seat 1's
+        # seats past it the setter made (held ones count against it: seating.py), and seat 1's
         # lock file (the lane's identity, whichever seat is held).
         self.seat, self.seats, self.past = 1, 1, ()
         self.lane_st: os.stat_result | None = None

@@ -27,7 +27,7 @@ import fcntl
 import os
 import stat
 
-from ..seating import MOST
+from ..seating import seat_number
 from ..shared_file import open_made_by, owners
 
 FILES = "seat-files/"   # kept: the inode of each seat's lock file as make() made it
@@ -89,26 +89,25 @@ def open_seat(dir_fd: int, stem: str, seat: int) -> int:
         os.close(folder_fd)
 
 
-def made(dir_fd: int, stem: str) -> list[int]:
-    """The seats >= 2 whose lock files exist, in order: [] with no seats folder, or one nobody
-    trusted made (its files are no seats: a turn never counts them)."""
-    try:
-        fd = open_folder(dir_fd, stem)
-    except Planted:
+def made(values: dict | None, lane_name: str) -> list[int]:
+    """The seats >= 2 whoever set the count made, in order, from the kept values (values: kept.
+    read's): the seats of the kept map of their inodes (seat-files/LANE), never a listing of
+    the folder -- a 1777 folder any user may fill: a turn and `status` look at the seats the
+    setter made and no others, however many files are planted beside them."""
+    files = (values or {}).get(files_key(lane_name))
+    if not isinstance(files, dict):
         return []
-    if fd is None:
-        return []
+    return sorted({seat for seat in map(seat_number, files) if seat is not None and seat >= 2})
+
+
+def made_here(dir_fd: int, lane_name: str) -> list[int]:
+    """made() of the lock root's kept values as they stand ([] when they cannot be believed)."""
+    from . import kept
+
     try:
-        names = os.listdir(fd)
-    finally:
-        os.close(fd)
-    found = []
-    for name in names:
-        number = name[:-5]
-        if name.endswith(".lock") and number.isdigit() and len(number) <= 3 \
-                and 2 <= int(number) <= MOST:
-            found.append(int(number))
-    return sorted(found)
+        return made(kept.read(dir_fd), lane_name)
+    except (kept.Untrusted, OSError):
+        return []
 
 
 def make(dir_fd: int, stem: str, count: int, made_before: dict | None = None) -> dict:

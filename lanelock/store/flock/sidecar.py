@@ -89,10 +89,12 @@ def _rewrite(fd: int, name: str, data: bytes) -> Written | None:
         if not stat.S_ISREG(st.st_mode):
             raise SidecarError(errno.EPERM, f"{name} is not a regular file; not writing through it")
         if st.st_nlink == 1:
-            # Longer than the old record: the pwrite covers it all; shorter: the ftruncate cuts
-            # the old tail. A reader between the two sees invalid JSON and read() looks again.
+            # Longer than the old record: the pwrite covers it all (no truncate: one system
+            # call fewer on the way to a request's first byte); shorter: the ftruncate cuts the
+            # old tail. A reader between the two sees invalid JSON and read() looks again.
             if os.pwrite(fd, data, 0) == len(data):
-                os.ftruncate(fd, len(data))
+                if len(data) < st.st_size:
+                    os.ftruncate(fd, len(data))
                 if st.st_mode & 0o777 != MODE and os.geteuid() in (0, st.st_uid):
                     os.fchmod(fd, MODE)   # an older lanelock's 0644 record: share it from now on
                 return Written(fd, len(data))

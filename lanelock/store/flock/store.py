@@ -107,13 +107,8 @@ class FlockStore(LaneStore):
         no turn ever makes a seat's files, so no turn's user owns them."""
         from . import kept
 
-        if count <= 1:   # one seat: no seat is taken again, no inode left to look for
-            try:
-                self.keep(seats.files_key(lane.name), None) \
-                    if self.kept(seats.files_key(lane.name)) is not None else None
-            except GateUnavailable:
-                pass   # keep() of the count says why
-            return
+        if count <= 1:   # one seat: nothing to make; the seats made before stay kept (made():
+            return       # one still held past the count keeps new turns out until it lets go)
         dir_fd = open_root(self.root, create=True)
         try:
             kept.may_set(dir_fd)
@@ -400,6 +395,13 @@ class FlockStore(LaneStore):
             found.problem_lock = handle.refused
         return [found]
 
+    def survey_all(self, most: int) -> list:
+        """Every lane's facts, at most `most` of them: the ones whose files changed last, chosen
+        with one lstat each before any is judged (survey.latest)."""
+        stems, self.left_out = survey.latest(self.root.path, survey.lane_stems(self.root.path),
+                                             most)
+        return [survey.facts(self.root.path, stem, aging=self.aging) for stem in stems]
+
     def waiting(self, lane) -> list:
         return survey.queue_rows(self.root.path, lane.stem, self.aging, kernel=False)
 
@@ -416,7 +418,7 @@ class FlockStore(LaneStore):
         except OSError:
             return count, ago   # no root yet: no seat files either
         try:
-            others = seats.made(dir_fd, lane.stem)
+            others = seats.made_here(dir_fd, lane.name)
         except OSError:
             others = []
         finally:

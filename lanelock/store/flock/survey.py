@@ -28,6 +28,26 @@ def lane_stems(root: str) -> list[str]:
     return sorted(name[:-5] for name in names if name.endswith(".lock") and not name.startswith("."))
 
 
+def latest(root: str, stems: list[str], most: int) -> tuple[list[str], int]:
+    """(the `most` stems whose record -- else lock file -- changed last, in name order; how many
+    were left out): one lstat each, nothing opened, so a root anyone filled with lanes is chosen
+    from in bounded memory and little time before any lane is judged."""
+    if len(stems) <= most:
+        return stems, 0
+    import heapq
+
+    def changed(stem: str) -> float:
+        for name in (f"{stem}.json", f"{stem}.lock"):
+            try:
+                return os.lstat(os.path.join(root, name)).st_mtime
+            except OSError:
+                continue
+        return 0.0
+
+    chosen = heapq.nlargest(most, stems, key=changed)
+    return sorted(chosen), len(stems) - most
+
+
 def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0,
           kernel: bool = True, seated: tuple | None = None) -> LaneFacts:
     """kernel=False: asked on a turn's own path (a deflection naming its holder, a hand-over
@@ -36,7 +56,7 @@ def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0,
     record is a live turn's on this very lock file (only a holder writes it, while it holds); the
     kernel is asked only when no record says so (a flock(1) holder, a record of another file).
 
-    seated: (the lane's seat count, the seats past it whose files exist), as the turn's handle
+    seated: (the lane's seat count, the seats past it the count's setter made), as the turn's handle
     read them; None: read here (seat_numbers). Each other seat's facts are judged as seat 1's:
     the seat's own lock file, the kernel's view of it and its own record."""
     name = lane or lane_name(stem)
@@ -57,8 +77,8 @@ def facts(root: str, stem: str, lane: str | None = None, aging: float = 0.0,
 
 
 def seat_numbers(root: str, stem: str, lane: str) -> tuple:
-    """(the lane's seat count, the seats past it whose lock files exist) from ROOT/kept.json and
-    the seats folder. Nothing kept (no kept.json): one seat, and the folder is not looked at --
+    """(the lane's seat count, the seats past it the count's setter made) from ROOT/kept.json
+    alone (seats.made: the folder is never listed). Nothing kept (no kept.json): one seat, and the folder is not looked at --
     a one-seat lane's survey costs one failed lstat more. A count that cannot be read or believed
     is 1, as a turn takes it (taking.count)."""
     from . import kept
@@ -77,11 +97,7 @@ def seat_numbers(root: str, stem: str, lane: str) -> tuple:
         if values is None:
             return 1, ()
         count = seating.count_of(values.get(seating.key(lane))) or 1
-        try:
-            made = seats.made(dir_fd, stem)
-        except OSError:
-            made = []
-        return count, tuple(seat for seat in made if seat > count)
+        return count, tuple(seat for seat in seats.made(values, lane) if seat > count)
     finally:
         os.close(dir_fd)
 
@@ -257,9 +273,9 @@ def _live_turn(record: dict) -> int | None:
 
 def holding_any(root: str, stem: str) -> tuple:
     """holding() of the lane: held while any of its seats is, else the latest release of any.
-    Seat 1 is asked first; the seats folder is listed only when seat 1 is free (on a one-seat
-    lane: one failed open more), and every seat file there is asked, past the count too (a
-    seat past it still held holds the lane)."""
+    Seat 1 is asked first; the seats the count's setter made (seats.made: kept.json, never a
+    listing of the folder) only when seat 1 is free, past the count too (a seat past it still
+    held holds the lane)."""
     held, ago = holding(os.path.join(root, f"{stem}.json"))
     if held:
         return held, ago
@@ -268,7 +284,7 @@ def holding_any(root: str, stem: str) -> tuple:
     except OSError:
         return held, ago
     try:
-        made = seats.made(dir_fd, stem)   # a folder nobody trusted made has no seats
+        made = seats.made_here(dir_fd, lane_name(stem))   # the seats the count's setter made
     finally:
         os.close(dir_fd)
     for seat in made:

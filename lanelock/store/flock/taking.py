@@ -19,7 +19,7 @@ _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 def count(store, handle, lane) -> None:
-    """The lane's seat count and the seats past it that exist, into the handle, as the turn
+    """The lane's seat count and the seats past it its setter made, into the handle, as the turn
     opens the lane. A count that cannot be read or believed is said once and taken as 1: fewer
     seats can only make a turn wait longer, never run beside one too many."""
     from . import kept
@@ -35,8 +35,7 @@ def count(store, handle, lane) -> None:
     handle.seats, problem = seating.reckon(values.get(seating.key(lane.name)), lane.name)
     if problem:
         store.seat_warning(f"{store.path(kept.NAME)}: {problem}")
-    handle.past = tuple(seat for seat in seats.made(handle.dir_fd, lane.stem)
-                        if seat > handle.seats)
+    handle.past = tuple(seat for seat in seats.made(values, lane.name) if seat > handle.seats)
 
 
 class FlockSeats(Medium):

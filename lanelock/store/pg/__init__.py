@@ -6,5 +6,6 @@
 - session.py   the connection: autocommit, keepalives, the schema, a pooler detected;
 - outage.py    a restart is an outage: the holder's claim, its retake, waiters reconnecting;
 - lease.py     a lost link is not a restart: a watched holder's lease, renewed on the server;
-- hostqueue.py waiters share their host's connection: a host's queue (flock) before the server's.
+- hostqueue.py waiters share their host's connection: a host's queue (flock) before the server's;
+- seats.py     the medium for store/seating.py: the lane's rows, tries in one statement, the sleep.
 """
