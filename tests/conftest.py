@@ -208,3 +208,21 @@ def postgres():
     server = pg_server.Server().start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def private_postgres(lock_roots):
+    """A PostgreSQL server of the test's own, for a test that restarts, stops, cuts off or
+    crowds it: its lanes watched by the teardown check, stopped after it."""
+    from support import pg_server
+
+    if pg_server.binaries() is None:
+        if os.environ.get("LANELOCK_REQUIRE_PG"):
+            pytest.fail("no PostgreSQL server binaries")
+        pytest.skip("no PostgreSQL server binaries (apt-get install postgresql)")
+    pytest.importorskip("psycopg")
+    server = pg_server.Server()
+    lock_roots.after(server.stop)
+    server.start()
+    lock_roots.watch_store(server.dsn)
+    return server

@@ -344,16 +344,12 @@ def test_the_ungated_metric_counts_a_loss(database, procs):
 
 
 @pytest.mark.slow
-def test_the_ungated_metric_counts_a_restart_and_then_a_loss(procs, lock_roots):
+def test_the_ungated_metric_counts_a_restart_and_then_a_loss(procs, private_postgres):
     """A restart of the server mid-turn: the holder takes its lane back and its ungated seconds
     ('regained') count; a later loss adds its own."""
     pytest.importorskip("prometheus_client")
-    if pg_server.binaries() is None:
-        pytest.skip("no PostgreSQL server")
-    server = pg_server.Server()
-    lock_roots.after(server.stop)
-    server.start()
-    dsn = lock_roots.watch_store(server.dsn)
+    server = private_postgres
+    dsn = server.dsn
     first = held(procs, dsn)
     server.restart()
     lines = []
@@ -375,18 +371,14 @@ def test_the_ungated_metric_counts_a_restart_and_then_a_loss(procs, lock_roots):
 
 
 # -- a lost turn that ends while the server does not answer ---------------------------------
-def stopped_server(procs, lock_roots):
+def stopped_server(procs, private_postgres):
     """A server of this test's own, a turn holding a lane on it, and the server then stopped
     under the turn (a fast shutdown): (server, dsn, the holder, told its session ended)."""
     import os
     import signal
 
-    if pg_server.binaries() is None:
-        pytest.skip("no PostgreSQL server")
-    server = pg_server.Server()
-    lock_roots.after(server.stop)
-    server.start()
-    dsn = lock_roots.watch_store(server.dsn)
+    server = private_postgres
+    dsn = server.dsn
     holder = held(procs, dsn)
     os.kill(server.postmaster_pid(), signal.SIGINT)
     server.proc.wait(timeout=TIMEOUT)
@@ -396,10 +388,11 @@ def stopped_server(procs, lock_roots):
 
 
 @pytest.mark.slow
-def test_a_lost_turn_ending_while_the_server_is_down_journals_once_it_answers(procs, lock_roots):
+def test_a_lost_turn_ending_while_the_server_is_down_journals_once_it_answers(procs,
+                                                                              private_postgres):
     """The turn ends while the server is down: its release asks again, and the server started
     meanwhile gets the 'lost' event and the ungated seconds."""
-    server, dsn, holder = stopped_server(procs, lock_roots)
+    server, dsn, holder = stopped_server(procs, private_postgres)
     holder.stdin.write(b"go\n")
     holder.stdin.close()
     server._launch()   # the same data and port, while the release asks
@@ -413,8 +406,8 @@ def test_a_lost_turn_ending_while_the_server_is_down_journals_once_it_answers(pr
 
 
 @pytest.mark.slow
-def test_a_lost_turn_ending_while_the_server_stays_down_exits_within_the_bound(procs,
-                                                                             lock_roots):
+def test_a_lost_turn_ending_while_the_server_stays_down_exits_within_the_bound(
+        procs, private_postgres):
     """The server never comes back: the exit waits at most LOST_JOURNAL_WITHIN (plus a connect
     timeout), then says in one line what was not journaled."""
     import time
@@ -422,7 +415,7 @@ def test_a_lost_turn_ending_while_the_server_stays_down_exits_within_the_bound(p
     from lanelock.gate import LOST_JOURNAL_WITHIN
     from lanelock.store.pg.session import CONNECT_TIMEOUT
 
-    server, _, holder = stopped_server(procs, lock_roots)
+    server, _, holder = stopped_server(procs, private_postgres)
     began = time.monotonic()
     holder.stdin.write(b"go\n")
     holder.stdin.close()
@@ -435,16 +428,12 @@ def test_a_lost_turn_ending_while_the_server_stays_down_exits_within_the_bound(p
 
 
 @pytest.mark.slow
-def test_a_turn_taken_back_after_a_restart_and_then_lost_counts_both(procs, lock_roots):
+def test_a_turn_taken_back_after_a_restart_and_then_lost_counts_both(procs, private_postgres):
     """One turn: the server restarts under it (taken back), then ends its session (lost for
     good). The counter has both intervals; the 'lost' event the second one only."""
     pytest.importorskip("prometheus_client")
-    if pg_server.binaries() is None:
-        pytest.skip("no PostgreSQL server")
-    server = pg_server.Server()
-    lock_roots.after(server.stop)
-    server.start()
-    dsn = lock_roots.watch_store(server.dsn)
+    server = private_postgres
+    dsn = server.dsn
     holder = held(procs, dsn)
     server.restart()
     while "taken back after" not in read_line(holder.stderr):

@@ -32,14 +32,8 @@ def on_host(name: str) -> list[str]:
 
 
 @pytest.fixture
-def server(lock_roots):
-    if pg_server.binaries() is None:
-        pytest.skip("no PostgreSQL server")
-    server = pg_server.Server()
-    lock_roots.after(server.stop)
-    server.start()
-    lock_roots.watch_store(server.dsn)
-    return server
+def server(private_postgres):
+    return private_postgres
 
 
 @pytest.fixture

@@ -304,25 +304,14 @@ def test_a_turn_lingering_past_its_lease_keeps_its_lane(store, procs, engine):
     assert not proxy_lines(proxy, "lost"), proxy.log()
 
 
-@pytest.fixture
-def private_server(lock_roots):
-    if pg_server.binaries() is None:
-        pytest.skip("no PostgreSQL server")
-    server = pg_server.Server()
-    lock_roots.after(server.stop)
-    server.start()
-    lock_roots.watch_store(server.dsn)
-    return server
-
-
 STAMP = 's=$(date +%s%N); echo "$s" > "$1"'
 
 
 @pytest.mark.slow   # the default tier's time: the slow tier (CI) runs it
-def test_a_restart_mid_request_the_proxy_takes_its_lane_back(private_server, procs, engine,
+def test_a_restart_mid_request_the_proxy_takes_its_lane_back(private_postgres, procs, engine,
                                                             tmp_path):
     proc, port, finish = engine
-    dsn = private_server.dsn
+    dsn = private_postgres.dsn
     proxy = start_proxy(procs, dsn, port)
     conn = ask(proxy.port, stream=True)
     response = conn.getresponse()
@@ -333,7 +322,7 @@ def test_a_restart_mid_request_the_proxy_takes_its_lane_back(private_server, pro
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ())
     wait_for(lambda: lane_waiters(dsn) == 1, "the waiter queued")
 
-    private_server.restart()
+    private_postgres.restart()
 
     proxy.said("taken back after")
     wait_for(lambda: lane_waiters(dsn) == 1, "the waiter waiting again", TIMEOUT * 2)
@@ -357,15 +346,15 @@ def test_a_restart_mid_request_the_proxy_takes_its_lane_back(private_server, pro
 
 
 @pytest.mark.slow   # the default tier's time: the slow tier (CI) runs it
-def test_a_restart_never_stops_an_on_lost_stop_turn(private_server, procs):
-    dsn = private_server.dsn
+def test_a_restart_never_stops_an_on_lost_stop_turn(private_postgres, procs):
+    dsn = private_postgres.dsn
     turn = procs.start([*LANELOCK, "run", "--store", dsn, "-b", "localhost:7046", "--on-lost",
                         "stop", "--", "sh", "-c", "echo ready; read go; exit 5"],
                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                        env=environ())
     assert read_line(turn.stdout) == "ready\n"
 
-    private_server.restart()
+    private_postgres.restart()
 
     lines = [read_line(turn.stderr)]
     while "taken back after" not in lines[-1]:

@@ -26,16 +26,6 @@ STAMP = 's=$(date +%s%N); sleep 0.1; e=$(date +%s%N); echo "$s $e" >> "$1"'
 HOLD = 's=$(date +%s%N); echo ready; read go; e=$(date +%s%N); echo "$s $e" > "$1"'
 
 
-def private_server(lock_roots):
-    if pg_server.binaries() is None:
-        pytest.skip("no PostgreSQL server")
-    server = pg_server.Server()
-    lock_roots.after(server.stop)
-    server.start()
-    lock_roots.watch_store(server.dsn)
-    return server
-
-
 def waiting(server) -> int:
     """Turns waiting in the lane's queue: sessions holding a ticket lock (store/pg/queue.py)."""
     from lanelock.store.pg.queue import QUEUE_NAMESPACE
@@ -48,9 +38,9 @@ def waiting(server) -> int:
 
 @pytest.mark.parametrize("kill", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["fast-shutdown", "kill-9-postmaster"])
-def test_a_restart_mid_turn_never_lets_a_waiter_run_beside_the_holder(kill, procs, lock_roots,
-                                                                      tmp_path):
-    server = private_server(lock_roots)
+def test_a_restart_mid_turn_never_lets_a_waiter_run_beside_the_holder(kill, procs,
+                                                                      private_postgres, tmp_path):
+    server = private_postgres
     dsn, run = server.dsn, [*LANELOCK, "run", "--store", server.dsn, "-b", "localhost:7030"]
     held_at, stamps = tmp_path / "held", tmp_path / "stamps"
     stamps.touch()
