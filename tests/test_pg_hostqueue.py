@@ -127,7 +127,7 @@ def test_thirty_waiters_past_max_connections_hold_one_connection_for_their_host(
     print(f"\n30 waiters past max_connections=20: lanelock sessions while they wait "
           f"{min(waiting)}-{max(waiting)} ({len(waiting)} samples), while served "
           f"{min(serving or [0])}-{max(serving or [0])} ({len(serving)} samples)")
-    assert len(waiting) >= 10 and max(waiting) <= 2, waiting
+    assert len(waiting) >= 10 and max(waiting) <= 3, waiting
     failed_open = [err for _, err in results if "running without it" in err]
     assert failed_open == [], failed_open[:3]
     assert [status for status, _ in results] == [0] * 30, [err for _, err in results][:3]
@@ -141,7 +141,8 @@ def test_thirty_waiters_past_max_connections_hold_one_connection_for_their_host(
 def test_twenty_five_waiting_requests_through_the_proxy_hold_one_connection(procs, holder,
                                                                            lock_roots):
     """A proxy on the crowded server, 25 requests waiting behind a holder of another process:
-    the server counts the holder's session and the proxy's one head while they wait; once the
+    the server counts the holder's session, the proxy's one head and its one connection for
+    short questions (store/pg/shared.py: the waiting requests' looks) while they wait; once the
     holder lets go all 25 are forwarded one at a time, none answered fail-open."""
     import json
 
@@ -172,7 +173,7 @@ def test_twenty_five_waiting_requests_through_the_proxy_hold_one_connection(proc
         sampler.close()
     print(f"\n25 waiting proxied requests: lanelock sessions while they wait "
           f"{min(waiting)}-{max(waiting)} ({len(waiting)} samples)")
-    assert len(waiting) >= 10 and max(waiting) <= 2, waiting
+    assert len(waiting) >= 10 and max(waiting) <= 3, waiting
     assert engine.stats()["total"] == 0, "the engine was asked while the holder held the lane"
     assert not results, results[:3]
     assert held.release() == 0
