@@ -64,6 +64,20 @@ def deflected_in_one_line(done, *words) -> str:
     return lines[0]
 
 
+def flock_as(procs, user: str, path: str, make_folder: bool = False):
+    """A process of user holding a flock on path (made 0644; its folder made 1777 first when
+    make_folder), until its stdin closes: returned once it holds."""
+    flocked = procs.start(["runuser", "-u", user, "--", "/usr/bin/python3", "-c",
+                           "import fcntl, os, sys\n"
+                           "if sys.argv[2] == '1': os.mkdir(os.path.dirname(sys.argv[1]), 0o1777)\n"
+                           "fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o644)\n"
+                           "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('ready', flush=True)\n"
+                           "sys.stdin.read()", path, "1" if make_folder else "0"],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert read_line(flocked.stdout).strip() == "ready"
+    return flocked
+
+
 def seats_folder(root: str) -> str:
     return os.path.join(root, f"{STEM}.seats")
 
@@ -140,13 +154,7 @@ def test_a_seat_file_planted_by_another_user_deflects_with_the_reason(kind, two_
     elif kind == "0600":
         as_shell(run_cmd, mallory, "os.close(os.open(p, os.O_CREAT | os.O_RDWR, 0o600))", lock)
     else:
-        flocked = procs.start(["runuser", "-u", mallory, "--", "/usr/bin/python3", "-c",
-                               "import fcntl, os, sys\n"
-                               "fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o644)\n"
-                               "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('ready', flush=True)\n"
-                               "sys.stdin.read()", lock],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert read_line(flocked.stdout).strip() == "ready"
+        flock_as(procs, mallory, lock)   # held until the test ends (procs)
     held = holder("-b", LANE, "-s", "alices", command=SEATED,
                   launcher=as_user(launcher_script, alice))
     for user in (alice, mallory):
@@ -187,13 +195,7 @@ def test_a_flocked_seat_file_in_a_folder_of_her_own_keeps_no_one_off_a_one_seat_
     as_shell(run_cmd, mallory, "os.close(os.open(p, os.O_CREAT | os.O_WRONLY, 0o644))\n"
              "open(p, 'w').write('{}')", os.path.join(root_owned, "kept.json"))
     folder = seats_folder(root_owned)
-    flocked = procs.start(["runuser", "-u", mallory, "--", "/usr/bin/python3", "-c",
-                           "import fcntl, os, sys\nos.mkdir(sys.argv[1], 0o1777)\n"
-                           "fd = os.open(sys.argv[1] + '/7.lock', os.O_CREAT | os.O_RDWR, 0o644)\n"
-                           "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('ready', flush=True)\n"
-                           "sys.stdin.read()", folder],
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert read_line(flocked.stdout).strip() == "ready"
+    flock_as(procs, mallory, os.path.join(folder, "7.lock"), make_folder=True)
     done = run_cmd(as_user(launcher_script, alice, "run", "-b", LANE, "--", "echo", "ran"))
     assert (done.returncode, done.stdout) == (0, "ran\n"), done
 
