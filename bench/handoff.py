@@ -2,6 +2,7 @@
 """The hand-off on the flock store and on a loopback PostgreSQL, side by side in ONE run.
 
     python bench/handoff.py [--quick] [--dsn postgresql://...] [--waiters 1,10,50] [--seats N]
+                            [--rtt 0,10,40]
 
 A holder (`lanelock run`) and N `lanelock run --wait` turns queued behind it; the holder's
 command ends, and each turn's command stamps its start and end ($EPOCHREALTIME). Two measures:
@@ -16,8 +17,10 @@ command ends, and each turn's command stamps its start and end ($EPOCHREALTIME).
 Each as first hand-off (the holder's to the first waiter's) and back to back (one queued turn
 to the next). Without --dsn a PostgreSQL server is started on loopback
 (tests/support/pg_server.py: Debian's postgresql package; as root it runs as the postgres user).
-Prints a markdown table with PASS/MISS against the target: PostgreSQL's store hand-off, first,
-median within 5 ms. Nothing here is a test: tests assert behaviour, this reports speed.
+--rtt: the round trip to the server, ms; 0 is loopback, each other a TCP relay in front of the
+server that delays each way by half of it (bench/delay.py: this VM's kernel has no netem).
+Prints a markdown table with PASS/MISS against the targets, on loopback: PostgreSQL's store
+hand-off, first, median within 5 ms; back to back, median within the flock store's + 5 ms. Nothing here is a test: tests assert behaviour, this reports speed.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ HOLDER = 'read -r _ < "$1"; echo $EPOCHREALTIME > "$2"'
 WAITER = 'echo $EPOCHREALTIME > "$1"; echo $EPOCHREALTIME > "$2"'
 SETTLE = 0.3        # seconds between the last waiter's queueing and the holder's end
 TARGET_MS = 5.0     # PostgreSQL's first store hand-off, median, from the holder's release
+OVER_FLOCK_MS = 5.0   # PostgreSQL's back-to-back store hand-off over the flock store's, median
 RUNS = {1: 20, 10: 8, 50: 3}
 STALL = 60.0        # seconds for a whole queue to run through; longer is a stall (counted)
 
@@ -53,7 +57,7 @@ def percentile(values: list[float], fraction: float) -> float:
 
 def queued(env: dict, store: list[str], lane: str) -> int:
     """The lane's waiting turns as `status` lists them (the bench may poll; a test may not)."""
-    shown = subprocess.run([*LANELOCK, "status", *store, "-b", lane, "--json"], env=env,
+    shown = subprocess.run(argv(store, "status", "-b", lane, "--json"), env=env,
                            capture_output=True, text=True)
     try:
         return len(json.loads(shown.stdout)["lanes"][0]["queue"] or ())
@@ -73,7 +77,7 @@ def journal_gaps(env: dict, store: list[str], lane: str, holder: int, pids: set)
     """The store's hand-offs from the lane's journal: (the holder's release to the next turn's
     acquire, ms; [each later release to the next acquire, ms]), or (None, []) unreadable. Only
     this run's turns (pids): a lane's port may have served a run before."""
-    shown = subprocess.run([*LANELOCK, "history", *store, "-b", lane, "--json"], env=env,
+    shown = subprocess.run(argv(store, "history", "-b", lane, "--json"), env=env,
                            capture_output=True, text=True)
     try:
         events = sorted((event for event in json.loads(shown.stdout)["events"]
@@ -108,23 +112,23 @@ def once(env: dict, store: list[str], work: str, tag: str, waiters: int, seats: 
     os.mkfifo(fifo)
     sitters, stand_up = [], os.path.join(work, f"up-{tag}")
     if seats > 1:
-        subprocess.run([*LANELOCK, "seats", *store, "-b", lane, str(seats)], env=env, check=True,
+        subprocess.run(argv(store, "seats", "-b", lane, str(seats)), env=env, check=True,
                        capture_output=True)
         os.mkfifo(stand_up)
         for _ in range(seats - 1):
-            sitters.append(subprocess.Popen([*LANELOCK, "run", "-q", *store, "-b", lane, "--",
-                                             "bash", "-c", 'read -r _ < "$1"', "s", stand_up],
+            sitters.append(subprocess.Popen(argv(store, "run", "-q", "-b", lane, "--",
+                                             "bash", "-c", 'read -r _ < "$1"', "s", stand_up),
                                             env=env))
             until(lambda: _held_seats(env, store, lane) == len(sitters), "a sitter to hold")
     stamps = [(os.path.join(work, f"s-{tag}-{n}"), os.path.join(work, f"e-{tag}-{n}"))
               for n in range(waiters)]
-    holder = subprocess.Popen([*LANELOCK, "run", "-q", *store, "-b", lane, "--", "bash", "-c",
-                               HOLDER, "h", fifo, end], env=env)
+    holder = subprocess.Popen(argv(store, "run", "-q", "-b", lane, "--", "bash", "-c",
+                               HOLDER, "h", fifo, end), env=env)
     until(lambda: _held_seats(env, store, lane) == seats, "the holder to hold")
     turns = []
     for start, stop in stamps:   # one at a time: each queued (arrival order) before the next
-        turns.append(subprocess.Popen([*LANELOCK, "run", "-q", *store, "-b", lane, "--wait",
-                                       "120", "--", "bash", "-c", WAITER, "w", start, stop],
+        turns.append(subprocess.Popen(argv(store, "run", "-q", "-b", lane, "--wait",
+                                       "120", "--", "bash", "-c", WAITER, "w", start, stop),
                                       env=env))
         until(lambda: queued(env, store, lane) == len(turns), "a turn to queue")
     time.sleep(SETTLE)
@@ -161,7 +165,7 @@ def once(env: dict, store: list[str], work: str, tag: str, waiters: int, seats: 
 
 def _held_seats(env: dict, store: list[str], lane: str) -> int:
     """How many of the lane's seats are held, as `status` says (0: free or unreadable)."""
-    shown = subprocess.run([*LANELOCK, "status", *store, "-b", lane, "--json"], env=env,
+    shown = subprocess.run(argv(store, "status", "-b", lane, "--json"), env=env,
                            capture_output=True, text=True)
     try:
         lane_status = json.loads(shown.stdout)["lanes"][0]
@@ -172,6 +176,11 @@ def _held_seats(env: dict, store: list[str], lane: str) -> int:
     return lane_status.get("held_seats") or 1
 
 
+def argv(store: list[str], command: str, *rest: str) -> list[str]:
+    """A lanelock command on store (["--store", DSN], or none: flock)."""
+    return [*LANELOCK, command, *store, *rest]
+
+
 def start_server():
     sys.path.insert(0, os.path.join(TOP, "tests"))
     from support import pg_server
@@ -179,76 +188,129 @@ def start_server():
     return pg_server.Server().start()
 
 
+class Far:
+    """The server RTT ms away: bench/delay.py in front of it, a process of its own."""
+
+    def __init__(self, port: int, rtt: float):
+        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "delay.py"), str(port),
+                                      f"{rtt:g}"], stdout=subprocess.PIPE, text=True)
+        self.port = int(self.proc.stdout.readline())
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer runs, for a smoke check")
-    parser.add_argument("--dsn", help="a PostgreSQL server to use (default: start one)")
+    parser.add_argument("--dsn", help="a PostgreSQL server to use (default: start one; then "
+                        "--rtt 0 only)")
     parser.add_argument("--waiters", default="1,10,50", help="queue lengths, e.g. 1,10")
     parser.add_argument("--seats", type=int, default=1,
                         help="the lane's seats (the others held by sitters all along)")
+    parser.add_argument("--rtt", default="0,10,40",
+                        help="round trips to the server, ms (0: loopback), e.g. 0,40")
     args = parser.parse_args()
     counts = [int(word) for word in args.waiters.split(",")]
-    server = None if args.dsn else start_server()
-    dsn = args.dsn or server.dsn
-    base = "/run/lock" if os.access("/run/lock", os.W_OK) else None
-    root = tempfile.mkdtemp(prefix="lanelock-bench-handoff-", dir=base)
-    work = tempfile.mkdtemp(prefix="lanelock-bench-stamps-")
-    env = dict(os.environ, LANELOCK_DIR=root)
-    env.pop("LANELOCK_STORE", None)
-    stores = {"flock": [], "postgresql": ["--store", dsn]}
+    rtts = [float(word) for word in args.rtt.split(",")]
+    left_out = None
+    if args.dsn and any(rtt > 0 for rtt in rtts):
+        left_out = "the delay is put in front of a server the bench starts (--dsn given)"
+        print(f"RTT > 0 left out: {left_out}", file=sys.stderr)
+        rtts = [rtt for rtt in rtts if rtt <= 0]
+    server = far = None
     results, stalls = {}, {}
+    root = work = None
     try:
-        for waiters in counts:
-            runs = max(2, RUNS.get(waiters, 5) // (3 if args.quick else 1))
-            for run in range(runs):   # interleaved: noise hits both stores alike
-                for kind, store in stores.items():
-                    measured = once(env, store, work, f"{kind}{waiters}-{run}", waiters,
-                                    args.seats)
-                    if measured == "stalled":
-                        stalls[kind] = stalls.get(kind, 0) + 1
-                        print(f"  {kind} {waiters} waiting, run {run + 1}/{runs}: stalled",
-                              file=sys.stderr, flush=True)
-                        continue
-                    said = []
-                    for measure, (first, gaps) in measured.items():
-                        cell = results.setdefault((measure, kind, waiters), ([], []))
-                        if first is not None:
-                            cell[0].append(first)
-                        cell[1].extend(gaps)
-                        said.append(f"{measure} {'-' if first is None else f'{first:.2f}'}")
-                    print(f"  {kind} {waiters} waiting, run {run + 1}/{runs}: first "
-                          f"{', '.join(said)} ms", file=sys.stderr, flush=True)
+        server = None if args.dsn else start_server()
+        dsn = args.dsn or server.dsn
+        base = "/run/lock" if os.access("/run/lock", os.W_OK) else None
+        root = tempfile.mkdtemp(prefix="lanelock-bench-handoff-", dir=base)
+        work = tempfile.mkdtemp(prefix="lanelock-bench-stamps-")
+        env = dict(os.environ, LANELOCK_DIR=root)
+        env.pop("LANELOCK_STORE", None)
+        for rtt in rtts:
+            if far is not None:
+                far.stop()
+                far = None
+            there = dsn
+            if rtt > 0:
+                far = Far(server.port, rtt)
+                there = dsn.replace(f":{server.port}/", f":{far.port}/")
+            stores = {"flock": [], "postgresql": ["--store", there]}
+            for waiters in counts:
+                runs = max(2, RUNS.get(waiters, 5) // (3 if args.quick else 1))
+                for run in range(runs):   # interleaved: noise hits both stores alike
+                    for kind, store in stores.items():
+                        tag = f"{kind}{waiters}-{rtt:g}-{run}"
+                        measured = once(env, store, work, tag, waiters, args.seats)
+                        if measured == "stalled":
+                            stalls[(rtt, kind)] = stalls.get((rtt, kind), 0) + 1
+                            print(f"  RTT {rtt:g} ms, {kind} {waiters} waiting, run {run + 1}/"
+                                  f"{runs}: stalled", file=sys.stderr, flush=True)
+                            continue
+                        said = []
+                        for measure, (first, gaps) in measured.items():
+                            cell = results.setdefault((rtt, measure, kind, waiters), ([], []))
+                            if first is not None:
+                                cell[0].append(first)
+                            cell[1].extend(gaps)
+                            said.append(f"{measure} "
+                                        f"{'-' if first is None else f'{first:.2f}'}")
+                        print(f"  RTT {rtt:g} ms, {kind} {waiters} waiting, run {run + 1}/"
+                              f"{runs}: first {', '.join(said)} ms", file=sys.stderr,
+                              flush=True)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
+        for made in (root, work):
+            if made is not None:
+                shutil.rmtree(made, ignore_errors=True)
+        if far is not None:
+            far.stop()
         if server is not None:
             server.stop()
+    table(results, rtts, counts, args.seats)
+    if left_out is not None:
+        print(f"\nRTT > 0 left out: {left_out}")
+    if stalls:
+        print(f"\nruns whose queue never ran through (left out above): {stalls}")
+    return 0
 
+
+def table(results: dict, rtts: list[float], counts: list[int], seats: int) -> None:
     def cell(values: list[float]) -> str:
         if not values:
             return "-"
         return f"{statistics.median(values):.1f} / {percentile(values, 0.9):.1f}"
 
     machine = f"{os.cpu_count()} cores, {os.uname().sysname} {os.uname().release}"
-    print(f"\n{time.strftime('%Y-%m-%d')}, {machine}, Python {sys.version.split()[0]}; "
-          f"{args.seats} seat{'s' if args.seats != 1 else ''}; median / p90 ms\n")
-    print("| waiting | hand-off | first: flock | first: PostgreSQL | back to back: flock "
-          f"| back to back: PostgreSQL | target: PostgreSQL store first <= {TARGET_MS:g} ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    load = ", load %.1f %.1f %.1f" % os.getloadavg()
+    print(f"\n{time.strftime('%Y-%m-%d')}, {machine}{load}, Python {sys.version.split()[0]}; "
+          f"{seats} seat{'s' if seats != 1 else ''}; median / p90 ms\n")
+    print("| RTT ms | waiting | hand-off | first: flock | first: PostgreSQL | back to back: flock "
+          f"| back to back: PostgreSQL | target (RTT 0, store): first <= {TARGET_MS:g} ms, "
+          f"back to back <= flock + {OVER_FLOCK_MS:g} ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     empty = ([], [])
-    for waiters in counts:
-        for measure in ("store", "command"):
-            flock = results.get((measure, "flock", waiters), empty)
-            pg = results.get((measure, "postgresql", waiters), empty)
-            verdict = ""
-            if measure == "store":
-                ok = bool(pg[0]) and statistics.median(pg[0]) <= TARGET_MS
-                verdict = "PASS" if ok else "MISS"
-            print(f"| {waiters} | {measure} | {cell(flock[0])} | {cell(pg[0])} | "
-                  f"{cell(flock[1])} | {cell(pg[1])} | {verdict} |")
-    if stalls:
-        print(f"\nruns whose queue never ran through (left out above): {stalls}")
-    return 0
+    for rtt in rtts:
+        for waiters in counts:
+            for measure in ("store", "command"):
+                flock = results.get((rtt, measure, "flock", waiters), empty)
+                pg = results.get((rtt, measure, "postgresql", waiters), empty)
+                verdict = ""
+                if measure == "store" and rtt <= 0:
+                    verdicts = ["first " + _verdict(pg[0], TARGET_MS)]
+                    if flock[1] or pg[1]:
+                        over = statistics.median(flock[1]) + OVER_FLOCK_MS if flock[1] else None
+                        verdicts.append("back to back " + (_verdict(pg[1], over)
+                                                           if over is not None else "MISS"))
+                    verdict = ", ".join(verdicts)
+                print(f"| {rtt:g} | {waiters} | {measure} | {cell(flock[0])} | {cell(pg[0])} | "
+                      f"{cell(flock[1])} | {cell(pg[1])} | {verdict} |")
+
+
+def _verdict(values: list[float], bound: float) -> str:
+    return "PASS" if values and statistics.median(values) <= bound else "MISS"
 
 
 if __name__ == "__main__":

@@ -90,6 +90,33 @@ class Ticket:
         for wake in wakers:
             wake()
 
+    def ring(self) -> None:
+        """The waiters just behind this ticket look again; the ticket keeps its place. Its file
+        is replaced under the same name by a copy locked before it appears (rename: the name
+        never goes missing), then the old one is let go: whoever waits on the old one wakes and
+        finds the same entry still waiting. A PostgreSQL host's head rings as it comes first,
+        so the waiter that is now next connects ahead (pg/hostqueue.py). A ring that cannot be
+        made leaves the waiter behind to look at its next moment (never raises)."""
+        if self.fd is None:
+            return
+        try:
+            temp, fd = self.queue.locked_file(os.pread(self.fd, 65536, 0))
+        except OSError:
+            return
+        try:
+            os.rename(temp, self.entry.name, src_dir_fd=self.queue.dir_fd,
+                      dst_dir_fd=self.queue.dir_fd)
+        except OSError:
+            self.queue._drop(temp, fd)
+            return
+        old, self.fd = self.fd, fd
+        os.close(old)
+        with _GUARD:
+            wakers = _MINE.get(self.entry.name, [])
+            _MINE[self.entry.name] = []
+        for wake in wakers:
+            wake()
+
     def ahead(self, now: int | None = None) -> Entry | None:
         """The live entry just ahead of this one in the order at `now` (CLOCK_MONOTONIC ns;
         default: now), or None when first. Only the entries ahead are asked whether they live,
@@ -140,6 +167,20 @@ class Queue:
         arrival: when it began waiting (CLOCK_MONOTONIC ns; default: now) -- a turn that waited
         elsewhere and comes back keeps its place."""
         self.open(create=True)
+        temp, fd = self.locked_file((json.dumps(facts) + "\n").encode())
+        try:
+            arrival = time.monotonic_ns() if arrival is None else arrival
+            entry = Entry(f"{arrival:020d}.{rank}.{os.getpid()}.{os.urandom(4).hex()}", arrival,
+                          rank, os.getpid())
+            os.rename(temp, entry.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        except BaseException:
+            self._drop(temp, fd)
+            raise
+        return Ticket(self, entry, fd)
+
+    def locked_file(self, content: bytes) -> tuple[str, int]:
+        """A new file of the queue under a temporary name, locked before any name of an entry is
+        given it (rename): (its name, its descriptor). OSError: the queue is broken."""
         temp = f".new.{os.getpid()}.{os.urandom(6).hex()}"
         fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
                      0o644, dir_fd=self.dir_fd)
@@ -148,19 +189,18 @@ class Queue:
             # to wait on its lock, and `status` reads who waits.
             os.fchmod(fd, 0o644)
             fcntl.flock(fd, fcntl.LOCK_EX)
-            os.write(fd, (json.dumps(facts) + "\n").encode())
-            arrival = time.monotonic_ns() if arrival is None else arrival
-            entry = Entry(f"{arrival:020d}.{rank}.{os.getpid()}.{os.urandom(4).hex()}", arrival,
-                          rank, os.getpid())
-            os.rename(temp, entry.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+            os.write(fd, content)
         except BaseException:
-            try:
-                os.unlink(temp, dir_fd=self.dir_fd)
-            except OSError:
-                pass
-            os.close(fd)
+            self._drop(temp, fd)
             raise
-        return Ticket(self, entry, fd)
+        return temp, fd
+
+    def _drop(self, temp: str, fd: int) -> None:
+        try:
+            os.unlink(temp, dir_fd=self.dir_fd)
+        except OSError:
+            pass
+        os.close(fd)
 
     def listed(self, now: int | None = None) -> list[Entry]:
         """Every entry in the directory, its waiter alive or gone (no question asked yet), read at

@@ -1,18 +1,24 @@
-"""A host's waiting turns share one server connection: server connections are one per holder plus
-one per host that has waiters, whatever the number of waiters (pgbouncer's rule: client
-connections are cheap, server connections are not).
+"""A host's waiting turns share two server connections: server connections are one per holder plus
+at most two per host that has waiters (its head's and its next waiter's), whatever the number of
+waiters (pgbouncer's rule: client connections are cheap, server connections are not).
 
 Each PostgreSQL lane has, on every host, a HOST QUEUE: the queue of a flock lane under the lock
 root every process of this host computes (LANELOCK_DIR or the default root), named from the
 store's DSN, the lane and the host's name (stem HOST_PREFIX + digests: a hidden name, so flock's
 `status --all` lists no such lane). A waiting turn joins it first, with the flock store's own
 entries, order (classes, aging, arrival) and kernel waits. The first live waiter of a host (a
-stopped one passed over) is its HEAD: only the head connects and waits in the server's queue
-(store/order.py with PgLine); the others wait in the kernel on the entry just ahead of them.
+stopped one passed over) is its HEAD: only the head waits in the server's queue (store/order.py
+with PgLine); the others wait in the kernel on the entry just ahead of them. The waiter just
+behind the head is its NEXT: it holds a connection of its own while it waits there, so that when
+the head takes the lane it joins the server's queue at once -- a connect (a backend forked, its
+settings and first statements) was the whole of a hand-off inside a queue of short turns. A
+head rings its entry once it has joined (Ticket.ring: the waiter behind it looks again, and
+finds itself next); a next that is pushed back (a higher class arrived ahead) lets its
+connection go within STANDBY_LOOK.
 
 Invariants:
-- A turn connects only as head, or for a try while no turn of this host of its class or higher
-  waits (try_lock), so a host's waiters cost the server one connection.
+- A turn connects only as head or next, or for a try while no turn of this host of its class or
+  higher waits (try_lock), so a host's waiters cost the server two connections.
 - A turn's entry stays in its host's queue from its first wait until it has the lane or is done
   waiting, whatever it does meanwhile: its arrival is kept, `status` lists it, and the waiters
   behind it wait on it. The head joins the server's queue with that arrival: clock_timestamp()
@@ -39,8 +45,10 @@ import threading
 import time
 
 from ..flock.line import FlockLine
+from .session import ended
 
 ASIDE_LOOK = 0.2    # how often a head waiting in the server looks at its host's local queue
+STANDBY_LOOK = 0.2  # how often the host's next waiter, connected, looks whether it still is
 NEXT_JOIN = 2.0     # how long a releasing holder waits for its host's next head to join
 NEXT_LOOK = 0.01    # how often it looks meanwhile (only while a head of this host connects)
 HOST_PREFIX = ".pg-host-"
@@ -158,11 +166,14 @@ def leave(local: Local) -> None:
         ticket.leave()
 
 
-def wait_first(local: Local, timeout: float | None, cancel, rank: int, before_block) -> bool:
+def wait_first(local: Local, timeout: float | None, cancel, rank: int, standby) -> bool:
     """Until this turn is the first live waiter of its host (a stopped one passed over, as the
     flock store's queue does): True; timeout or the caller's cancel: False. Each wait is the
     kernel's, on the entry just ahead (FlockLine.behind), looked at again at this turn's next
-    aging step and every order.STOPPED_LOOK. before_block() runs once, before the first wait."""
+    aging step and every order.STOPPED_LOOK. standby(next_up) runs before each wait: next_up
+    when the entry ahead is the host's head (this turn is the next); it says whether this turn
+    now holds a connection -- a standby looks again every STANDBY_LOOK, so one pushed back (a
+    higher class arrived) lets its connection go within that."""
     from .. import order
 
     ticket = place(local, rank)
@@ -180,21 +191,72 @@ def wait_first(local: Local, timeout: float | None, cancel, rank: int, before_bl
         left = _left(deadline)
         if left is not None and left <= 0:
             return False
-        if before_block is not None:
-            before_block()
-            before_block = None
+        connected = standby(next_up(local, ahead))
         # An Event of its own: the kernel wait sets it when the lock comes; the caller's
         # cancel reaches it through cancel() (cancel_wait).
         local.wake = threading.Event()
         if cancel is not None and cancel.is_set():
             local.wake.set()
         try:
-            line.behind(ahead, order.least(left, step, order.STOPPED_LOOK), cancel=local.wake)
+            line.behind(ahead, order.least(left, step, order.STOPPED_LOOK,
+                                           STANDBY_LOOK if connected else None),
+                        cancel=local.wake)
         except order.QueueBroken:
             return True
         finally:
             local.wake = None
     return False
+
+
+def next_up(local: Local, ahead) -> bool:
+    """Is the entry just ahead of this turn its host's head (no live waiter of this host
+    before it: one listing, a lock test of the entries before it, nearest first)?"""
+    from .. import order
+
+    found = local.flock.queue_of(local.handle)
+    if found is None:
+        return False
+    now = time.monotonic_ns()
+    try:
+        return order.just_ahead(ahead.at(now), found.listed(now), found.aging, found) is None
+    except OSError:
+        return False
+
+
+def stand_by(store, handle):
+    """wait_first's standby for a turn of store: the host's next waiter connects while the head
+    waits, so that when the head takes the lane it joins the server's queue at once -- a connect
+    (a backend forked, its settings, its first statements: tens of ms on a busy machine, several
+    round trips on a far server) was the whole of a hand-off inside a queue. One that is not
+    next holds none. The connect is tried once per wait: a server that cannot be reached is
+    said when this turn is the head, as before."""
+    from ...errors import GateUnavailable, ServerCrowded
+
+    tried = False
+
+    def standby(next_up: bool) -> bool:
+        nonlocal tried
+        if not next_up:
+            store.disconnect(handle)
+            return False
+        if handle.conn is None and not tried:
+            tried = True
+            try:
+                store.connected(handle)
+            except (GateUnavailable, ServerCrowded):
+                pass
+        return handle.conn is not None
+
+    return standby
+
+
+def joined(local: Local | None) -> None:
+    """This host's head has joined the server's queue (or could not): the waiter now next is
+    rung (Ticket.ring), to connect while this one waits -- after the join, which a releasing
+    holder of this host waits for, so the next one's connect never delays it."""
+    ticket = None if local is None else local.ticket
+    if ticket is not None:
+        ticket.ring()
 
 
 def cancel(local: Local) -> None:
@@ -222,8 +284,8 @@ def someone_ahead(local: Local, rank: int) -> bool:
 
 
 def wait(store, handle, timeout: float | None, cancel, rank: int) -> bool:
-    """store.wait_lock through the host's queue: wait there until first, then in the server as
-    the host's one connection; stepping aside for a waiter of this host that comes to stand
+    """store.wait_lock through the host's queue: wait there until first (connected once next),
+    then in the server as the host's head; stepping aside for a waiter of this host that comes to stand
     ahead, and giving the lane way when one stands ahead as it comes."""
     from ...errors import GateUnavailable, ServerCrowded
 
@@ -232,11 +294,12 @@ def wait(store, handle, timeout: float | None, cancel, rank: int) -> bool:
     deadline = None if timeout is None else time.monotonic() + timeout
     _load_driver_meanwhile()
     while True:
-        # a waiter that is not its host's first holds no connection
-        if not wait_first(local, _left(deadline), cancel, rank,
-                          lambda: store.disconnect(handle)):
+        # a waiter that is neither its host's first nor next holds no connection
+        if not wait_first(local, _left(deadline), cancel, rank, stand_by(store, handle)):
             leave(local)
             return False
+        if handle.conn is not None and ended(handle.conn):   # a standby's session ended
+            store.disconnect(handle)
         try:
             store.connected(handle)
         except ServerCrowded:

@@ -89,15 +89,18 @@ ROWS = _Rows()
 
 
 def join(conn, lane: str, rank: int, facts: dict, waited: float = 0.0) -> int:
-    """Queue a turn: its row, visible only once its ticket lock is held. waited: seconds it
-    already waited on its host (hostqueue.py): its arrival is the server's clock minus those."""
-    with conn.transaction(), conn.cursor() as cursor:
-        cursor.execute("INSERT INTO lanelock_queue (lane, rank, facts, arrival) VALUES "
-                       "(%s, %s, %s, clock_timestamp() - make_interval(secs => %s)) "
-                       "RETURNING ticket", (lane, rank, json.dumps(facts), max(0.0, waited)))
-        ticket = cursor.fetchone()[0]
-        cursor.execute("SELECT pg_advisory_lock(%s, %s)", key(ticket))
-    return ticket
+    """Queue a turn: its row, visible only once its ticket lock is held -- one statement (one
+    round trip): the lock is taken as the row is inserted, and the row shows when the statement
+    commits. waited: seconds it already waited on its host (hostqueue.py): its arrival is the
+    server's clock minus those."""
+    with conn.cursor() as cursor:
+        cursor.execute(JOIN, (lane, rank, json.dumps(facts), max(0.0, waited), QUEUE_NAMESPACE))
+        return cursor.fetchone()[0]
+
+
+JOIN = ("WITH joined AS (INSERT INTO lanelock_queue (lane, rank, facts, arrival) VALUES "
+        "(%s, %s, %s, clock_timestamp() - make_interval(secs => %s)) RETURNING ticket) "
+        "SELECT ticket, pg_advisory_lock(%s, (ticket %% 2147483647)::int) FROM joined")
 
 
 # One statement: the row goes first -- the CTE runs before the unlock in the select -- and the

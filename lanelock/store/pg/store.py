@@ -2,8 +2,8 @@
 
 A session-level advisory lock has the kernel's promise: held until released or until the session
 ends, so a dead holder releases it with no heartbeat and no reaper. One dedicated connection per
-holder, held for the turn's lifetime, and one per host with waiters (its head: hostqueue.py; a
-turn opens its connection only when it needs one); never through a transaction-mode pooler
+holder, held for the turn's lifetime, and at most two per host with waiters (its head and its
+next: hostqueue.py; a turn opens its connection only when it needs one); never through a transaction-mode pooler
 (session locks would leak across clients), which is detected: the backend pid must stay the same.
 
 Lane -> advisory key (two-int form): key1 = NAMESPACE (0x4C4E4C4B, "LNLK"), key2 = the first four
@@ -356,6 +356,8 @@ class PgStore(LaneStore):
     def _join(self, handle: PgHandle, rank: int, waited: float = 0.0) -> int | None:
         """This turn's ticket; None when the queue cannot be used (said once: the wait then
         takes the server's order, the lane's own lock alone)."""
+        from . import hostqueue
+
         try:
             return self.queue_call(handle, pg_queue.join, handle.lane, rank,
                                     {**(handle.asker or {}), "pid": os.getpid(),
@@ -365,6 +367,8 @@ class PgStore(LaneStore):
                 raise   # the session is gone, not the queue (wait_lock connects again)
             self.queue_unusable(error)
             return None
+        finally:
+            hostqueue.joined(handle.local)
 
     def queue_unusable(self, error) -> None:
         """The queue cannot be used: said once per process; the waits then take the server's
