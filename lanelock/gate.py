@@ -262,7 +262,7 @@ class Turn:
         self.state, self.reason = FAIL_OPEN, why
         self.gate.warn(f"gate unavailable ({why}); running without it")
         if handle is None and not self.gate.config_error:
-            handle = self.gate.store.event_handle(self.gate.lane)
+            handle = self.gate.store.fail_open_handle(self.gate.lane)
         if handle is not None:
             self.record.failed_open(why, handle)
             if self.gate.store.keeps_place(handle):

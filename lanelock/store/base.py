@@ -312,6 +312,12 @@ class LaneStore(ABC):
         found the store unreachable before."""
         return None
 
+    def fail_open_handle(self, lane):
+        """Somewhere to record a turn that fails open with no handle of its own: event_handle's,
+        unless the store keeps such records some other way while it cannot be reached (the
+        PostgreSQL store: on its host, store/pg/spool.py)."""
+        return self.event_handle(lane)
+
     @abstractmethod
     def count(self, lane, outcome: str | None, *, reason: str | None = None,
               held: float | None = None, waited: float | None = None,

@@ -475,9 +475,16 @@ class PgStore(LaneStore):
         # one counts (the hand-off waits for no bookkeeping), and it is counted before release
         # returns.
         if count is not None and handle.conn is not None:
+            from . import spool
+
             records.add_count(handle.conn, handle.lane, dict(count))
+            spool.carry(self, handle.conn)   # what turns run ungated kept on this host
         elif count is not None and not self._unreachable:   # a waiter that never connected
             records.count_apart(self, handle.lane, dict(count))
+        elif count is not None:   # the server could not be reached: kept on this host
+            from . import spool
+
+            spool.keep(self, handle.lane, count=dict(count))
         handle.close()
         if local is not None:
             local.close()
@@ -514,6 +521,12 @@ class PgStore(LaneStore):
         handle.releasing = Releasing({**full_record(), **fields})
 
     def append_event(self, handle: PgHandle, *events: dict) -> None:
+        if handle.conn is None and self._unreachable:   # a turn run ungated: kept on its host
+            from . import spool
+
+            for event in events:
+                spool.keep(self, handle.lane, event=event)
+            return
         records.append_event(self, handle, *events)
 
     def events(self, lane, since: float | None) -> tuple:
@@ -542,6 +555,14 @@ class PgStore(LaneStore):
             self._unreachable = True
             return None
         return PgHandle(conn, lane.name, lane_key(lane.name), 0)
+
+    def fail_open_handle(self, lane) -> PgHandle | None:
+        """event_handle's; once this process found the server unreachable, a handle with no
+        session whose event and count go to the host's spool (spool.py), carried to the server
+        by a later turn: the turn asks the unreachable server once, not again to say so."""
+        if self._unreachable:
+            return PgHandle(None, lane.name, lane_key(lane.name), 0)
+        return self.event_handle(lane)
 
     def claim_witness(self, lane, who: str | None = None) -> tuple:
         """A session advisory lock on (WITNESS_NAMESPACE, the lane's key) in a connection of its
