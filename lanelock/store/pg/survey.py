@@ -33,6 +33,24 @@ def _survey(store, conn, lane) -> list:
         raise GateUnavailable(f"lane store {redact(store.dsn)}: {first_line(error)}") from None
 
 
+def survey_all(store, most: int) -> tuple[list, int]:
+    """(facts of at most `most` lanes, those whose holder rows changed last, in name order; how
+    many more the server knows): status --all and metrics --all judge a bounded number of lanes
+    whatever anyone with the server's password made, and ask for no more rows than they judge."""
+    with shared.asking(store, "lanelock status") as (conn, _):
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute("SELECT lane FROM lanelock_holders GROUP BY lane "
+                               "ORDER BY max(updated_at) DESC, lane LIMIT %s", (most,))
+                names = sorted(row[0] for row in cursor.fetchall())
+                cursor.execute("SELECT count(DISTINCT lane) FROM lanelock_holders")
+                known = cursor.fetchone()[0]
+            return [_facts(store, conn, name) for name in names], max(0, known - len(names))
+        except driver().Error as error:
+            raise GateUnavailable(f"lane store {redact(store.dsn)}: "
+                                  f"{first_line(error)}") from None
+
+
 def lane_names(store) -> list[str]:
     with shared.asking(store, "lanelock status") as (conn, _):
         try:
