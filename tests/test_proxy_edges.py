@@ -21,7 +21,7 @@ import pytest
 
 from support.cli import LANELOCK, TIMEOUT
 from support.http import answer, read_all, send_waiting
-from support.processes import wait_for
+from support.processes import read_line, wait_for
 from support.server import Server
 from support.engine import Engine
 from support.ports import free_port
@@ -200,6 +200,56 @@ def test_an_engine_that_stays_down_is_said_once_per_incident(procs):
     proxy.stop()
     log = proxy.log()
     assert log.count("lanelock: warning:") == 1 and "local_backend_down: " in log, log
+
+
+# The stand-in on a given port (0: the kernel's), saying each connection it accepts.
+COUNTING_ENGINE = """
+import sys
+from http.server import ThreadingHTTPServer
+from lanelock.testing import standin
+
+class Counting(ThreadingHTTPServer):
+    def get_request(self):
+        accepted = super().get_request()
+        print("connected", flush=True)
+        return accepted
+
+standin.ThreadingHTTPServer = Counting
+server = standin.make_server(int(sys.argv[1]), 0.0, "stand-in", 2, None)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+def test_a_connection_opened_ahead_to_an_engine_that_went_away_is_never_used(procs):
+    def counting_engine(port):
+        engine = procs.start([sys.executable, "-c", COUNTING_ENGINE, str(port)],
+                             stdout=subprocess.PIPE)
+        return engine, int(read_line(engine.stdout))
+
+    def answered_then_spare(engine):
+        """The request's connection, then the one opened for the next request."""
+        assert read_line(engine.stdout) == "connected\n"
+        assert read_line(engine.stdout) == "connected\n"
+
+    first, port = counting_engine(0)
+    proxy = Proxy(procs, f"127.0.0.1:{port}", "--no-witness")
+    assert request(proxy.port, "POST", CHAT, chat_body())[0] == 200
+    answered_then_spare(first)
+    first.kill()
+    first.wait()
+    # The engine restarted on its port: the spare to the old one is dropped, a new one made.
+    second, _ = counting_engine(port)
+    status, headers, _ = request(proxy.port, "POST", CHAT, chat_body())
+    assert (status, headers["X-Lanelock-State"]) == (200, "held")
+    answered_then_spare(second)
+    second.kill()
+    second.wait()
+    # Gone for good: down, as without a spare.
+    status, headers, _ = request(proxy.port, "POST", CHAT, chat_body())
+    assert (status, headers["X-Lanelock-State"]) == (502, "down")
+    proxy.stop()
+    assert "Traceback" not in proxy.log(), proxy.log()
 
 
 # -- llama-swap's /upstream -----------------------------------------------------------------------
