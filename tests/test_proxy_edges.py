@@ -252,6 +252,21 @@ def test_a_connection_opened_ahead_to_an_engine_that_went_away_is_never_used(pro
     assert "Traceback" not in proxy.log(), proxy.log()
 
 
+def test_a_key_repeated_where_no_model_is_named_is_the_engines_business(procs):
+    """The body's keys are checked, and those of the objects in its fields; those of the objects
+    in its lists (messages, tools: most of a conversation's bytes) are read by json alone."""
+    engine = Engine(procs, delay=0.0)
+    proxy = Proxy(procs, engine.backend, "--no-witness")
+    in_a_message = (b'{"model":"stand-in","messages":[{"role":"user","content":"a",'
+                    b'"content":"b"}]}')
+    assert request(proxy.port, "POST", CHAT, in_a_message)[0] == 200
+    for body in (b'{"model":"stand-in","messages":[],"MODEL":"other"}',
+                 b'{"model":"stand-in","messages":[],"metadata":{"user_id":"a","user_id":"b"}}'):
+        status, _, data = request(proxy.port, "POST", CHAT, body)
+        assert status == 400 and b"ambiguous_request_body" in data, data
+    proxy.stop()
+
+
 # -- llama-swap's /upstream -----------------------------------------------------------------------
 def test_an_upstream_get_is_gated_and_loads_no_model_beside_the_holder(procs, holder):
     engine = procs.start([PYTHON, "-c", LLAMA_SWAP], stdout=subprocess.PIPE)
