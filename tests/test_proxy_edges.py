@@ -252,6 +252,42 @@ def test_a_connection_opened_ahead_to_an_engine_that_went_away_is_never_used(pro
     assert "Traceback" not in proxy.log(), proxy.log()
 
 
+# An engine on a host name that sets a cookie on every answer and says the cookie it was sent.
+COOKIE_ENGINE = """
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        print("cookie:", self.headers.get("Cookie"), flush=True)
+        body = b'{"ok": true}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Set-Cookie", "session_of_a=secret; Path=/")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+def test_a_cookie_one_clients_answer_set_never_goes_with_anothers_request(procs):
+    engine = procs.start([sys.executable, "-c", COOKIE_ENGINE], stdout=subprocess.PIPE)
+    port = int(read_line(engine.stdout))
+    proxy = Proxy(procs, f"localhost:{port}", "--no-witness")   # a host name: cookies kept
+    for _ in range(2):
+        status, headers, _ = request(proxy.port, "POST", CHAT, chat_body())
+        assert status == 200 and "session_of_a" in headers["Set-Cookie"]   # relayed as it came
+        assert read_line(engine.stdout) == "cookie: None\n"
+    proxy.stop()
+
+
 def test_a_key_repeated_where_no_model_is_named_is_the_engines_business(procs):
     """The body's keys are checked, and those of the objects in its fields; those of the objects
     in its lists (messages, tools: most of a conversation's bytes) are read by json alone."""
