@@ -75,9 +75,6 @@ def test_probe_is_free_while_a_seat_is_free(lanelock, holder):
     second.release()
 
 
-@pytest.mark.xfail(strict=False, reason="a known race, not yet found: about 1 run in 15 under "
-                   "load the interactive waiter never gets the freed seat (the batch one, the "
-                   "head before it came, may keep it)")
 def test_a_waiting_turn_takes_the_first_seat_freed_in_class_order(lanelock, holder, lock_dir):
     set_seats(lanelock, 2)
     first = holder(command=SEATED)

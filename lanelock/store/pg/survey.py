@@ -4,6 +4,7 @@ row that names another lane is a hash collision said, never silent."""
 
 from __future__ import annotations
 
+from .. import order
 from ..base import LaneFacts
 from . import queue as pg_queue
 from . import shared
@@ -109,7 +110,7 @@ def _seat_facts(store, conn, lane: str, seat: int = 1) -> LaneFacts:
         heads = {entry.facts.get("entry") for entry in pg_queue.live(conn, lane)}
     except driver().Error:
         heads = set()
-    facts.queue = hostqueue.merged(facts.queue, hostqueue.local_rows(
+    facts.queue = order.merged(facts.queue, hostqueue.local_rows(
         store._root().path, store.dsn, lane, store.aging, heads))
     return _row_facts(conn, facts, key, lane)
 
