@@ -21,7 +21,7 @@ import pytest
 
 from support.cli import LANELOCK, TIMEOUT
 from support.http import answer, read_all, send_waiting
-from support.processes import wait_for
+from support.processes import read_line, wait_for
 from support.server import Server
 from support.engine import Engine
 from support.ports import free_port
@@ -200,6 +200,107 @@ def test_an_engine_that_stays_down_is_said_once_per_incident(procs):
     proxy.stop()
     log = proxy.log()
     assert log.count("lanelock: warning:") == 1 and "local_backend_down: " in log, log
+
+
+# The stand-in on a given port (0: the kernel's), saying each connection it accepts.
+COUNTING_ENGINE = """
+import sys
+from http.server import ThreadingHTTPServer
+from lanelock.testing import standin
+
+class Counting(ThreadingHTTPServer):
+    def get_request(self):
+        accepted = super().get_request()
+        print("connected", flush=True)
+        return accepted
+
+standin.ThreadingHTTPServer = Counting
+server = standin.make_server(int(sys.argv[1]), 0.0, "stand-in", 2, None)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+def test_a_connection_opened_ahead_to_an_engine_that_went_away_is_never_used(procs):
+    def counting_engine(port):
+        engine = procs.start([sys.executable, "-c", COUNTING_ENGINE, str(port)],
+                             stdout=subprocess.PIPE)
+        return engine, int(read_line(engine.stdout))
+
+    def answered_then_spare(engine):
+        """The request's connection, then the one opened for the next request."""
+        assert read_line(engine.stdout) == "connected\n"
+        assert read_line(engine.stdout) == "connected\n"
+
+    first, port = counting_engine(0)
+    proxy = Proxy(procs, f"127.0.0.1:{port}", "--no-witness")
+    assert request(proxy.port, "POST", CHAT, chat_body())[0] == 200
+    answered_then_spare(first)
+    first.kill()
+    first.wait()
+    # The engine restarted on its port: the spare to the old one is dropped, a new one made.
+    second, _ = counting_engine(port)
+    status, headers, _ = request(proxy.port, "POST", CHAT, chat_body())
+    assert (status, headers["X-Lanelock-State"]) == (200, "held")
+    answered_then_spare(second)
+    second.kill()
+    second.wait()
+    # Gone for good: down, as without a spare.
+    status, headers, _ = request(proxy.port, "POST", CHAT, chat_body())
+    assert (status, headers["X-Lanelock-State"]) == (502, "down")
+    proxy.stop()
+    assert "Traceback" not in proxy.log(), proxy.log()
+
+
+# An engine on a host name that sets a cookie on every answer and says the cookie it was sent.
+COOKIE_ENGINE = """
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        print("cookie:", self.headers.get("Cookie"), flush=True)
+        body = b'{"ok": true}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Set-Cookie", "session_of_a=secret; Path=/")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+def test_a_cookie_one_clients_answer_set_never_goes_with_anothers_request(procs):
+    engine = procs.start([sys.executable, "-c", COOKIE_ENGINE], stdout=subprocess.PIPE)
+    port = int(read_line(engine.stdout))
+    proxy = Proxy(procs, f"localhost:{port}", "--no-witness")   # a host name: cookies kept
+    for _ in range(2):
+        status, headers, _ = request(proxy.port, "POST", CHAT, chat_body())
+        assert status == 200 and "session_of_a" in headers["Set-Cookie"]   # relayed as it came
+        assert read_line(engine.stdout) == "cookie: None\n"
+    proxy.stop()
+
+
+def test_a_key_repeated_where_no_model_is_named_is_the_engines_business(procs):
+    """The body's keys are checked, and those of the objects in its fields; those of the objects
+    in its lists (messages, tools: most of a conversation's bytes) are read by json alone."""
+    engine = Engine(procs, delay=0.0)
+    proxy = Proxy(procs, engine.backend, "--no-witness")
+    in_a_message = (b'{"model":"stand-in","messages":[{"role":"user","content":"a",'
+                    b'"content":"b"}]}')
+    assert request(proxy.port, "POST", CHAT, in_a_message)[0] == 200
+    for body in (b'{"model":"stand-in","messages":[],"MODEL":"other"}',
+                 b'{"model":"stand-in","messages":[],"metadata":{"user_id":"a","user_id":"b"}}'):
+        status, _, data = request(proxy.port, "POST", CHAT, body)
+        assert status == 400 and b"ambiguous_request_body" in data, data
+    proxy.stop()
 
 
 # -- llama-swap's /upstream -----------------------------------------------------------------------

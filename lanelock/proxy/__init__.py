@@ -15,6 +15,7 @@ same store, same records) while the engine answers; a busy lane sends it to the 
 - socket_owner.py    which process holds a client's end of a connection (sockdiag.py: the
                      kernel's answer for its socket);
 - relay.py           forwarding a request and streaming the answer back, byte for byte;
+- spare.py           the next engine connection, opened ahead (a fresh one, not a reused one);
 - fallbacks.py       the --fallback entries and their chain, for a busy lane or an engine that
                      does not answer;
 - retry.py           Retry-After: when the lane likely comes to a busy request's place;

@@ -4,12 +4,15 @@ The lane a request holds must be the model the engine runs, so the proxy reads t
 place the engine reads it, and refuses (Disagree: a 400 in the family's shape) a body that two
 readers read differently:
 
-- a JSON body is read once, by Python's json, with every object's keys checked: a repeated key is
-  refused (llama-swap's gjson takes the first `model`, Python's json the last: `{"model": "A",
-  ..., "model": "B"}` would hold B's lane while the engine runs A), as is one repeated in another
-  case (Go's encoding/json, Ollama's, reads `Model` as `model`); so is a body with a `{` that
-  is no JSON object to json (gjson still reads a `model` out of `{"model": "A",}`), and a model
-  that is no UTF-8 text (a lone surrogate: gjson reads U+FFFD there);
+- a JSON body is read once, by Python's json, with the keys of its object checked -- and of every
+  object inside its fields, but not of the objects in its lists (`messages`, `tools`: most of a
+  long conversation's bytes, and nothing there names a model, a session or a slot; checking them
+  all made reading a 115 KB body 2-3 times slower): a repeated key is refused (llama-swap's gjson
+  takes the first `model`, Python's json the last: `{"model": "A", ..., "model": "B"}` would hold
+  B's lane while the engine runs A), as is one repeated in another case (Go's encoding/json,
+  Ollama's, reads `Model` as `model`); so is a body with a `{` that is no JSON object to json
+  (gjson still reads a `model` out of `{"model": "A",}`), and a model that is no UTF-8 text (a
+  lone surrogate: gjson reads U+FFFD there);
 - a multipart form (llama-swap's /v1/audio/transcriptions and /v1/images/edits): the first field
   named `model` that is not a file, else the query's -- Go's FormValue;
 - `?model=` on a path llama-swap routes by its query (GET /v1/audio/voices, GET /sdapi/v1/loras:
@@ -21,6 +24,8 @@ The /upstream/MODEL/... path is the engine's own list's business (engine_names.p
 from __future__ import annotations
 
 import json
+import re
+from json.decoder import scanstring
 from urllib.parse import parse_qs
 
 # Paths whose multipart form names the model (llama-swap's proxyOAIPostFormHandler).
@@ -42,7 +47,7 @@ def json_fields(body: bytes) -> dict:
     if not body.strip():
         return {}
     try:
-        data = json.loads(body, object_pairs_hook=_unique)
+        data = _read(body.decode(json.detect_encoding(body), "surrogatepass"))
     except Disagree:
         raise
     except (ValueError, RecursionError):
@@ -59,6 +64,53 @@ def json_fields(body: bytes) -> dict:
         except UnicodeEncodeError:
             raise Disagree("the model is not UTF-8 text (a lone surrogate escape)") from None
     return data
+
+
+_PLAIN = json.JSONDecoder()                          # a value whose objects go unchecked
+_SPACE = re.compile(r"[ \t\n\r]*")                  # json's own whitespace
+
+
+def _read(text: str):
+    """json.loads(text), its top-level object's keys checked (_unique) and the objects inside its
+    fields, but those inside its lists read by json's C scanner alone (ValueError as json's)."""
+    space = _SPACE.match
+    at = space(text).end()
+    if text[at:at + 1] != "{":
+        return json.loads(text)   # no object: nothing to check
+    pairs = []
+    at = space(text, at + 1).end()
+    if text[at:at + 1] == "}":
+        at += 1
+    else:
+        checked, plain = _CHECKED.scan_once, _PLAIN.scan_once
+        while True:
+            if text[at:at + 1] != '"':
+                raise ValueError(f"a key expected at {at}")
+            name, at = scanstring(text, at + 1, True)
+            if text[at:at + 1] != ":":
+                at = space(text, at).end()
+                if text[at:at + 1] != ":":
+                    raise ValueError(f"':' expected at {at}")
+            at = space(text, at + 1).end()
+            try:
+                value, at = (checked if text[at:at + 1] == "{" else plain)(text, at)
+            except StopIteration:
+                raise ValueError(f"a value expected at {at}") from None
+            pairs.append((name, value))
+            follows = text[at:at + 1]
+            if follows not in (",", "}"):
+                at = space(text, at).end()
+                follows = text[at:at + 1]
+            if follows == ",":
+                at = space(text, at + 1).end()
+                continue
+            if follows != "}":
+                raise ValueError(f"',' or '}}' expected at {at}")
+            at += 1
+            break
+    if at != len(text) and space(text, at).end() != len(text):
+        raise ValueError(f"more after the object at {at}")
+    return _unique(pairs)
 
 
 def _unique(pairs: list) -> dict:
@@ -133,3 +185,6 @@ def _param(header: str, name: str) -> str | None:
     if isinstance(value, tuple):   # RFC 2231 form
         value = value[2]
     return value
+
+
+_CHECKED = json.JSONDecoder(object_pairs_hook=_unique)

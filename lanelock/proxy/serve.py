@@ -137,7 +137,7 @@ def authorised(request, token: str) -> bool:
 def make_app(proxy):
     """The aiohttp app: the guard, then the in-flight count and the access log (middlewares);
     one route per path -- the proxy's status, the metrics, and every other target."""
-    from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
+    from aiohttp import ClientSession, ClientTimeout, DummyCookieJar, web
 
     from . import traffic
     from .app import PROXY, UPSTREAM
@@ -196,10 +196,20 @@ def make_app(proxy):
     async def upstream(app):
         # force_close: a new loopback connection per request. On a reused keep-alive connection
         # the client's delayed ACK meets an engine that writes without TCP_NODELAY (Nagle) and
-        # holds the first streamed event ~40 ms; a fresh connection costs ~0.1 ms.
+        # holds the first streamed event ~40 ms; a fresh connection costs ~0.1 ms -- opened
+        # before the request comes (spare.py).
+        from yarl import URL
+
+        from .spare import SpareConnector
+
+        engine = URL(proxy.backend_url)
+        # No cookie jar: a cookie one client's answer set (a hostname's engine or fallback: a
+        # CDN's) must not go with another client's request -- and nothing is looked up in a
+        # jar per request.
         app[UPSTREAM] = ClientSession(
             auto_decompress=False, timeout=ClientTimeout(total=None, sock_connect=10),
-            connector=TCPConnector(limit=0, force_close=True))
+            cookie_jar=DummyCookieJar(),
+            connector=SpareConnector((engine.raw_host, engine.port), limit=0, force_close=True))
         yield
         await app[PROXY].close()
         await app[UPSTREAM].close()
