@@ -72,3 +72,32 @@ def test_status_and_metrics_all_judge_the_lanes_changed_last_and_say_how_many_mo
     assert scraped.returncode == 0, scraped
     assert f'lanelock_lane_held{{lane="{LANE}"}}' in scraped.stdout
     assert [line for line in scraped.stderr.splitlines() if "not listed" in line] == notes
+
+
+@pytest.mark.slow   # a hundred lanes judged twice on a real server
+def test_status_and_metrics_all_on_postgresql_judge_the_lanes_changed_last(lanelock, postgres,
+                                                                            lock_roots):
+    """Anyone with the server's password can make rows: the PostgreSQL store chooses the lanes
+    changed last in one query too, and says how many more there are."""
+    psycopg = pytest.importorskip("psycopg")
+    lock_roots.watch_store(postgres.dsn)
+    store = {"LANELOCK_STORE": postgres.dsn}
+    assert lanelock("run", "--", "true", env=store).returncode == 0   # the schema, and our lane
+    with psycopg.connect(postgres.dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO lanelock_holders (key2, lane, record, backend_pid, updated_at) "
+                     "SELECT -1000000 - n, '0-planted-' || n, '{}', 0, now() - interval '1 hour' "
+                     "FROM generate_series(1, %s) AS n ON CONFLICT DO NOTHING", (ALL_LANES + 20,))
+        known = conn.execute("SELECT count(DISTINCT lane) FROM lanelock_holders").fetchone()[0]
+    assert lanelock("run", "--", "true", env=store).returncode == 0   # our lane changed last
+    listed = lanelock("status", "--all", env=store)
+    assert listed.returncode == 0, listed
+    assert LANE in listed.stdout
+    notes = [line for line in listed.stderr.splitlines() if "not listed" in line]
+    assert len(notes) == 1 and notes[0].startswith("lanelock: "), listed.stderr
+    assert f"{known - ALL_LANES} more lanes" in notes[0]
+    scraped = lanelock("metrics", "--all", env=store)
+    assert scraped.returncode == 0, scraped
+    assert f'lane="{LANE}' in scraped.stdout   # (a PostgreSQL lane's name says its host too)
+    assert len({line.split('lane="')[1].split('"')[0] for line in scraped.stdout.splitlines()
+                if line.startswith("lanelock_lane_held{")}) == ALL_LANES
+    assert [line for line in scraped.stderr.splitlines() if "not listed" in line] == notes

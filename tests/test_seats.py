@@ -8,6 +8,7 @@ history, metrics, the deflection's words) are tests/test_seat_views.py's.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -75,9 +76,6 @@ def test_probe_is_free_while_a_seat_is_free(lanelock, holder):
     second.release()
 
 
-@pytest.mark.xfail(strict=False, reason="a known race, not yet found: about 1 run in 15 under "
-                   "load the interactive waiter never gets the freed seat (the batch one, the "
-                   "head before it came, may keep it)")
 def test_a_waiting_turn_takes_the_first_seat_freed_in_class_order(lanelock, holder, lock_dir):
     set_seats(lanelock, 2)
     first = holder(command=SEATED)
@@ -333,7 +331,11 @@ def test_each_waiter_s_estimate_counts_the_seat_that_frees_first(lanelock, holde
     estimates = [row["estimate"] for row in lane["queue"]]
     assert estimates == [until_lane(typical, held_for[0], ahead, 2, (held_for[1],))
                          for ahead in range(3)]
-    assert estimates[0] == estimates[1] < estimates[2] < estimates[0] + typical + 1
+    # The first two each take a seat as a holder's hold ends -- the same second, or a later one
+    # when the holds began apart (each rest rounds up on its own) -- the third a hold later.
+    gap = math.ceil(abs(held_for[0] - held_for[1]))
+    assert estimates[0] <= estimates[1] <= estimates[0] + gap
+    assert estimates[1] < estimates[2] < estimates[0] + typical + 1
     for turn in held:
         turn.release()
     for waiter in waiters:

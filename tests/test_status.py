@@ -623,6 +623,39 @@ def queue_of(procs, lock_dir, classes) -> list[subprocess.Popen]:
     return waiters
 
 
+# A turn caught joining: its entry made under the queue's temporary name (.new.PID.RANDOM) and
+# locked, not yet renamed in -- as every joining turn is for a moment.
+JOINING = """
+import fcntl, os, sys
+fd = os.open(os.path.join(sys.argv[1], f".new.{os.getpid()}.000000000000"),
+             os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_turn_caught_joining_is_nobodys_place_in_line(lanelock, holder, procs, lock_dir):
+    """A waiting turn's entry is made under a temporary name and renamed into the queue once
+    locked: until then it is in no order -- not in status's queue, not queued for the tests'
+    own look (is_queued), which once counted it and so freed a seat before the turn could be
+    seen by the turn already waiting."""
+    lock = lock_dir / f"{STEM}.lock"
+    held = holder("--session", "holder")
+    waiter = procs.start([*LANELOCK, "run", "--wait", "-s", "waiter", "--", "true"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wait_for(lambda: is_queued(lock, waiter.pid), "the waiter to queue")
+    joining = procs.start([sys.executable, "-c", JOINING, str(lock.with_suffix(".queue"))],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert read_line(joining.stdout).strip() == "ready"
+    assert not is_queued(lock, joining.pid)
+    assert [row["pid"] for row in one_lane(lanelock)["queue"]] == [waiter.pid]
+    joining.stdin.close()
+    assert joining.wait(timeout=TIMEOUT) == 0
+    assert held.release() == 0
+    assert waiter.wait(timeout=TIMEOUT) == 0
+
+
 def test_plain_status_gives_each_waiter_its_line_and_estimate(lanelock, holder, procs, lock_dir):
     """20 waiters were one 1,097-character line: now the lane's line, then one line per waiter
     in the queue's order, with the estimate the proxy's Retry-After makes (estimate.py)."""

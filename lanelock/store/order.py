@@ -14,7 +14,8 @@ The rules among entries (one reading of the medium):
   that class or higher is queued;
 - a killed turn's command that still runs (outlived.py) keeps the lane: taking it waits for that
   command within the same timeout, or lets the lane go again;
-- `status` shows the live entries in this order (status_rows).
+- `status` shows the live entries in this order (status_rows); a store whose waiters stand in
+  two queues (a server's, and each host's own before it) shows them as one (merged).
 
 The walk, for one waiting turn that has joined the queue:
 - one look gives BOTH the live entry just ahead of it (None: it is first) and the seconds until
@@ -30,6 +31,10 @@ The walk, for one waiting turn that has joined the queue:
   timeout, and the lane let go again if it outlasts it;
 - a queue that breaks while the turn waits (its medium says QueueBroken) never makes the turn
   ungated: it falls back to the lane's own lock, the kernel's or the server's order.
+
+A turn that waits in two queues (PostgreSQL: on its host, then as its host's head in the
+server's) walks the first part alone (until_first, wait_first): the same looks and waits, until
+it is first in its host's order; the lane is then the server's walk.
 
 The walk is a generator: it yields each blocking step (LOOK, LOCK, GONE, BEHIND) to a driver --
 wait() in the calling thread, wait_async() in an event loop with no thread per waiter -- which
@@ -75,9 +80,10 @@ AGAIN_TRIES = 3
 # pass it over once it stops -- the walk's one timed look.
 STOPPED_LOOK = 1.0
 
-# A hook point: when set, called with (ahead, step) after every look of a walk in this process,
-# before the wait that look decides -- whatever it does there (report, pause) happens between the
-# two, and the walk must still hold (no wait past its own step). None: no call.
+# A hook point: when set, called with (ahead, step) after every look of a lane's walk in this
+# process (walk; not a host queue's wait_first), before the wait that look decides -- whatever it
+# does there (report, pause) happens between the two, and the walk must still hold (no wait past
+# its own step). None: no call.
 after_look = None
 
 
@@ -134,6 +140,18 @@ def status_rows(entries: "Iterable[Queued]", aging: float, medium: "Entries") ->
                      # a stopped waiter keeps its place but is passed over meanwhile
                      "stopped": medium.stopped(entry)})
     return rows
+
+
+def merged(server: list[dict], local: list[dict]) -> list[dict]:
+    """status_rows of two media in one order -- a server's queue and its hosts' own queues,
+    where a host's head waits in the server and its other waiters on their host: effective
+    class, then the longest wait (one measure for both: a head's server arrival counts its wait
+    on its host). Positions renumbered."""
+    if not local:
+        return server
+    rows = sorted(server + local, key=lambda row: (-CLASSES.index(row["effective_class"]),
+                                                   -(row.get("waited") or 0.0)))
+    return [dict(row, position=position) for position, row in enumerate(rows, 1)]
 
 
 class Line:
@@ -240,36 +258,49 @@ def walk(line: Line, timeout: float | None, cancel=None):
     if not line.queued:
         return (yield from take(line, timeout))
     deadline = _deadline(timeout)
+    while True:
+        first = yield from until_first(line, deadline, cancel)
+        if first is None:   # the queue broke: the lane's own order
+            return (yield from take(line, _left(deadline)))
+        if not first:
+            return False
+        if not (yield from take(line, _left(deadline))):
+            return False
+        try:
+            first = (yield LOOK,)[0] is None
+        except QueueBroken:
+            return True   # the lane is ours, and no order can be read to give it to
+        if first:
+            return True
+        line.hand_on()   # a higher class came first meanwhile
+
+
+def until_first(line: Line, deadline: float | None, cancel=None, hooked: bool = True):
+    """The steps of a waiting turn until it is first in its line: True (first), False (the
+    deadline, a time.monotonic() or None, passed, or cancel was set), None (the queue broke).
+    The whole walk of a turn that waits for the lane elsewhere once first (a host's head:
+    hooked False, after_look is the lane's)."""
     while not (cancel is not None and cancel.is_set()):
         looked_at = time.monotonic()
         try:
             ahead, step = yield LOOK,
         except QueueBroken:
-            return (yield from take(line, _left(deadline)))
+            return None
         # The step is a moment, counted from before the look: however late the look returns
         # (a slow query, a busy machine) or the wait begins, it never waits past its own step.
         step_at = None if step is None else looked_at + step
-        if after_look is not None:
+        if hooked and after_look is not None:
             after_look(ahead, step)
+        if ahead is None:
+            return True
         left = _left(deadline)
-        if ahead is None:   # first: the lane itself
-            if not (yield from take(line, left)):
-                return False
-            try:
-                first = (yield LOOK,)[0] is None
-            except QueueBroken:
-                return True   # the lane is ours, and no order can be read to give it to
-            if first:
-                return True
-            line.hand_on()   # a higher class came first meanwhile
-            continue
         if left is not None and left <= 0:
             return False
         try:
             yield BEHIND, ahead, least(left, _left(step_at),
                                         STOPPED_LOOK if line.sees_stop(ahead) else None)
         except QueueBroken:
-            return (yield from take(line, _left(deadline)))
+            return None
     return False
 
 
@@ -295,12 +326,25 @@ def wait(line: Line, timeout: float | None, cancel=None) -> bool:
     """Walk in this thread (the kernel, the server or an event from another thread wakes it);
     the line leaves the queue however the walk ends."""
     with _Walking(line, walk(line, timeout, cancel)) as walking:
-        while (step := walking.next()) is not None:
-            try:
-                walking.answered(_step(line, step, cancel))
-            except QueueBroken as broken:
-                walking.failed(broken)
-        return walking.result
+        return _drive(walking, cancel)
+
+
+def wait_first(line: Line, timeout: float | None, cancel=None) -> bool:
+    """until_first in this thread: True once first, or once the queue broke (the order the turn
+    waits in next is then the only one); False on timeout or cancel. The line keeps its entry:
+    the turn goes on waiting elsewhere (a host's head, in the server's queue)."""
+    steps = until_first(line, _deadline(timeout), cancel, hooked=False)
+    with _Walking(line, steps, leave=False) as walking:
+        return _drive(walking, cancel) is not False
+
+
+def _drive(walking: "_Walking", cancel):
+    while (step := walking.next()) is not None:
+        try:
+            walking.answered(_step(walking.line, step, cancel))
+        except QueueBroken as broken:
+            walking.failed(broken)
+    return walking.result
 
 
 def _step(line: Line, step: tuple, cancel):
@@ -338,10 +382,11 @@ async def _step_async(line: Line, step: tuple):
 
 class _Walking:
     """A walk as its drivers run it: the next step, sent what came of the last one (or the
-    QueueBroken it raised); the line leaves the queue however it ends."""
+    QueueBroken it raised); the line leaves the queue however it ends (unless leave is False:
+    wait_first)."""
 
-    def __init__(self, line: Line, steps):
-        self.line, self.steps, self.result = line, steps, None
+    def __init__(self, line: Line, steps, leave: bool = True):
+        self.line, self.steps, self.result, self.leave = line, steps, None, leave
         self._answer, self._error = None, None
 
     def next(self):
@@ -364,7 +409,8 @@ class _Walking:
 
     def __exit__(self, *exc) -> None:
         self.steps.close()
-        self.line.leave()
+        if self.leave:
+            self.line.leave()
 
 
 def _deadline(timeout: float | None) -> float | None:

@@ -36,12 +36,20 @@ def is_waiting(lock_path, pid: int) -> bool:
 def is_queued(lock_path, pid: int) -> bool:
     """Does pid wait in the lane's queue (store/flock/queue.py: a file ARRIVAL.RANK.PID.RANDOM in
     STEM.queue/ beside the lock, there only while its turn waits)? The first in the queue blocks
-    in flock() on the lock itself (is_waiting); the others on the entry ahead of them."""
+    in flock() on the lock itself (is_waiting); the others on the entry ahead of them.
+
+    Only an entry the order reads counts (the queue's own parser says which): a turn joining
+    makes its file under a temporary name (.new.PID.RANDOM) and renames it into the queue once
+    locked. Counted from that temporary file, a waiter was "queued" before any other turn could
+    see it, and a seat freed then went to the turn already waiting -- a test's race, not a rule."""
+    from lanelock.store.flock.queue import Entry
+
     try:
         names = os.listdir(Path(lock_path).with_suffix(".queue"))
     except OSError:
         return False
-    return any(name.split(".")[2:3] == [str(pid)] for name in names)
+    return any((entry := Entry.parse(name, 0)) is not None and entry.pid == pid
+               for name in names)
 
 
 def lane_held(lock: Path) -> bool:

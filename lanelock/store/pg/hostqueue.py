@@ -160,41 +160,38 @@ def leave(local: Local) -> None:
 
 def wait_first(local: Local, timeout: float | None, cancel, rank: int, before_block) -> bool:
     """Until this turn is the first live waiter of its host (a stopped one passed over, as the
-    flock store's queue does): True; timeout or the caller's cancel: False. Each wait is the
-    kernel's, on the entry just ahead (FlockLine.behind), looked at again at this turn's next
-    aging step and every order.STOPPED_LOOK. before_block() runs once, before the first wait."""
+    flock store's queue does): True; timeout or the caller's cancel: False. The walk is
+    store/order.py's (wait_first): each wait the kernel's, on the entry just ahead
+    (FlockLine.behind), looked at again at this turn's next aging step and every
+    order.STOPPED_LOOK. before_block() runs once, before the first wait."""
     from .. import order
 
     ticket = place(local, rank)
     if ticket is None:
         return True   # no local queue: the server's order alone
-    line = FlockLine(local.flock, local.handle, ticket)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while not (cancel is not None and cancel.is_set()):
-        try:
-            ahead, step = line.look()
-        except order.QueueBroken:
-            return True
-        if ahead is None:
-            return True
-        left = _left(deadline)
-        if left is not None and left <= 0:
-            return False
-        if before_block is not None:
+    return order.wait_first(_HostLine(local, ticket, before_block), timeout, cancel)
+
+
+class _HostLine(FlockLine):
+    """The host queue's medium for the walk: the flock store's, but each wait on an Event of
+    its own (the kernel wait sets it when the lock comes; the caller's cancel reaches it through
+    cancel(): cancel_wait), after before_block() the first time."""
+
+    def __init__(self, local: Local, ticket, before_block):
+        super().__init__(local.flock, local.handle, ticket)
+        self.local, self.before_block = local, before_block
+
+    def behind(self, entry, timeout: float | None, cancel=None) -> None:
+        if self.before_block is not None:
+            self.before_block, before_block = None, self.before_block
             before_block()
-            before_block = None
-        # An Event of its own: the kernel wait sets it when the lock comes; the caller's
-        # cancel reaches it through cancel() (cancel_wait).
-        local.wake = threading.Event()
+        self.local.wake = threading.Event()
         if cancel is not None and cancel.is_set():
-            local.wake.set()
+            self.local.wake.set()
         try:
-            line.behind(ahead, order.least(left, step, order.STOPPED_LOOK), cancel=local.wake)
-        except order.QueueBroken:
-            return True
+            super().behind(entry, timeout, cancel=self.local.wake)
         finally:
-            local.wake = None
-    return False
+            self.local.wake = None
 
 
 def cancel(local: Local) -> None:
@@ -437,7 +434,7 @@ def local_rows(root_path: str, dsn: str, lane: str, aging: float, heads=()) -> l
                 continue
             queue = Queue(root_fd, name[:-len(".queue")], aging)
             try:
-                # positions are merged()'s, across the server's queue and these
+                # positions are order.merged()'s, across the server's queue and these
                 rows.extend(order.status_rows([entry for entry in queue.live_for_status()
                                                if entry.name not in heads], aging, queue))
             except OSError:
@@ -447,18 +444,6 @@ def local_rows(root_path: str, dsn: str, lane: str, aging: float, heads=()) -> l
     finally:
         os.close(root_fd)
     return rows
-
-
-def merged(server: list[dict], local: list[dict]) -> list[dict]:
-    """One order of the server's queue and the host queues: effective class, then the longest
-    wait (one measure for both: a head's server arrival counts its wait on its host)."""
-    from ...priority import CLASSES
-
-    if not local:
-        return server
-    rows = sorted(server + local, key=lambda row: (-CLASSES.index(row["effective_class"]),
-                                                   -(row.get("waited") or 0.0)))
-    return [dict(row, position=position) for position, row in enumerate(rows, 1)]
 
 
 def _left(deadline: float | None) -> float | None:

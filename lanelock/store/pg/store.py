@@ -520,6 +520,11 @@ class PgStore(LaneStore):
         """Facts for one lane (or every lane the store knows): survey.py."""
         return survey.survey(self, lane, handle)
 
+    def survey_all(self, most: int) -> list:
+        """At most `most` lanes' facts, those changed last (survey.py): one query chooses them."""
+        found, self.left_out = survey.survey_all(self, most)
+        return found
+
     def lane_names(self) -> list[str]:
         return survey.lane_names(self)
 

@@ -4,6 +4,7 @@ row that names another lane is a hash collision said, never silent."""
 
 from __future__ import annotations
 
+from .. import order
 from ..base import LaneFacts
 from . import queue as pg_queue
 from . import shared
@@ -31,6 +32,24 @@ def _survey(store, conn, lane) -> list:
         return [_facts(store, conn, name) for name in lanes]
     except driver().Error as error:
         raise GateUnavailable(f"lane store {redact(store.dsn)}: {first_line(error)}") from None
+
+
+def survey_all(store, most: int) -> tuple[list, int]:
+    """(facts of at most `most` lanes, those whose holder rows changed last, in name order; how
+    many more the server knows): status --all and metrics --all judge a bounded number of lanes
+    whatever anyone with the server's password made, and ask for no more rows than they judge."""
+    with shared.asking(store, "lanelock status") as (conn, _):
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute("SELECT lane FROM lanelock_holders GROUP BY lane "
+                               "ORDER BY max(updated_at) DESC, lane LIMIT %s", (most,))
+                names = sorted(row[0] for row in cursor.fetchall())
+                cursor.execute("SELECT count(DISTINCT lane) FROM lanelock_holders")
+                known = cursor.fetchone()[0]
+            return [_facts(store, conn, name) for name in names], max(0, known - len(names))
+        except driver().Error as error:
+            raise GateUnavailable(f"lane store {redact(store.dsn)}: "
+                                  f"{first_line(error)}") from None
 
 
 def lane_names(store) -> list[str]:
@@ -91,7 +110,7 @@ def _seat_facts(store, conn, lane: str, seat: int = 1) -> LaneFacts:
         heads = {entry.facts.get("entry") for entry in pg_queue.live(conn, lane)}
     except driver().Error:
         heads = set()
-    facts.queue = hostqueue.merged(facts.queue, hostqueue.local_rows(
+    facts.queue = order.merged(facts.queue, hostqueue.local_rows(
         store._root().path, store.dsn, lane, store.aging, heads))
     return _row_facts(conn, facts, key, lane)
 
