@@ -494,9 +494,14 @@ class FlockStore(LaneStore):
 
 
 def _running_loop():
-    """The event loop running in this thread, or None (a plain thread may wait for a lock)."""
-    import asyncio
+    """The event loop running in this thread, or None (a plain thread may wait for a lock).
+    asyncio is not imported for the asking: a process that never imported it runs no loop
+    (`run` imports nothing slow)."""
+    import sys
 
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is None:
+        return None
     try:
         return asyncio.get_running_loop()
     except RuntimeError:
