@@ -144,9 +144,14 @@ async def _off_loop(function, *args):
 
 
 async def release(turn, exit_status, ended: str | None = None) -> None:
-    """Let the lane go in a thread (a PostgreSQL release is a round trip); a cancellation of the
-    awaiting task does not stop it. ended: as Turn.release's."""
+    """Let the lane go: on the flock store here, as a free lane is taken (a few local writes and
+    an unlock; its count waits for nobody on the loop: store/flock/store.py); elsewhere in a
+    thread (a PostgreSQL release is a round trip), which a cancellation of the awaiting task
+    does not stop. ended: as Turn.release's."""
     if turn.state is None:
+        return
+    if not turn.gate.store.blocking_io:
+        turn.release(exit_status, ended=ended)
         return
     await finished(asyncio.ensure_future(asyncio.to_thread(turn.release, exit_status,
                                                             ended=ended)))

@@ -109,21 +109,28 @@ def _plus(counts: dict, outcome: str | None, *, reason=None, held=None, waited=N
     return counts
 
 
-def add(dir_fd: int, name: str, outcome: str | None, **facts) -> None:
+class Busy(Exception):
+    """add(block=False): another process holds the counts' lock now; nothing was added."""
+
+
+def add(dir_fd: int, name: str, outcome: str | None, *, block: bool = True, **facts) -> None:
     """Count one turn (outcome), or a witness's increments (outcome None; merge()'s keywords).
-    NotCounted when it could not be (the caller warns once; the turn goes on)."""
+    NotCounted when it could not be (the caller warns once; the turn goes on). block=False:
+    Busy instead of waiting for another process's turn at the file (an event loop's thread)."""
     try:
-        _add(dir_fd, name, outcome, **facts)
+        _add(dir_fd, name, outcome, block, **facts)
+    except BlockingIOError:
+        raise Busy() from None
     except OSError as error:
         raise NotCounted(_why(error)) from None
 
 
-def _add(dir_fd: int, name: str, outcome: str | None, **facts) -> None:
+def _add(dir_fd: int, name: str, outcome: str | None, block: bool = True, **facts) -> None:
     fd = open_shared(dir_fd, name)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise NotCounted("not a regular file")
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_EX if block else fcntl.LOCK_EX | fcntl.LOCK_NB)
         old = os.pread(fd, MAX_BYTES + 1, 0)
         counts, problem = parse(old)
         if problem:   # writing what we could read would reset what we could not

@@ -349,11 +349,25 @@ class FlockStore(LaneStore):
         except OSError as error:   # out of descriptors: an import opens a file too
             self.warn(f"turn not counted in {self.path(stem + '.counts')}: {error.strerror}")
             return
+        loop = _running_loop()
         try:
-            counts.add(dir_fd, f"{stem}.counts", outcome, **count)
+            # On an event loop's thread (the proxy lets a lane go there: asyncturn.release) the
+            # counts' lock is only tried: another process's turn at the file must not stall
+            # every request. Held, the count is added in the loop's thread pool instead.
+            counts.add(dir_fd, f"{stem}.counts", outcome, block=loop is None, **count)
+        except counts.Busy:
+            later = os.dup(dir_fd)   # the handle's own closes as the release returns
+            loop.run_in_executor(None, self._count_later, later, stem, dict(count,
+                                                                             outcome=outcome))
         except counts.NotCounted as error:   # the turn goes on; silence would hide a reset
             if outcome != "fail_open":   # a failing gate has said its one line already
                 self.warn(f"turn not counted in {self.path(stem + '.counts')}: {error}")
+
+    def _count_later(self, dir_fd: int, stem: str, count: dict) -> None:
+        try:
+            self._add_count(dir_fd, stem, count)
+        finally:
+            os.close(dir_fd)
 
     def counts(self, facts) -> dict:
         from .. import counts
@@ -477,3 +491,18 @@ class FlockStore(LaneStore):
 
     def events(self, lane, since: float | None) -> tuple:
         return journal.read(self.where(lane)["journal_path"], since=since)
+
+
+def _running_loop():
+    """The event loop running in this thread, or None (a plain thread may wait for a lock).
+    asyncio is not imported for the asking: a process that never imported it runs no loop
+    (`run` imports nothing slow)."""
+    import sys
+
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is None:
+        return None
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
