@@ -164,11 +164,6 @@ def waiting_at_or_above(conn, lane: str, rank: int, aging: float,
     return order.waiting_at_or_above(live(conn, lane, rows), rank, aging, ROWS)
 
 
-def describe(conn, lane: str, aging: float) -> list[dict]:
-    """The live entries in order, for `status` (order.status_rows)."""
-    return order.status_rows(live(conn, lane), aging, ROWS)
-
-
 def wait_behind(conn, entry: Entry, timeout: float | None, cancelled=None) -> None:
     """Until the entry's waiter leaves (or dies), timeout passes (None: never) or the wait is
     cancelled: a try of its ticket lock, then a sleep on the session's LISTEN (the caller's

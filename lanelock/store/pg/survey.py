@@ -99,17 +99,18 @@ def _seat_facts(store, conn, lane: str, seat: int = 1) -> LaneFacts:
     facts.held = bool(facts.holders)
     if seat > 1:   # the lane's queue is seat 1's facts'
         return _row_facts(conn, facts, key, lane)
+    # One reading of the server's queue gives both its rows and the heads to leave out of the
+    # hosts' own (a second reading a moment later could miss a head that left meanwhile and
+    # list it twice).
     try:
-        facts.queue = pg_queue.describe(conn, lane, store.aging)
+        live = pg_queue.live(conn, lane)
     except driver().Error:
-        facts.queue = []   # no queue table (no CREATE privilege): nobody queues here
+        live = []   # no queue table (no CREATE privilege): nobody queues here
+    facts.queue = order.status_rows(live, store.aging, pg_queue.ROWS)
     from . import hostqueue
 
     # the waiters of this host still on its host lane (only its head is in the server's)
-    try:
-        heads = {entry.facts.get("entry") for entry in pg_queue.live(conn, lane)}
-    except driver().Error:
-        heads = set()
+    heads = {entry.facts.get("entry") for entry in live}
     facts.queue = order.merged(facts.queue, hostqueue.local_rows(
         store._root().path, store.dsn, lane, store.aging, heads))
     return _row_facts(conn, facts, key, lane)
