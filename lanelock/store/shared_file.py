@@ -16,16 +16,22 @@ import stat
 FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
+def open_existing(dir_fd: int, name: str) -> int:
+    """A read-write descriptor on name under dir_fd, which must exist (OSError otherwise:
+    FileNotFoundError when it does not)."""
+    return checked(os.open(name, FLAGS, dir_fd=dir_fd), name)
+
+
 def open_shared(dir_fd: int, name: str) -> int:
     """A read-write descriptor on name under dir_fd, made when missing (OSError otherwise)."""
     try:
-        return checked(os.open(name, FLAGS, dir_fd=dir_fd), name)
+        return open_existing(dir_fd, name)
     except FileNotFoundError:
         pass
     try:
         fd = os.open(name, FLAGS | os.O_CREAT | os.O_EXCL, 0o666, dir_fd=dir_fd)
     except FileExistsError:   # another process made it first: open theirs
-        return checked(os.open(name, FLAGS, dir_fd=dir_fd), name)
+        return open_existing(dir_fd, name)
     try:
         os.fchmod(fd, 0o666)   # every user's turns (and witnesses) write it
     except OSError:

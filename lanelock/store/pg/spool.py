@@ -90,21 +90,16 @@ def _parsed(line: bytes) -> dict | None:
 
 def _open(store, create: bool = True) -> int | None:
     """The spool's descriptor (None: no lock root, no spool, or not a file to write)."""
-    from ..shared_file import checked, open_shared
-
+    from ..shared_file import open_existing, open_shared
     from ...errors import GateUnavailable
+    from ...paths import open_root
 
     try:
-        root_fd = os.open(store._root().path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        root_fd = open_root(store._root(), create=False)   # the root as every turn opens it
     except (OSError, GateUnavailable):
         return None
     try:
-        spool = name(store.dsn)
-        if create:
-            return open_shared(root_fd, spool)
-        from ..shared_file import FLAGS
-
-        return checked(os.open(spool, FLAGS, dir_fd=root_fd), spool)
+        return (open_shared if create else open_existing)(root_fd, name(store.dsn))
     except OSError:
         return None
     finally:
