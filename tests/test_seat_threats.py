@@ -200,6 +200,33 @@ def test_a_flocked_seat_file_in_a_folder_of_her_own_keeps_no_one_off_a_one_seat_
     assert (done.returncode, done.stdout) == (0, "ran\n"), done
 
 
+def test_a_file_that_took_a_removed_seat_files_inode_number_is_not_its_holder(
+        root_owned, lanelock, holder, procs):
+    """Seat 2's lock file removed while nobody holds it; the next file made on the filesystem
+    in its folder takes its inode number (ext4 hands a freed number out again at once), and another program
+    holds a flock on that file. That program is not seat 2's holder: status says seat 2 is
+    missing, never split, and setting the count again makes it (before: refused, naming the
+    other program as the seat's holder -- the kernel's lock table names inodes only)."""
+    assert lanelock("seats", "-b", LANE, "2").returncode == 0
+    first = holder("-b", LANE, "-s", "roots", command=SEATED)
+    lock = os.path.join(seats_folder(root_owned), "2.lock")
+    inode = os.stat(lock).st_ino
+    for name in (lock, lock[:-len(".lock")] + ".json"):
+        os.unlink(name)
+    other = os.path.join(seats_folder(root_owned), "another-program.lock")   # the same block group
+    flock_as(procs, "root", other)
+    if os.stat(other).st_ino != inode:
+        pytest.skip("this filesystem gave the new file a new inode number")
+    lane = json.loads(lanelock("status", "-b", LANE, "--json").stdout)["lanes"][0]
+    assert "split" not in lane["message"] and "missing" in lane["message"], lane
+    again = lanelock("seats", "-b", LANE, "2")
+    assert again.returncode == 0, again
+    second = holder("-b", LANE, "-s", "seconds", command=SEATED)
+    assert second.ready_line.split()[2] == "2"
+    assert second.release() == 0
+    assert first.release() == 0
+
+
 def test_a_seat_file_moved_aside_under_its_holder_is_found_and_said_split(
         two_users, root_owned, lanelock, run_cmd, holder, launcher_script):
     """Root holds seat 1, alice seat 2; the folder's owner (root) moves seat 2's lock file and

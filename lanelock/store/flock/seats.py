@@ -26,6 +26,7 @@ import errno
 import fcntl
 import os
 import stat
+import time
 
 from ..seating import seat_number
 from ..shared_file import open_made_by, owners
@@ -34,9 +35,35 @@ FILES = "seat-files/"   # kept: the inode of each seat's lock file as make() mad
 
 
 def files_key(lane_name: str) -> str:
-    """The kept name of the lane's seat files' inodes ({"2": inode, ...}): a seat file moved
-    or removed under its holder is found by its inode in the kernel's lock table (split.py)."""
+    """The kept name of the lane's seat files' identities ({"2": [inode, mtime_ns], ...}): a
+    seat file moved or removed under its holder is found by its inode in the kernel's lock
+    table, and told from a file that took its number by its mtime (split.moved_holder)."""
     return FILES + lane_name
+
+
+def identity(st: os.stat_result) -> list[int]:
+    """What a seat's lock file is kept as: its inode, and the mtime make() stamped on it. An
+    inode number alone is reused by the next file made on the filesystem once the seat file is
+    removed (any file: another program's lock held there would read as the seat's holder); the
+    pair is not, and a seat's lock file is never written, so its mtime stays as stamped."""
+    return [st.st_ino, st.st_mtime_ns]
+
+
+def identity_of(kept_value) -> tuple[int | None, int | None]:
+    """(inode, mtime_ns) of a kept seat file ([inode, mtime_ns]; an inode alone as kept before
+    the mtime was: mtime None); (None, None) for anything else."""
+    if isinstance(kept_value, int) and not isinstance(kept_value, bool):
+        return kept_value, None
+    if isinstance(kept_value, list) and len(kept_value) == 2 \
+            and all(isinstance(part, int) and not isinstance(part, bool) for part in kept_value):
+        return kept_value[0], kept_value[1]
+    return None, None
+
+
+def is_file(st: os.stat_result, kept_value) -> bool:
+    """Is the file at a seat's name (st) the one its setter made (kept_value: identity's)?"""
+    inode, stamp = identity_of(kept_value)
+    return st.st_ino == inode and stamp in (None, st.st_mtime_ns)
 
 
 def folder(stem: str) -> str:
@@ -116,17 +143,18 @@ def make(dir_fd: int, stem: str, count: int, made_before: dict | None = None) ->
     seat's files), each seat's lock file (0644: flock needs only read access) and its record
     (0666: every user's turns write it in place). Anything else at those names -- planted before
     the count was set -- is replaced. A seat whose file was moved or removed while a turn still
-    holds it (made_before: {"K": inode}, found in the kernel's lock table) is not made again: that
-    would be two gates (OSError says who holds it). Returns {"K": inode} of every seat made."""
-    from .split import inode_holder
+    holds it (made_before: {"K": identity}, found in the kernel's lock table) is not made again:
+    that would be two gates (OSError says who holds it). Returns {"K": identity} of every seat
+    made."""
+    from .split import moved_holder
 
     root_dev = os.fstat(dir_fd).st_dev
-    for seat, inode in (made_before or {}).items():
+    for seat, made_as in (made_before or {}).items():
         try:
-            now = os.lstat(lock_name(stem, int(seat)), dir_fd=dir_fd).st_ino
+            there = is_file(os.lstat(lock_name(stem, int(seat)), dir_fd=dir_fd), made_as)
         except (OSError, ValueError):
-            now = None
-        pid = inode_holder(root_dev, inode) if isinstance(inode, int) and now != inode else None
+            there = False
+        pid = None if there else moved_holder(root_dev, *identity_of(made_as))
         if pid is not None:
             raise OSError(errno.EBUSY, f"seat {seat}'s lock file was moved or removed under its "
                                        f"holder (pid {pid}): set the count again once it ends")
@@ -148,7 +176,7 @@ def make(dir_fd: int, stem: str, count: int, made_before: dict | None = None) ->
         for seat in range(2, count + 1):
             for file, mode in ((f"{seat}.lock", 0o644), (f"{seat}.json", 0o666)):
                 _make_file(folder_fd, file, mode, owners(dir_fd))
-            inodes[str(seat)] = os.lstat(f"{seat}.lock", dir_fd=folder_fd).st_ino
+            inodes[str(seat)] = identity(os.lstat(f"{seat}.lock", dir_fd=folder_fd))
     finally:
         os.close(folder_fd)
     return inodes
@@ -170,6 +198,11 @@ def _make_file(folder_fd: int, name: str, mode: int, made_by: frozenset) -> None
                  dir_fd=folder_fd)
     try:
         os.fchmod(fd, mode)
+        # The clock's own nanoseconds, where a file made now gets the kernel's coarse tick that
+        # any file made in the same tick shares: the stamp tells this file from one that takes
+        # its inode number later (identity).
+        stamp = time.time_ns()
+        os.utime(fd, ns=(stamp, stamp))
     finally:
         os.close(fd)
 

@@ -79,3 +79,36 @@ def inode_holder(device: int, inode: int) -> int | None:
 
     view = view_of(types.SimpleNamespace(st_dev=device, st_ino=inode), flock_entries())
     return view.holders[0] if view is not None and view.holders else None
+
+
+def moved_holder(device: int, inode: int | None, stamp: int | None) -> int | None:
+    """The pid holding a flock on a seat's lock file as its setter made it (its inode and mtime
+    stamp as kept: seats.identity; stamp None when kept before there was one) wherever it now is -- moved aside or removed under its
+    holder -- else None. The kernel's lock table names an inode only, and once the seat file is
+    removed its number goes to the next file made on the filesystem: a flock on that file (any
+    program's) is told apart by the holder's descriptor on it, whose mtime is not the stamp.
+    A holder whose descriptors this reader cannot see (another user's, to a non-root reader)
+    is believed: refusing to make a seat again is the side that never splits it."""
+    pid = None if inode is None else inode_holder(device, inode)
+    if pid is None or stamp is None:
+        return pid
+    seen = _descriptor_on(pid, device, inode)
+    return None if seen is not None and seen.st_mtime_ns != stamp else pid
+
+
+def _descriptor_on(pid: int, device: int, inode: int) -> os.stat_result | None:
+    """The stat of pid's open descriptor on (device, inode); None when it has none this reader
+    can see."""
+    folder = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    for name in names:
+        try:
+            st = os.stat(os.path.join(folder, name))
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (device, inode):
+            return st
+    return None

@@ -144,7 +144,7 @@ class FlockStore(LaneStore):
             files = values.get(seats.files_key(lane.name))
             if not isinstance(files, dict):
                 return
-            still = {number: inode for number, inode in files.items()
+            still = {number: made_as for number, made_as in files.items()
                      if (seat := seating.seat_number(number)) is not None
                      and (seat <= count or seats.held(dir_fd, lane.stem, seat))}
             if still != files:

@@ -190,10 +190,11 @@ def _record_controlled(root: str, name: str, me: int | None) -> str | None:
 
 
 def _moved_seat(root: str, lane: str, seat: int, path: str) -> str | None:
-    """A seat's lock file gone from its name while the inode it was made with is still flocked
-    (moved aside or removed under its holder): who holds it, said as a split lane is."""
+    """A seat's lock file gone from its name while the file it was made as is still flocked
+    (moved aside or removed under its holder: split.moved_holder): who holds it, said as a
+    split lane is."""
     from . import kept
-    from .split import inode_holder
+    from .split import moved_holder
 
     try:
         dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -201,46 +202,26 @@ def _moved_seat(root: str, lane: str, seat: int, path: str) -> str | None:
         return None
     try:
         try:
-            inode = ((kept.read(dir_fd) or {}).get(seats.files_key(lane)) or {}).get(str(seat))
+            made_as = ((kept.read(dir_fd) or {}).get(seats.files_key(lane)) or {}).get(str(seat))
         except (kept.Untrusted, OSError, AttributeError):
             return None
-        if not isinstance(inode, int):
+        inode, stamp = seats.identity_of(made_as)
+        if inode is None:
             return None
         try:
-            if os.lstat(path).st_ino == inode:
+            if seats.is_file(os.lstat(path), made_as):
                 return None   # still there: planted otherwise, not moved
         except OSError:
             pass
-        device = os.fstat(dir_fd).st_dev
-        pid = inode_holder(device, inode)
+        pid = moved_holder(os.fstat(dir_fd).st_dev, inode, stamp)
     finally:
         os.close(dir_fd)
-    if pid is None or _reused(pid, device, inode, os.path.join(root, path.split(".seats/")[0])):
+    if pid is None:
         return None
     command = proc.describe_process(pid)["command"][:120]
     return (f"{path} was moved or removed under its holder pid {pid} ({command}; inode "
             f"{inode}): the lane is split; the seat is that holder's until it ends, then set "
             "the count again (lanelock seats)")
-
-
-def _reused(pid: int, device: int, inode: int, stem_path: str) -> bool:
-    """Is the flocked inode the seat file was made with now another of the lane's own files (its
-    number reused once the seat file was removed: seat 1's lock file, a queue entry), as the
-    holder's open descriptor names it? Then no seat file was moved under a holder."""
-    fds = f"/proc/{pid}/fd"
-    try:
-        names = os.listdir(fds)
-    except OSError:
-        return False   # another user's process, to a non-root reader: not known
-    for name in names:
-        try:
-            st = os.stat(os.path.join(fds, name))
-            target = os.readlink(os.path.join(fds, name))
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) == (device, inode):
-            return target == f"{stem_path}.lock" or target.startswith(f"{stem_path}.queue/")
-    return False
 
 
 def _seat_planted(root: str, lock: str, seat: int) -> str | None:
