@@ -141,6 +141,57 @@ def test_a_turn_arriving_at_a_free_lane_does_not_barge_past_a_waiter(holder, pro
     assert frozen.wait(TIMEOUT) == 0
 
 
+# A waiter that rings its entry RINGS times (Ticket.ring: a locked copy renamed over its name,
+# then the old file let go), then waits for a line on stdin and leaves.
+RINGER = """
+import os, sys
+from lanelock.store.flock.queue import Queue
+root = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+ticket = Queue(root, sys.argv[2], 3600.0).join(1, {"session": "ringer"})
+print(ticket.entry.name, flush=True)
+for _ in range(int(sys.argv[3])):
+    ticket.ring()
+print("rung", flush=True)
+sys.stdin.readline()
+ticket.leave()
+"""
+RINGS = 3000
+
+
+def test_a_waiter_ringing_its_entry_is_never_seen_gone_nor_its_file_removed(procs, lock_dir):
+    """Another process looks, as fast as it can, whether a waiter that keeps ringing its entry
+    still waits: every look says it does, and its file is still there. (A look that opened the
+    file before a ring's rename and tried its lock after the old file was let go said gone, and
+    removed the live waiter's file -- within a few hundred looks: a PostgreSQL host's head
+    vanished from its host queue, and the waiter behind it joined the server as a second head.)"""
+    import select
+
+    from lanelock.store.flock.queue import Entry, Queue
+
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    ringer = procs.start([sys.executable, "-c", RINGER, str(lock_dir), STEM, str(RINGS)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    name = ringer.stdout.readline().strip()
+    assert name, "the ringer did not queue"
+    root = os.open(lock_dir, os.O_RDONLY | os.O_DIRECTORY)
+    queue = Queue(root, STEM, 3600.0)
+    try:
+        assert queue.open(create=False)
+        entry = Entry.parse(name, 0)
+        looks = 0
+        while not select.select([ringer.stdout], [], [], 0)[0]:
+            looks += 1
+            assert queue.waits(entry), f"seen gone at look {looks}"
+        assert ringer.stdout.readline() == "rung\n"
+        assert name in os.listdir(queue.dir_fd)
+    finally:
+        ringer.stdin.write("go\n")
+        ringer.stdin.flush()
+        queue.close()
+        os.close(root)
+    assert ringer.wait(TIMEOUT) == 0
+
+
 def test_aging_puts_a_long_waiting_batch_turn_ahead_of_later_interactive_ones(holder, procs,
                                                                              tmp_path):
     """A batch turn that waited two aging steps counts as interactive, and came first."""

@@ -29,6 +29,7 @@ from ...errors import crowded
 from ...priority import TOP, next_step
 from .. import order
 
+RING_ASKS = 3   # how many times a waiter's entry is asked while its owner keeps ringing it
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -263,25 +264,45 @@ class Queue:
 
     def _alive(self, entry: Entry) -> bool | None:
         """True while the entry's waiter waits (its file locked), False when it is gone; None
-        for a file that is no waiter's entry (not genuine(): left alone, counted by no one)."""
+        for a file that is no waiter's entry (not genuine(): left alone, counted by no one).
+        Gone only while the name still names the file found unlocked: a waiter that rings
+        (Ticket.ring) puts a locked copy under its name and then lets the old file go, and a
+        look that opened the old file before the rename and tried its lock after saw a live
+        waiter as gone -- and removed its file (a PostgreSQL host's head vanished from its host
+        queue, and the waiter behind it joined the server as a second head). The file now under
+        the name is asked in its turn (RING_ASKS at most: only its owner renames onto a name,
+        and it rings once it has joined)."""
+        for _ in range(RING_ASKS):
+            try:
+                fd = os.open(entry.name,
+                             os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                             dir_fd=self.dir_fd)
+            except OSError as error:
+                if crowded(error):   # not asked is not gone: its file stays, the asker hears why
+                    raise
+                return False
+            try:
+                st = os.fstat(fd)
+                if not genuine(st, entry.pid):
+                    return None
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                if not self._renamed_onto(entry.name, st):
+                    return False
+            except OSError as error:
+                if crowded(error):   # its /proc status unread, or no lock record: not gone either
+                    raise
+                return error.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+            finally:
+                os.close(fd)
+        return True   # rung each time it was asked: its owner is there
+
+    def _renamed_onto(self, name: str, st: os.stat_result) -> bool:
+        """Does the name now name another file than st's (a ring's copy)?"""
         try:
-            fd = os.open(entry.name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
-                         dir_fd=self.dir_fd)
-        except OSError as error:
-            if crowded(error):   # not asked is not gone: its file stays, the asker hears why
-                raise
-            return False
-        try:
-            if not genuine(os.fstat(fd), entry.pid):
-                return None
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as error:
-            if crowded(error):   # its /proc status unread, or no lock record: not gone either
-                raise
-            return error.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
-        finally:
-            os.close(fd)
-        return False
+            now = os.stat(name, dir_fd=self.dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False   # left (or removed) meanwhile: gone all the same
+        return (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino)
 
     def waiting_at_or_above(self, rank: int) -> bool:
         """order.waiting_at_or_above over this queue (no barging)."""
