@@ -67,7 +67,7 @@ class Local:
     """One turn's place on its host lane: a flock handle of its own (flock is per open file
     description, so the threads of one process -- a proxy's requests -- exclude each other)."""
 
-    __slots__ = ("flock", "handle", "since", "ungated", "wake", "ticket")
+    __slots__ = ("flock", "handle", "since", "ungated", "wake", "ticket", "early")
 
     def __init__(self, flock, handle):
         self.flock, self.handle = flock, handle
@@ -75,6 +75,7 @@ class Local:
         self.ungated = False     # kept the host lane for a turn run ungated (server unreachable)
         self.wake = None         # the Event of the wait on the host lane under way (cancel())
         self.ticket = None       # its entry in the host's queue (place())
+        self.early = None        # (server ticket, backend pid) joined as the host's next
 
     def close(self) -> None:
         leave(self)
@@ -171,8 +172,8 @@ def wait_first(local: Local, timeout: float | None, cancel, rank: int, standby) 
     flock store's queue does): True; timeout or the caller's cancel: False. The walk is
     store/order.py's (wait_first): each wait the kernel's, on the entry just ahead
     (FlockLine.behind), looked at again at this turn's next aging step and every
-    order.STOPPED_LOOK. standby(next_up) runs before each wait: next_up when the entry ahead is
-    the host's head (this turn is the next); it says whether this turn now holds a connection
+    order.STOPPED_LOOK. standby(next_up, ahead) runs before each wait: next_up when the entry
+    ahead is the host's head (this turn is the next); it says whether this turn now holds a connection
     -- a standby looks again every STANDBY_LOOK, so one pushed back (a higher class arrived)
     lets its connection go within that."""
     from .. import order
@@ -195,7 +196,7 @@ class _HostLine(FlockLine):
     def behind(self, entry, timeout: float | None, cancel=None) -> None:
         from .. import order
 
-        if self.standby(next_up(self.local, entry)):
+        if self.standby(next_up(self.local, entry), entry):
             timeout = order.least(timeout, STANDBY_LOOK)
         self.local.wake = threading.Event()
         if cancel is not None and cancel.is_set():
@@ -221,20 +222,25 @@ def next_up(local: Local, ahead) -> bool:
         return False
 
 
-def stand_by(store, handle):
+def stand_by(store, handle, rank: int):
     """wait_first's standby for a turn of store: the host's next waiter connects while the head
-    waits, so that when the head takes the lane it joins the server's queue at once -- a connect
-    (a backend forked, its settings, its first statements: tens of ms on a busy machine, several
-    round trips on a far server) was the whole of a hand-off inside a queue. One that is not
-    next holds none. The connect is tried once per wait: a server that cannot be reached is
-    said when this turn is the head, as before."""
+    waits, and once the head's row is in the server's queue joins it too, behind the head
+    (queue.join_behind) -- so that when the head takes the lane this turn is in the server's
+    queue already: the holder lets go at once (its host has a waiter there: no barging across
+    hosts), and this turn, woken on its host, walks on from its row with no connect and no join
+    in the hand-off's path (a connect -- a backend forked, its settings, its first statements --
+    was the whole of a hand-off inside a queue, then the head's join and its wake-up were).
+    One that is not next holds none: its session (and its row with it) goes. The connect is
+    tried once per wait: a server that cannot be reached is said when this turn is the head, as
+    before; a join that cannot be made is made as the head."""
     from ...errors import GateUnavailable, ServerCrowded
 
     tried = False
 
-    def standby(next_up: bool) -> bool:
+    def standby(next_up: bool, head) -> bool:
         nonlocal tried
         if not next_up:
+            handle.local.early = None
             store.disconnect(handle)
             return False
         if handle.conn is None and not tried:
@@ -243,9 +249,44 @@ def stand_by(store, handle):
                 store.connected(handle)
             except (GateUnavailable, ServerCrowded):
                 pass
+        if handle.conn is not None and handle.local.early is None:
+            join_behind(store, handle, rank, head)
         return handle.conn is not None
 
     return standby
+
+
+def join_behind(store, handle, rank: int, head) -> None:
+    """The next waiter's row in the server's queue, behind its head's (once the head has one),
+    with its arrival on its host; kept in local.early for the head's walk (take_early)."""
+    from ...errors import GateUnavailable
+    from . import queue as pg_queue
+
+    local = handle.local
+    if local.ticket is None or ended(handle.conn):
+        return
+    facts = {**(handle.asker or {}), "pid": os.getpid(), "backend": handle.backend_pid,
+             "entry": local.ticket.entry.name, "next": True}
+    try:
+        ticket = store.queue_call(handle, pg_queue.join_behind, handle.lane, rank, facts,
+                                  time.monotonic() - local.since, head.name)
+    except GateUnavailable:
+        return   # joined as the head, as before
+    if ticket is not None:
+        local.early = (ticket, handle.backend_pid)
+
+
+def take_early(handle) -> int | None:
+    """The server ticket this turn took as its host's next (join_behind), once: for its walk
+    as the head (store._join); None when it took none, or its session is not that one."""
+    local = handle.local
+    early = None if local is None else local.early
+    if early is None:
+        return None
+    local.early = None
+    if handle.conn is None or ended(handle.conn) or handle.backend_pid != early[1]:
+        return None
+    return early[0]
 
 
 def joined(local: Local | None) -> None:
@@ -293,10 +334,11 @@ def wait(store, handle, timeout: float | None, cancel, rank: int) -> bool:
     _load_driver_meanwhile()
     while True:
         # a waiter that is neither its host's first nor next holds no connection
-        if not wait_first(local, _left(deadline), cancel, rank, stand_by(store, handle)):
+        if not wait_first(local, _left(deadline), cancel, rank, stand_by(store, handle, rank)):
             leave(local)
             return False
         if handle.conn is not None and ended(handle.conn):   # a standby's session ended
+            local.early = None
             store.disconnect(handle)
         try:
             store.connected(handle)

@@ -358,6 +358,10 @@ class PgStore(LaneStore):
         takes the server's order, the lane's own lock alone)."""
         from . import hostqueue
 
+        early = hostqueue.take_early(handle)   # joined as its host's next: walks on from it
+        if early is not None:
+            hostqueue.joined(handle.local)
+            return early
         try:
             return self.queue_call(handle, pg_queue.join, handle.lane, rank,
                                     {**(handle.asker or {}), "pid": os.getpid(),
