@@ -50,7 +50,7 @@ from .session import ended
 ASIDE_LOOK = 0.2    # how often a head waiting in the server looks at its host's local queue
 STANDBY_LOOK = 0.2  # how often the host's next waiter, connected, looks whether it still is
 NEXT_JOIN = 2.0     # how long a releasing holder waits for its host's next head to join
-NEXT_LOOK = 0.01    # how often it looks meanwhile (only while a head of this host connects)
+NEXT_LOOK = 0.1     # at the latest, it looks again meanwhile (a ring wakes it at once)
 HOST_PREFIX = ".pg-host-"
 
 
@@ -500,23 +500,78 @@ class _AsideWatch(threading.Thread):
 
 # -- the release: no gap for another host's later waiter ----------------------------------------
 def await_next_head(local: Local, joined) -> None:
-    """Before a holder lets the lane go: while a turn of this host waits (its first connecting)
-    and none of this host is in the server's queue yet (joined(): one look), wait for it, at
-    most NEXT_JOIN."""
+    """Before a holder lets the lane go: while a turn of this host waits and none of this host
+    is in the server's queue yet (joined(): one look), wait for one to join, at most NEXT_JOIN
+    -- woken by the ring of this host's first waiter (a head rings its entry once joined:
+    Ticket.ring), looking again every NEXT_LOOK at the latest. It was a look every 10 ms: up to
+    10 ms in a hand-off whose head joined a moment after the holder looked."""
     end = time.monotonic() + NEXT_JOIN
-    while _waiting_here(local) and not joined() and time.monotonic() < end:
-        time.sleep(NEXT_LOOK)
+    while True:
+        first = _first_here(local)
+        if first is None:
+            return
+        with _RingWait(local, first) as ring:   # before the look: a ring after it wakes this
+            if joined():
+                return
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            ring.wait(min(left, NEXT_LOOK))
 
 
-def _waiting_here(local: Local) -> bool:
-    """Does a live turn of this host (another than this one) wait in its host's queue?"""
+def _first_here(local: Local):
+    """The first live turn of this host (another than this one) in its host's queue, or None."""
     found = local.flock.queue_of(local.handle)
     own = local.ticket.entry.name if local.ticket is not None else None
     try:
-        return found is not None and found.first_alive(
-            entry for entry in found.listed() if entry.name != own) is not None
+        return None if found is None else found.first_alive(
+            entry for entry in found.listed() if entry.name != own)
     except OSError:
-        return False
+        return None
+
+
+class _RingWait:
+    """A wait for an entry's ring or leave, set up before the look it follows, so that one
+    that comes between the look and the wait still wakes it: a descriptor on the entry's file
+    of now (a ring lets that file go), or for an entry of this very process its wake-up
+    registered (flock/queue.py: this process's tickets)."""
+
+    def __init__(self, local: Local, entry):
+        from ..flock import queue
+
+        self.entry, self.event, self.file = entry, None, None
+        if queue.is_mine(entry):
+            self.event = threading.Event()
+            if not queue._listen(entry, self.event.set):
+                self.event.set()   # left already
+            return
+        found = local.flock.queue_of(local.handle)
+        try:
+            self.file = None if found is None else queue.EntryWait(found, entry)
+        except OSError:
+            self.file = None   # gone already: looked at again at once
+
+    def wait(self, timeout: float) -> None:
+        from ..flock import waiting
+
+        if self.event is not None:
+            self.event.wait(timeout)
+        elif self.file is not None:
+            try:
+                waiting.wait(self.file, timeout)
+            except OSError:
+                pass   # looked at again
+
+    def __enter__(self) -> "_RingWait":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from ..flock import queue
+
+        if self.event is not None:
+            queue._forget(self.entry, self.event.set)
+        if self.file is not None:
+            self.file.close()
 
 
 # -- status: the local queues under this root -------------------------------------------------
