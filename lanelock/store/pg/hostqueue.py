@@ -7,18 +7,21 @@ root every process of this host computes (LANELOCK_DIR or the default root), nam
 store's DSN, the lane and the host's name (stem HOST_PREFIX + digests: a hidden name, so flock's
 `status --all` lists no such lane). A waiting turn joins it first, with the flock store's own
 entries, order (classes, aging, arrival) and kernel waits. The first live waiter of a host (a
-stopped one passed over) is its HEAD: only the head waits in the server's queue (store/order.py
-with PgLine); the others wait in the kernel on the entry just ahead of them. The waiter just
-behind the head is its NEXT: it holds a connection of its own while it waits there, so that when
-the head takes the lane it joins the server's queue at once -- a connect (a backend forked, its
-settings and first statements) was the whole of a hand-off inside a queue of short turns. A
-head rings its entry once it has joined (Ticket.ring: the waiter behind it looks again, and
-finds itself next); a next that is pushed back (a higher class arrived ahead) lets its
-connection go within STANDBY_LOOK.
+stopped one passed over) is its HEAD: only the head waits for the lane in the server's queue
+(store/order.py with PgLine); the others wait in the kernel on the entry just ahead of them. The
+waiter just behind the head is its NEXT: it holds a connection of its own while it waits there,
+and once the head's row is in the server's queue its own row too (stand_by), so that when the
+head takes the lane it is in the server's queue already -- a connect (a backend forked, its
+settings and first statements), then a join, were the whole of a hand-off inside a queue of
+short turns. A head rings its entry once it has joined (Ticket.ring: the waiter behind it looks
+again, and finds itself next); a next that is pushed back (a higher class arrived ahead) lets
+its connection, and its row with it, go within STANDBY_LOOK.
 
 Invariants:
 - A turn connects only as head or next, or for a try while no turn of this host of its class or
   higher waits (try_lock), so a host's waiters cost the server two connections.
+- A next's row is never ahead of its head for the head (queue.ahead_and_step leaves this host's
+  next rows out of a head's look): the next waits on its host until the head has the lane.
 - A turn's entry stays in its host's queue from its first wait until it has the lane or is done
   waiting, whatever it does meanwhile: its arrival is kept, `status` lists it, and the waiters
   behind it wait on it. The head joins the server's queue with that arrival: clock_timestamp()
