@@ -149,8 +149,6 @@ def test_thirty_waiters_past_max_connections_hold_two_connections_for_their_host
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="a fifth lanelock session held for the whole second, "
-                   "once in CI under load (never reproduced by hand): the sessions are said")
 def test_twenty_five_waiting_requests_through_the_proxy_hold_two_connections(procs, holder,
                                                                             lock_roots):
     """A proxy on the crowded server, 25 requests waiting behind a holder of another process:
