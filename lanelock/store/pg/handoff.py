@@ -154,10 +154,11 @@ def with_leave(handle, sql: str, params, front=()) -> object:
 
 
 # -- letting go ---------------------------------------------------------------------------------
-def let_go(store, handle, head_here: str | None = None) -> bool:
+def let_go(store, handle, head_here: str | None = None, head: str | None = None) -> bool:
     """The release's writes (committed first), the pending queue leave, then the lane's unlock
     and wake-up, in one round trip. head_here: this host's name -- the unlock only once a head
-    of this host is in the lane's server queue (False: not let go, the writes done). True once
+    of this host is in the lane's server queue (False: not let go, the writes done); head: that
+    head's entry on its host (hostqueue.py), when known -- its row, not its next's. True once
     let go. GateUnavailable: the session is gone (and the lock with it)."""
     psycopg = driver()
     releasing, handle.releasing = handle.releasing, None
@@ -167,8 +168,10 @@ def let_go(store, handle, head_here: str | None = None) -> bool:
     statements += _leave_sql(handle)
     unlock = (_UNLOCK, [*handle.key, pg_queue.lane_channel(handle.key)])
     if head_here is not None:
-        unlock = (_UNLOCK + " WHERE " + _HEAD_HERE,
-                  [*unlock[1], pg_queue.QUEUE_NAMESPACE, handle.lane, head_here])
+        unlock = (_UNLOCK + " WHERE " + _HEAD_HERE[:-1] + (" AND q.facts->>'entry' = %s)"
+                                                            if head is not None else ")"),
+                  [*unlock[1], pg_queue.QUEUE_NAMESPACE, handle.lane, head_here,
+                   *([head] if head is not None else [])])
     statements.append(unlock)
     try:
         let = _simple(handle.conn, statements)

@@ -418,7 +418,7 @@ def give_way(store, handle) -> None:
     """The lane came to a head that a turn of its host now stands before (it arrived as the
     lane was handed on): the lane is handed on in the server's order once that turn has joined
     the server's queue, and this one waits on its host again, with its arrival."""
-    await_next_head(handle.local, lambda: store.host_queued(handle))
+    await_next_head(handle.local, lambda head: head_queued(store, handle, head))
     try:
         store.unlock_lane(handle)   # the unlock wakes the server's queue
     except Exception:  # noqa: BLE001 - the session gone takes the lock with it
@@ -502,9 +502,22 @@ class _AsideWatch(threading.Thread):
 
 
 # -- the release: no gap for another host's later waiter ----------------------------------------
+def head_queued(store, handle, head: str) -> bool:
+    """Is this host's head (its entry on its host: head) in the lane's server queue?"""
+    from ...errors import GateUnavailable
+    from . import queue as pg_queue
+
+    try:
+        return any(entry.facts.get("entry") == head for entry in
+                   store.queue_call(handle, pg_queue.live, handle.lane))
+    except GateUnavailable:
+        return True   # nothing to wait for that can be seen
+
+
 def await_next_head(local: Local, joined) -> None:
-    """Before a holder lets the lane go: while a turn of this host waits and none of this host
-    is in the server's queue yet (joined(): one look), wait for one to join, at most NEXT_JOIN
+    """Before a holder lets the lane go: while a turn of this host waits and its head -- its
+    first live waiter -- is not in the server's queue yet (joined(the head's entry name): one
+    look; a row of its next does not count), wait for it to join, at most NEXT_JOIN
     -- woken by the ring of this host's first waiter (a head rings its entry once joined:
     Ticket.ring), looking again every NEXT_LOOK at the latest. It was a look every 10 ms: up to
     10 ms in a hand-off whose head joined a moment after the holder looked."""
@@ -514,7 +527,7 @@ def await_next_head(local: Local, joined) -> None:
         if first is None:
             return
         with _RingWait(local, first) as ring:   # before the look: a ring after it wakes this
-            if joined():
+            if joined(first.name):
                 return
             left = end - time.monotonic()
             if left <= 0:
@@ -524,11 +537,16 @@ def await_next_head(local: Local, joined) -> None:
 
 def _first_here(local: Local):
     """The first live turn of this host (another than this one) in its host's queue, or None."""
+    from .. import order
+
     found = local.flock.queue_of(local.handle)
+    if found is None:
+        return None
     own = local.ticket.entry.name if local.ticket is not None else None
     try:
-        return None if found is None else found.first_alive(
-            entry for entry in found.listed() if entry.name != own)
+        # in the order's order: a listing's is the directory's
+        return found.first_alive(sorted((entry for entry in found.listed() if entry.name != own),
+                                        key=lambda entry: order.place(entry, found.aging)))
     except OSError:
         return None
 

@@ -465,7 +465,7 @@ class PgStore(LaneStore):
             from . import hostqueue
 
             # each look lets go in its own round trip once a head of this host has joined
-            hostqueue.await_next_head(local, lambda: let_go(self, handle, hostname()))
+            hostqueue.await_next_head(local, lambda head: let_go(self, handle, hostname(), head))
         # Only a lock this session holds: a turn that deflected or gave its wait up holds
         # none, and the server warns of every unlock of a lock not held ("you don't own a
         # lock"). The release's row and events go first, in the same round trip.
