@@ -27,8 +27,8 @@ import os
 import time
 
 from ...errors import GateUnavailable, ServerCrowded
-from .. import order
-from . import lease, outage, records, shared, survey, taken
+from .. import order, seating
+from . import lease, outage, records, seats, shared, survey, taken
 from . import queue as pg_queue
 from ..base import LaneStore
 from ...priority import DEFAULT_AGING
@@ -134,6 +134,7 @@ class PgStore(LaneStore):
         backend, started = self._session(conn, handle)
         handle.conn, handle.backend_pid, handle.fd, handle.started = \
             conn, backend, socket_of(conn), started
+        handle.taker = seating.taker(seats.PgSeats(self, handle))   # once: the count just read
 
     def disconnect(self, handle: PgHandle) -> None:
         """Close the handle's session (with it, any lock and ticket it held): a waiter that is
@@ -168,8 +169,6 @@ class PgStore(LaneStore):
     def _session(self, conn, handle: PgHandle | None = None) -> tuple[int, float]:
         """(backend pid, the server's start in epoch seconds) of a new connection; with a turn's
         handle, its lane's seat count too, in the same statement (seats.py)."""
-        from . import seats
-
         params = None if handle is None else seats.count_params(conn, handle.lane)
         try:
             with conn.cursor() as cursor:
@@ -223,10 +222,8 @@ class PgStore(LaneStore):
             hostqueue.host_unlock(local)
 
     def _try_server(self, handle: PgHandle, rank: int) -> bool:
-        from . import seats
-
         self.connected(handle)
-        if not (seats.try_seats(self, handle) if handle.seated else self._try_lane(handle)):
+        if not handle.taker.try_():   # its one lock, or any of its seats
             return False
         return order.keep_free_lane(PgLine(self, handle), rank)
 
