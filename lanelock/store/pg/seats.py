@@ -25,7 +25,6 @@ and that the server no longer holds: its holder died (its session ended), wherev
 from __future__ import annotations
 
 import hashlib
-import json
 from contextlib import contextmanager
 
 from .. import seating
@@ -100,21 +99,6 @@ def survey_count(conn, lane: str) -> tuple[int, int]:
 
     seats, past, _ = reckon(value, highest)
     return seats, max((seats, *past))
-
-
-# -- the kept values (the PostgreSQL store's kept/keep) -----------------------------------------
-def read_kept(conn, name: str):
-    row = conn.execute("SELECT value FROM lanelock_kept WHERE name = %s", (name,)).fetchone()
-    return None if row is None else row[0]
-
-
-def write_kept(conn, name: str, value) -> None:
-    if value is None:
-        conn.execute("DELETE FROM lanelock_kept WHERE name = %s", (name,))
-        return
-    conn.execute("INSERT INTO lanelock_kept (name, value) VALUES (%s, %s::jsonb) "
-                 "ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value",
-                 (name, json.dumps(value)))
 
 
 # -- the medium for taking the lane (store/seating.py: its one lock, or the seat walk) -----------
