@@ -213,7 +213,7 @@ async def wait_async(medium, session: str | None, timeout: float | None) -> int 
         steps.close()
 
 
-# -- one lane lock, or any of N seats: decided once -------------------------------------------------
+# -- one lane lock, or any of N seats: decided once ------------------------------------------------
 def taker(medium) -> "OneLock | AnySeat":
     """How the medium's turn takes its lane, chosen once (the store asks as its handle learns the
     lane's count): any of the seats while the lane has more than one, or seats past its count

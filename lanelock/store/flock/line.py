@@ -30,7 +30,7 @@ class FlockLine(Line):
         # a listing and a lock attempt per entry ahead: off the loop's thread
         return await waiting.finished(asyncio.ensure_future(asyncio.to_thread(self.look)))
 
-    # -- the lane's lock: its one lock, or any of its seats (seating.taker) -------------------------
+    # -- the lane's lock: its one lock, or any of its seats (seating.taker) ------------------------
     def lock(self, timeout: float | None, cancel=None) -> bool:
         return self.handle.taker.lock(timeout, cancel)
 

@@ -46,7 +46,7 @@ class FlockSeats(Medium):
     record a sidecar beside it, every wait a kernel wait -- on the lane's lock, or on the seats'
     files at once."""
 
-    # -- the lane's own lock (seating.OneLock) ------------------------------------------------------
+    # -- the lane's own lock (seating.OneLock) -----------------------------------------------------
     def try_lane(self) -> bool:
         store, handle = self.store, self.handle
         for _ in range(AGAIN_TRIES):
@@ -83,7 +83,7 @@ class FlockSeats(Medium):
     def refused(self) -> bool:
         return self.handle.refused is not None   # a planted file, or a record another user's
 
-    # -- the seats (seating.AnySeat) -------------------------------------------------------------------
+    # -- the seats (seating.AnySeat) ---------------------------------------------------------------
     def records(self) -> tuple:
         handle = self.handle
         records = {seat: read_record(seats.record_name(seats.lock_name(handle.stem, seat)),

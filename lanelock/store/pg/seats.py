@@ -10,9 +10,10 @@ anyone must decrement.
 
 The count is read as the turn connects, in the statement that asks the session's backend
 (store._session); a lane of one seat whose rows never named another seat then takes the
-one-lock path of old, statement for statement (seating.taker chooses, once per session). Every rule of the seats -- the count's bound and
-validity, which seat a turn takes, never one too many, the head's wait on any seat -- is
-store/seating.py's, as for the flock store; this module is the medium (PgSeats): the lane's rows
+one-lock path of old, statement for statement (seating.taker chooses, once per session). Every
+rule of the seats -- the count's bound and validity, which seat a turn takes, never one too
+many, the head's wait on any seat -- is store/seating.py's, as for the flock store; this module
+is the medium (PgSeats): the lane's own lock (the store's), or the lane's rows
 and which seats the server holds, read in one statement; the seats tried in the policy's order
 in ONE statement that stops at the first it gets; which seats are held; and the head's sleep on
 the session's LISTEN (every seat's channel: each seat's unlock notifies its own, in the
@@ -110,7 +111,7 @@ class PgSeats(Medium):
     listened: set | None = None
     deaths = None
 
-    # -- the lane's own lock (seating.OneLock) -------------------------------------------------------
+    # -- the lane's own lock (seating.OneLock) -----------------------------------------------------
     def try_lane(self) -> bool:
         return self.store._try_lane(self.handle)
 
@@ -119,7 +120,7 @@ class PgSeats(Medium):
         return self.store.lock_lane(self.handle, timeout,
                                     None if cancel is None else cancel.is_set)
 
-    # -- the seats (seating.AnySeat) ---------------------------------------------------------------------
+    # -- the seats (seating.AnySeat) ---------------------------------------------------------------
     @contextmanager
     def walking(self, waits: bool, cancel=None):
         """One walk: a try (its server error GateUnavailable), or the queue's head waiting
