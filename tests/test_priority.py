@@ -219,6 +219,43 @@ def test_kill_9_of_a_queued_waiter_or_of_the_holder_never_stalls_the_queue(store
     assert order.read_text().split() == ["second", "third"]
 
 
+JOIN_MIDWAY = """
+import os, signal, sys
+from lanelock.store.flock.queue import Queue
+queue = Queue(os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY), sys.argv[2], 3600)
+queue.open(create=True)
+print(queue.locked_file(b"{}\\n")[0], flush=True)   # made and locked, not yet named an entry
+if sys.argv[3] == "killed":
+    os.kill(os.getpid(), signal.SIGKILL)
+sys.stdin.read()
+"""
+
+
+def test_a_join_killed_before_its_entry_was_named_leaves_no_file_for_good(holder, procs,
+                                                                         tmp_path, lock_dir):
+    """A turn killed -9 in the middle of joining the queue (its file made and locked, not yet
+    renamed into the queue) leaves a file no listing counts and nothing else would remove; the
+    next waiting turn's look removes it once it is unlocked and old. A join still going on keeps
+    its file locked, and keeps it, however old."""
+    first = holder("-b", BACKEND, "-s", "first")
+    made = {}
+    for how in ("killed", "joining"):
+        join = procs.start([sys.executable, "-c", JOIN_MIDWAY, str(lock_dir), STEM, how],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        made[how] = (lock_dir / f"{STEM}.queue" / join.stdout.readline().strip(), join)
+    made["killed"][1].wait(TIMEOUT)
+    for path, _ in made.values():
+        os.utime(path, (path.stat().st_atime - 60, path.stat().st_mtime - 60))
+    order = tmp_path / "order"
+    waiter = queued(procs, order, "waiter", "normal", NO_AGING)
+    wait_for(lambda: not made["killed"][0].exists(), "the killed join's file to be removed")
+    assert first.release() == 0
+    finished([waiter])
+    assert made["joining"][0].exists()
+    made["joining"][1].stdin.close()
+    assert made["joining"][1].wait(TIMEOUT) == 0
+
+
 def test_threads_of_one_process_wait_in_class_order(holder, tmp_path):
     first = holder("-b", BACKEND, "-s", "first")
     os.environ["LANELOCK_PRIORITY_AGING"] = "3600"

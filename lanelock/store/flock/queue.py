@@ -30,6 +30,9 @@ from ...priority import TOP, next_step
 from .. import order
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_JOINING = ".new."      # a file of a join not yet renamed into the queue (locked_file)
+_SWEEP_AT_MOST = 4      # such files a look removes at most: planted ones cost a look little
+_ABANDONED = 10.0       # seconds an unlocked such file must be old to be a killed join's
 
 
 class Entry:
@@ -122,8 +125,8 @@ class Ticket:
         default: now), or None when first. Only the entries ahead are asked whether they live,
         nearest first, and only until one does: a waiter alone asks nothing."""
         now = time.monotonic_ns() if now is None else now
-        return order.just_ahead(self.entry.at(now), self.queue.listed(now), self.queue.aging,
-                                self.queue)
+        return order.just_ahead(self.entry.at(now), self.queue.listed(now, sweep=True),
+                                self.queue.aging, self.queue)
 
     def next_step(self, now: int | None = None) -> float | None:
         """Seconds from `now` until this turn's class rises a step (None: at the top, or no
@@ -181,7 +184,7 @@ class Queue:
     def locked_file(self, content: bytes) -> tuple[str, int]:
         """A new file of the queue under a temporary name, locked before any name of an entry is
         given it (rename): (its name, its descriptor). OSError: the queue is broken."""
-        temp = f".new.{os.getpid()}.{os.urandom(6).hex()}"
+        temp = f"{_JOINING}{os.getpid()}.{os.urandom(6).hex()}"
         fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
                      0o644, dir_fd=self.dir_fd)
         try:
@@ -202,14 +205,40 @@ class Queue:
             pass
         os.close(fd)
 
-    def listed(self, now: int | None = None) -> list[Entry]:
+    def listed(self, now: int | None = None, sweep: bool = False) -> list[Entry]:
         """Every entry in the directory, its waiter alive or gone (no question asked yet), read at
-        now (CLOCK_MONOTONIC ns; default: now)."""
+        now (CLOCK_MONOTONIC ns; default: now). sweep: a waiting turn's look also removes a few
+        files of joins that never finished (_sweep); `status` changes nothing."""
         if not self.open(create=False):
             return []
         now = time.monotonic_ns() if now is None else now
-        return [entry for name in os.listdir(self.dir_fd)
-                if (entry := Entry.parse(name, now)) is not None]
+        names = os.listdir(self.dir_fd)
+        if sweep:
+            self._sweep([name for name in names if name.startswith(_JOINING)][:_SWEEP_AT_MOST])
+        return [entry for name in names if (entry := Entry.parse(name, now)) is not None]
+
+    def _sweep(self, names: list[str]) -> None:
+        """Remove the files of joins killed before they were renamed into the queue (kill -9
+        between locked_file() and the rename): no listing counts them, but nothing else would
+        ever remove them. Such a file is unlocked and old: a live join locks its file
+        microseconds after making it and keeps it locked until the rename, so an unlocked one
+        older than _ABANDONED seconds is no live join's."""
+        for name in names:
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                             dir_fd=self.dir_fd)
+            except OSError:
+                continue
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or time.time() - st.st_mtime < _ABANDONED:
+                    continue
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                continue   # locked: a join going on (or not ours to ask)
+            finally:
+                os.close(fd)
+            self._remove(name)   # another user's (sticky directory): left to her own turns
 
     def first_alive(self, entries) -> Entry | None:
         """The first of entries whose waiter still waits and is not stopped (order.first_waiting,

@@ -338,7 +338,12 @@ class FlockStore(LaneStore):
             # every request. Held, the count is added in the loop's thread pool instead.
             counts.add(dir_fd, f"{stem}.counts", outcome, block=loop is None, **count)
         except counts.Busy:
-            later = os.dup(dir_fd)   # the handle's own closes as the release returns
+            try:
+                later = os.dup(dir_fd)   # the handle's own closes as the release returns
+            except OSError as error:   # out of descriptors: the release still completes
+                self.warn(f"turn not counted in {self.path(stem + '.counts')}: "
+                          f"{error.strerror}")
+                return
             loop.run_in_executor(None, self._count_later, later, stem, dict(count,
                                                                              outcome=outcome))
         except counts.NotCounted as error:   # the turn goes on; silence would hide a reset
