@@ -272,8 +272,10 @@ class AnySeat:
         return got is not None
 
     async def lock_async(self, timeout: float | None) -> bool:
-        medium = self.medium
-        return await wait_async(medium, medium.session(), timeout) is not None
+        medium, got = self.medium, None
+        with medium.walking(waits=True):
+            got = await wait_async(medium, medium.session(), timeout)
+        return got is not None
 
     def checked(self, got: bool) -> bool | None:
         return self.medium.checked(got, claim=True)
