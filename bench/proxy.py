@@ -118,7 +118,7 @@ def main() -> int:
                 continue
             ok = (p50 - direct50) <= 1.0 if name == "lanelock proxy" else None
             row(f"time to first byte via {name}: added p50 / p95",
-                f"+{p50 - direct50:.2f} / +{p95 - direct95:.2f} ms ({p50:.2f} / {p95:.2f} ms)",
+                f"{p50 - direct50:+.2f} / {p95 - direct95:+.2f} ms ({p50:.2f} / {p95:.2f} ms)",
                 "<= 1 ms p50" if ok is not None else "", ok)
         # relay rate: one long stream as fast as the engine can send it
         subprocess.run([sys.executable, "-c", "pass"])

@@ -107,6 +107,8 @@ class LockHandle:
       seats   -- the lane's seat count as read when opened: up to that many turns hold the
                  lane at once (1: the lane's one lock, as ever)
       seat    -- the seat (1..seats) the handle is on: the one it holds once locked
+      past    -- the seats past the count that may still be held (a count made smaller under
+                 its holders): they count against it (store/seating.py)
 
     and one the gate sets after open(): asker, {session, hostname} of the turn, for a store that
     shows its waiters (`status`'s queue) and picks a session's seat. close() frees whatever the
@@ -118,12 +120,12 @@ class LockHandle:
     asker: dict | None = None
     seats = 1
     seat = 1
+    past: tuple = ()
 
     @property
     def seated(self) -> bool:
-        """More than the lane's one lock to think of (a store with seats past the count
-        overrides it)."""
-        return self.seats > 1 or self.seat > 1
+        """More than the lane's one lock to think of: seats, or seats past the count."""
+        return self.seats > 1 or bool(self.past)
 
     def close(self) -> None:
         pass

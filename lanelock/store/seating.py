@@ -19,6 +19,12 @@ The rules:
 The walk is a generator (take): it yields each step (RECORDS, TRY, HELD, LET_GO, WAIT) to a
 driver -- wait() in the calling thread, wait_async() in an event loop -- which calls the
 medium's method of that name. A try (try_lock) is the same walk with no time to wait.
+
+One lane lock, or any of N seats, is decided here too, once per handle (taker(): as the store
+learns the lane's count): a lane of one seat takes its own lock the medium's own way (OneLock:
+one lock, no record read, no seat looked at -- the hand-off as fast as it ever was); a lane of
+seats walks them (AnySeat). The store's try and its order's lock call the one chosen, never ask
+which; a store writes its medium only.
 """
 
 from __future__ import annotations
@@ -207,8 +213,92 @@ async def wait_async(medium, session: str | None, timeout: float | None) -> int 
         steps.close()
 
 
+# -- one lane lock, or any of N seats: decided once ------------------------------------------------
+def taker(medium) -> "OneLock | AnySeat":
+    """How the medium's turn takes its lane, chosen once (the store asks as its handle learns the
+    lane's count): any of the seats while the lane has more than one, or seats past its count
+    may still be held (handle.seated); else the lane's one lock."""
+    return AnySeat(medium) if medium.handle.seated else OneLock(medium)
+
+
+class OneLock:
+    """A lane of one seat: its own lock, taken the medium's own way. Its record is claimed once
+    the lane is kept (kept()), after the queue's look: one descriptor fewer at once."""
+
+    def __init__(self, medium: "Medium"):
+        self.medium = medium
+
+    def try_(self) -> bool:
+        """One try, never blocking: True once the lane is this turn's (checked)."""
+        return self.medium.try_lane()
+
+    def lock(self, timeout: float | None, cancel=None) -> bool:
+        """The order's LOCK: block on the lane's lock (the order checks what it got: checked)."""
+        return self.medium.lock_lane(timeout, cancel)
+
+    async def lock_async(self, timeout: float | None) -> bool:
+        return await self.medium.lock_lane_async(timeout)
+
+    def checked(self, got: bool) -> bool | None:
+        return self.medium.checked(got, claim=False)
+
+    def kept(self) -> bool:
+        """The lane just kept: its record claimed now, else let go (busy)."""
+        return self.medium.claim()
+
+    def waits(self) -> bool:
+        """Anything to wait on? Not while something planted keeps this turn off the lane's one
+        lock (until someone removes it)."""
+        return not self.medium.refused()
+
+
+class AnySeat:
+    """A lane of seats: the walk (take) over the medium. A seat's record is claimed as its lock
+    is taken (checked), so a refused one passes the turn on to the next seat."""
+
+    def __init__(self, medium: "Medium"):
+        self.medium = medium
+
+    def try_(self) -> bool:
+        medium, got = self.medium, None
+        with medium.walking(waits=False):
+            got = wait(medium, medium.session(), 0)
+        return got is not None
+
+    def lock(self, timeout: float | None, cancel=None) -> bool:
+        medium, got = self.medium, None
+        with medium.walking(waits=True, cancel=cancel):   # a cancelled wait's error: got None
+            got = wait(medium, medium.session(), timeout, cancel)
+        return got is not None
+
+    async def lock_async(self, timeout: float | None) -> bool:
+        medium, got = self.medium, None
+        with medium.walking(waits=True):
+            got = await wait_async(medium, medium.session(), timeout)
+        return got is not None
+
+    def checked(self, got: bool) -> bool | None:
+        return self.medium.checked(got, claim=True)
+
+    def kept(self) -> bool:
+        return True   # its seat's record was claimed as the seat was taken
+
+    def waits(self) -> bool:
+        return True   # a seat refused: the others
+
+
+class _Plain:
+    """A walk with nothing around it (Medium.walking's default)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
 class Medium:
-    """What a store gives the walk (one turn's handle on the lane):
+    """What a store gives the walk (one turn's handle on the lane), Medium(store, handle):
 
       records()                (the count, the seats past it that may be held, {seat: its
                                record or None} for 1..the count, the set of seats held now --
@@ -221,7 +311,30 @@ class Medium:
       wait_any(seats, timeout, cancel)   block until any of the seats frees: the seat whose
                                lock it got, AGAIN (woken: look again), None (timeout, cancel)
       wait_any_async(seats, timeout)     the same in an event loop
+      walking(waits, cancel)   a context around one walk (a try: waits False): what a wait
+                               needs set up and undone, the medium's errors said its way; a
+                               cancelled wait's error may be swallowed (the walk took nothing)
+
+    and the lane's own lock, as a lane of one seat takes it (OneLock):
+
+      try_lane()               one try, never blocking, checked: True when the lane is ours
+      lock_lane(timeout, cancel)   block on it: True / False (timeout, cancel)
+      lock_lane_async(timeout)     the same in an event loop
+      checked(got, claim)      after a lock: True (ours), False (busy after all), None (taken
+                               on something no longer the lane's: again); claim: the record
+                               claimed with it (a seat's)
+      claim()                  the lane just kept by a one-seat turn: its record claimed, else
+                               the lane let go (False). Default: nothing to claim
+      refused()                something planted keeps this turn off the lane's one lock.
+                               Default: never
     """
+
+    def __init__(self, store, handle):
+        self.store, self.handle = store, handle
+
+    def session(self) -> str | None:
+        """The turn's session: its own seat first (preference)."""
+        return (self.handle.asker or {}).get("session")
 
     def records(self) -> tuple:
         raise NotImplementedError
@@ -240,3 +353,24 @@ class Medium:
 
     async def wait_any_async(self, seats: list, timeout: float | None):
         raise NotImplementedError
+
+    def walking(self, waits: bool, cancel=None):
+        return _Plain()
+
+    def try_lane(self) -> bool:
+        raise NotImplementedError
+
+    def lock_lane(self, timeout: float | None, cancel=None) -> bool:
+        raise NotImplementedError
+
+    async def lock_lane_async(self, timeout: float | None) -> bool:
+        raise NotImplementedError
+
+    def checked(self, got: bool, claim: bool) -> bool | None:
+        return got
+
+    def claim(self) -> bool:
+        return True
+
+    def refused(self) -> bool:
+        return False

@@ -3,7 +3,8 @@
 - store.py       FlockStore: the lane's lock taken, waited for, recorded and surveyed;
 - handle.py, lock_file.py, taken.py   a turn's handle; opening the lock files (a planted one
                  refused); checking a lock just taken (a replaced file is two gates);
-- seats.py, taking.py   the seats' files, and their medium for store/seating.py;
+- seats.py, taking.py   the seats' files, and the medium for store/seating.py (the lane's own
+                 lock, or any of its seats);
 - line.py        its medium for the order (store/order.py): the queue's entries and kernel waits;
 - queue.py       the queue directory, one locked file per waiting turn;
 - waiting.py     a blocking flock with a timeout, without polling (a thread, an asyncio task);

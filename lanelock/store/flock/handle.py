@@ -13,7 +13,7 @@ from . import seats, sidecar
 class Handle(LockHandle):
     __slots__ = ("dir_fd", "fd", "name", "st", "caveat", "stem", "journal_fd", "record", "locked",
                  "queue", "asker", "outlived", "refused", "split", "seat", "seats", "past",
-                 "lane_st", "seat_refused", "record_fd", "lane")
+                 "lane_st", "seat_refused", "record_fd", "lane", "taker")
 
     def __init__(self, dir_fd: int, fd: int | None, name: str, st: os.stat_result | None,
                  caveat: str | None = None, stem: str = ""):
@@ -36,6 +36,7 @@ class Handle(LockHandle):
         self.seat_refused: list[str] = []   # seats this turn found planted (their reasons)
         self.record_fd: int | None = None   # the record, opened writable as the lock was taken
         self.lane: str | None = None   # the lane's name, once its count was read (taking.count)
+        self.taker = None   # its one lock or any of its seats (seating.taker), chosen at open()
 
     @property
     def exists(self) -> bool:
@@ -46,11 +47,6 @@ class Handle(LockHandle):
         # Seat 1's inode, which every spelling of the lane shares, whichever seat is held.
         st = self.lane_st or self.st
         return ("flock", st.st_dev, st.st_ino) if st is not None else ()
-
-    @property
-    def seated(self) -> bool:
-        """More than the lane's one lock to think of: seats, or seats past the count."""
-        return self.seats > 1 or bool(self.past)
 
     @property
     def record_name(self) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from ..order import Line, QueueBroken
-from . import queue, taking, waiting
+from . import queue, waiting
 
 # How often a waiter looks again when the entry ahead cannot be opened to wait on (only a file
 # made unreadable by hand: lanelock's own are 0644 whatever the umask).
@@ -30,27 +30,15 @@ class FlockLine(Line):
         # a listing and a lock attempt per entry ahead: off the loop's thread
         return await waiting.finished(asyncio.ensure_future(asyncio.to_thread(self.look)))
 
-    # -- the lane's own lock ---------------------------------------------------------------------------
+    # -- the lane's lock: its one lock, or any of its seats (seating.taker) ------------------------
     def lock(self, timeout: float | None, cancel=None) -> bool:
-        if self.handle.seated:   # any of the lane's seats
-            return taking.take(self.store, self.handle, timeout, cancel)
-        try:   # a zero timeout: one try without blocking (waiting.wait)
-            return waiting.wait(self.handle, timeout, cancel)
-        except OSError as error:
-            return self.store.contended(self.handle, error)
+        return self.handle.taker.lock(timeout, cancel)
 
     async def lock_async(self, timeout: float | None) -> bool:
-        if self.handle.seated:
-            return await taking.take_async(self.store, self.handle, timeout)
-        if timeout is not None and timeout <= 0:
-            return self.store.try_lane_lock(self.handle)
-        try:
-            return await waiting.wait_async(self.handle, timeout)
-        except OSError as error:
-            return self.store.contended(self.handle, error)
+        return await self.handle.taker.lock_async(timeout)
 
     def checked(self, got: bool) -> bool | None:
-        return self.store.checked(self.handle, got)
+        return self.handle.taker.checked(got)
 
     def keeps_changing(self):
         return self.store.keeps_being_replaced(self.handle)

@@ -26,7 +26,7 @@ from ...priority import CLASSES, DEFAULT_AGING, DEFAULT_RANK
 from .. import order, seating
 # survey up front too: a deflecting turn names its holder through it, and at a low open-file
 # limit a module imported mid-turn is a descriptor it may not get (EMFILE: the proxy's 500).
-from . import interrupt, journal, lock_file, queue, seats, sidecar, survey, taken, taking, waiting
+from . import interrupt, journal, lock_file, queue, seats, sidecar, survey, taking, waiting
 from .handle import Handle
 from .line import FlockLine
 from ..base import LaneStore
@@ -160,8 +160,10 @@ class FlockStore(LaneStore):
         stem = lane.stem
         try:
             dir_fd = open_root(self.root, create=create)
-        except FileNotFoundError:
-            return Handle(-1, None, self.names(stem)["lock"], None, stem=stem)
+        except FileNotFoundError:   # nothing to lock (exists False): one lock that never is
+            handle = Handle(-1, None, self.names(stem)["lock"], None, stem=stem)
+            handle.taker = seating.taker(taking.FlockSeats(self, handle))
+            return handle
         except GateUnavailable as error:
             if crowded(error):   # out of descriptors, not out of a gate: it may be held
                 raise GateCrowded(str(error)) from None
@@ -174,6 +176,7 @@ class FlockStore(LaneStore):
             lock_file.open_file(self, handle, create)
             handle.lane_st = handle.st
             taking.count(self, handle, lane)
+            handle.taker = seating.taker(taking.FlockSeats(self, handle))   # once: the count read
         except GateUnavailable:
             handle.close()
             raise
@@ -194,43 +197,27 @@ class FlockStore(LaneStore):
     # the new one is locked instead; a live turn still holding an old inode (its file replaced
     # under it) keeps the lane: we let go and say busy.
     def try_lock(self, handle: Handle, rank: int = DEFAULT_RANK) -> bool:
-        if handle.seated:
-            return taking.take(self, handle, 0) and \
-                order.keep_free_lane(FlockLine(self, handle), rank)
-        for _ in range(order.AGAIN_TRIES):
-            ours = self.checked(handle, self.try_lane_lock(handle))
-            if ours is not None:
-                break
-        else:
-            raise self.keeps_being_replaced(handle)
-        return ours and order.keep_free_lane(FlockLine(self, handle), rank) \
-            and self.claimed(handle)
-
-    def claimed(self, handle: Handle) -> bool:
-        """The lane just kept by a one-seat turn: its record claimed (_record_claimed), else the
-        lane let go at once (busy, the reason in handle.refused). A seat's was claimed as it
-        was taken (checked)."""
-        if handle.seated or taken.record_claimed(self, handle):
-            return True
-        self.hand_on(handle)
-        return False
+        """One try of the lane's lock or its seats (handle.taker), kept only past no waiter of
+        this class or higher (order.keep_free_lane), then claimed (a one-seat turn's record)."""
+        return handle.taker.try_() and order.keep_free_lane(FlockLine(self, handle), rank) \
+            and handle.taker.kept()
 
     # -- waiting in order (store/order.py walks it; line.py is this store's medium) ----------------
     def wait_lock(self, handle: Handle, timeout: float | None, cancel=None,
                   rank: int = DEFAULT_RANK) -> bool:
         """Block in the kernel, in the lane's queue, until the lane is ours or timeout seconds
         pass (None: forever), or cancel (a threading.Event) is set."""
-        if handle.refused and not handle.seated:   # a planted file: nothing to wait on until
-            return False                             # someone removes it (seats: the others)
+        if not handle.taker.waits():   # a planted file: nothing to wait on until someone
+            return False                 # removes it (seats: the others)
         return order.wait(FlockLine(self, handle, self._join(handle, rank)), timeout, cancel) \
-            and self.claimed(handle)
+            and handle.taker.kept()
 
     async def wait_lock_async(self, handle: Handle, timeout: float | None,
                               rank: int = DEFAULT_RANK) -> bool:
         """wait_lock for an asyncio task: no thread per waiter."""
         import asyncio
 
-        if handle.refused and not handle.seated:
+        if not handle.taker.waits():
             return False
 
         joining = asyncio.ensure_future(asyncio.to_thread(self._join, handle, rank))
@@ -241,7 +228,7 @@ class FlockStore(LaneStore):
                 joining.result().leave()
             raise
         return await order.wait_async(FlockLine(self, handle, ticket), timeout) \
-            and self.claimed(handle)
+            and handle.taker.kept()
 
     def queue_of(self, handle: Handle) -> "queue.Queue | None":
         """The lane's queue (None: the lane's directory is not open)."""
@@ -292,7 +279,7 @@ class FlockStore(LaneStore):
         handle.locked = False
 
     def try_lane_lock(self, handle: Handle) -> bool:
-        """One try of the lane's lock, never blocking (True: taken; check it with checked())."""
+        """One try of the lane's lock, never blocking (True: taken; check it: taken.checked)."""
         return self._flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
     def _flock(self, handle: Handle, operation: int) -> bool:
@@ -311,11 +298,6 @@ class FlockStore(LaneStore):
             return False
         kind = GateCrowded if crowded(error) else GateUnavailable   # ENOLCK: the kernel's locks
         raise kind(f"flock failed on {self.path(handle.name)}: {error.strerror}") from None
-
-    def checked(self, handle: Handle, got: bool) -> bool | None:
-        """After a lock was tried: True (the lane is ours), False (busy), None (the file was
-        replaced under it: the new one is open, lock again) -- taken.checked."""
-        return taken.checked(self, handle, got)
 
     def keeps_being_replaced(self, handle: Handle) -> GateUnavailable:
         return GateUnavailable(f"lock file {self.path(handle.name)} keeps being replaced")

@@ -21,16 +21,16 @@ from .lock_file import open_file
 from .record_claim import Refused, claim
 
 
-def checked(store, handle: Handle, got: bool) -> bool | None:
+def checked(store, handle: Handle, got: bool, claim: bool) -> bool | None:
     """After a lock was tried: True (the lane is ours), False (busy), None (the file was
-    replaced under it: the new one is open, lock again)."""
+    replaced under it: the new one is open, lock again). claim: the record claimed now too."""
     if not got:
         return False
     if _current(store, handle):
         # A seat's record is claimed as its lock is taken (a refused one: the next seat); a
-        # one-seat lane's once the lane is kept (claimed()), after the queue's look: one
-        # descriptor fewer at once, for a turn at a low open-file limit.
-        if handle.seated and not record_claimed(store, handle):
+        # one-seat lane's once the lane is kept (seating.OneLock.kept), after the queue's look:
+        # one descriptor fewer at once, for a turn at a low open-file limit.
+        if claim and not record_claimed(store, handle):
             fcntl.flock(handle.fd, fcntl.LOCK_UN)
             return False
         # The record, read only when its turn never released (the usual hand-off skips it).

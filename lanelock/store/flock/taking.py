@@ -1,8 +1,10 @@
-"""The flock store's medium for the seats (store/seating.py keeps every rule of them): the count
-read as a turn opens the lane, each seat's record, a try of seats in the order the policy gives,
-which seats are held, and a kernel wait on several seats' files at once. The store (store.py)
-keeps the lock's own rules -- a seat's lock taken is checked like the lane's (a replaced file, a
-live holder of a removed one, a killed turn's command) -- and store/order.py who goes next.
+"""The flock store's medium for taking a lane (store/seating.py keeps every rule of the seats, and
+chooses once between the lane's one lock and any of its seats): the count read as a turn opens
+the lane, each seat's record, a try of seats in the order the policy gives, which seats are held,
+a kernel wait on several seats' files at once -- and the lane's own lock, tried or waited on as
+a lane of one seat takes it. The store (store.py) keeps the lock's own rules -- a lock taken is
+checked (taken.py: a replaced file, a live holder of a removed one, a killed turn's command, the
+record claimed) -- and store/order.py who goes next.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 from .. import seating
 from ..order import AGAIN_TRIES
 from ..seating import Medium
-from . import seats, waiting
+from . import seats, taken, waiting
 from .sidecar import read as read_record
 
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -40,12 +42,48 @@ def count(store, handle, lane) -> None:
 
 
 class FlockSeats(Medium):
-    """The flock store's medium for the seat walk (seating.py): each seat a lock file, each
-    record a sidecar beside it, every wait a kernel wait on the seats' files at once."""
+    """The flock store's medium for taking a lane (seating.py): each seat a lock file, each
+    record a sidecar beside it, every wait a kernel wait -- on the lane's lock, or on the seats'
+    files at once."""
 
-    def __init__(self, store, handle):
-        self.store, self.handle = store, handle
+    # -- the lane's own lock (seating.OneLock) -----------------------------------------------------
+    def try_lane(self) -> bool:
+        store, handle = self.store, self.handle
+        for _ in range(AGAIN_TRIES):
+            ours = self.checked(store.try_lane_lock(handle), claim=False)
+            if ours is not None:
+                return ours
+        raise store.keeps_being_replaced(handle)
 
+    def lock_lane(self, timeout: float | None, cancel=None) -> bool:
+        try:   # a zero timeout: one try without blocking (waiting.wait)
+            return waiting.wait(self.handle, timeout, cancel)
+        except OSError as error:
+            return self.store.contended(self.handle, error)
+
+    async def lock_lane_async(self, timeout: float | None) -> bool:
+        if timeout is not None and timeout <= 0:
+            return self.store.try_lane_lock(self.handle)
+        try:
+            return await waiting.wait_async(self.handle, timeout)
+        except OSError as error:
+            return self.store.contended(self.handle, error)
+
+    def checked(self, got: bool, claim: bool) -> bool | None:
+        return taken.checked(self.store, self.handle, got, claim)
+
+    def claim(self) -> bool:
+        """The lane just kept by a one-seat turn: its record claimed (taken.record_claimed), else
+        the lane let go at once (busy, the reason in handle.refused)."""
+        if taken.record_claimed(self.store, self.handle):
+            return True
+        self.store.hand_on(self.handle)
+        return False
+
+    def refused(self) -> bool:
+        return self.handle.refused is not None   # a planted file, or a record another user's
+
+    # -- the seats (seating.AnySeat) ---------------------------------------------------------------
     def records(self) -> tuple:
         handle = self.handle
         records = {seat: read_record(seats.record_name(seats.lock_name(handle.stem, seat)),
@@ -59,7 +97,7 @@ class FlockSeats(Medium):
         for seat in order:
             store.on_seat(handle, seat)
             for _ in range(AGAIN_TRIES):
-                ours = store.checked(handle, store.try_lane_lock(handle))
+                ours = self.checked(store.try_lane_lock(handle), claim=True)
                 if ours is not None:
                     break
             else:
@@ -139,20 +177,6 @@ class FlockSeats(Medium):
                 continue
             kept.append(seat)
         return kept, opened
-
-
-def take(store, handle, timeout: float | None, cancel=None) -> bool:
-    """A seat of the lane this turn's (True, the handle on it), within timeout (0: a try)."""
-    return seating.wait(FlockSeats(store, handle), _session(handle), timeout, cancel) is not None
-
-
-async def take_async(store, handle, timeout: float | None) -> bool:
-    return await seating.wait_async(FlockSeats(store, handle), _session(handle),
-                                    timeout) is not None
-
-
-def _session(handle) -> str | None:
-    return (handle.asker or {}).get("session")
 
 
 def _close(opened: list) -> None:

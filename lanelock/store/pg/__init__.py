@@ -11,5 +11,8 @@
 - outage.py    a restart is an outage: the holder's claim, its retake, waiters reconnecting;
 - lease.py     a lost link is not a restart: a watched holder's lease, renewed on the server;
 - hostqueue.py waiters share their host's connection: a host's queue (flock) before the server's;
-- seats.py     the medium for store/seating.py: the lane's rows, tries in one statement, the sleep.
+- seats.py     the medium for store/seating.py: the lane's own lock, or its seats' rows, tries in
+               one statement, the sleep;
+- kept.py      values kept with the lanes (lanelock_kept): one value every host reads;
+- witness_lock.py  the lane's one witness across every host: a session advisory lock.
 """

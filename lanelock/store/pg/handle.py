@@ -52,11 +52,7 @@ class PgHandle(LockHandle):
     seats: int = 1
     past: tuple = ()
     seat: int = 1
-
-    @property
-    def seated(self) -> bool:
-        """More than the lane's one lock to think of: seats, or seats past the count."""
-        return self.seats > 1 or bool(self.past)
+    taker: object = None           # its one lock or any of its seats (seating.taker), per session
 
     def close(self) -> None:
         try:

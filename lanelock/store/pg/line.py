@@ -25,14 +25,7 @@ class PgLine(Line):
     def lock(self, timeout: float | None, cancel=None) -> bool:
         if self.handle.cancelled:
             return False
-        if self.handle.seated:   # any of the lane's seats
-            from .seats import lock_any
-
-            return lock_any(self.store, self.handle, timeout,
-                            None if cancel is None else cancel.is_set)
-        # the pooler check included; a cancel is a flag the wait looks at
-        return self.store.lock_lane(self.handle, timeout,
-                                     None if cancel is None else cancel.is_set)
+        return self.handle.taker.lock(timeout, cancel)   # its one lock, or any of its seats
 
     def checked(self, got: bool) -> bool:
         return got

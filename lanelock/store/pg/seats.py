@@ -10,9 +10,10 @@ anyone must decrement.
 
 The count is read as the turn connects, in the statement that asks the session's backend
 (store._session); a lane of one seat whose rows never named another seat then takes the
-one-lock path of old, statement for statement. Every rule of the seats -- the count's bound and
-validity, which seat a turn takes, never one too many, the head's wait on any seat -- is
-store/seating.py's, as for the flock store; this module is the medium (PgSeats): the lane's rows
+one-lock path of old, statement for statement (seating.taker chooses, once per session). Every
+rule of the seats -- the count's bound and validity, which seat a turn takes, never one too
+many, the head's wait on any seat -- is store/seating.py's, as for the flock store; this module
+is the medium (PgSeats): the lane's own lock (the store's), or the lane's rows
 and which seats the server holds, read in one statement; the seats tried in the policy's order
 in ONE statement that stops at the first it gets; which seats are held; and the head's sleep on
 the session's LISTEN (every seat's channel: each seat's unlock notifies its own, in the
@@ -25,7 +26,7 @@ and that the server no longer holds: its holder died (its session ended), wherev
 from __future__ import annotations
 
 import hashlib
-import json
+from contextlib import contextmanager
 
 from .. import seating
 from ..seating import AGAIN, MOST, Medium
@@ -101,30 +102,54 @@ def survey_count(conn, lane: str) -> tuple[int, int]:
     return seats, max((seats, *past))
 
 
-# -- the kept values (the PostgreSQL store's kept/keep) -----------------------------------------
-def read_kept(conn, name: str):
-    row = conn.execute("SELECT value FROM lanelock_kept WHERE name = %s", (name,)).fetchone()
-    return None if row is None else row[0]
-
-
-def write_kept(conn, name: str, value) -> None:
-    if value is None:
-        conn.execute("DELETE FROM lanelock_kept WHERE name = %s", (name,))
-        return
-    conn.execute("INSERT INTO lanelock_kept (name, value) VALUES (%s, %s::jsonb) "
-                 "ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value",
-                 (name, json.dumps(value)))
-
-
-# -- the seat walk's medium (store/seating.py walks it) -------------------------------------------
+# -- the medium for taking the lane (store/seating.py: its one lock, or the seat walk) -----------
 class PgSeats(Medium):
-    """A turn's handle as the seat walk asks it. listened: the channels this session LISTENs on,
-    for a wait (every seat's is added before each try, so a release after it is a
-    notification); None for a try. cancelled(): the wait was given up."""
+    """A turn's handle as seating.py asks it: the lane's own lock (the store's try and wait), or
+    the seats. listened: the channels this session LISTENs on during a wait (every seat's is
+    added before each try, so a release after it is a notification); None for a try."""
 
-    def __init__(self, store, handle, listened: set | None = None, cancelled=None):
-        self.store, self.handle, self.listened, self.cancelled = store, handle, listened, cancelled
-        self.deaths, self.pauses = None, pg_queue.Pauses()
+    listened: set | None = None
+    deaths = None
+
+    # -- the lane's own lock (seating.OneLock) -----------------------------------------------------
+    def try_lane(self) -> bool:
+        return self.store._try_lane(self.handle)
+
+    def lock_lane(self, timeout: float | None, cancel=None) -> bool:
+        # the pooler check included; a cancel is a flag the wait looks at
+        return self.store.lock_lane(self.handle, timeout,
+                                    None if cancel is None else cancel.is_set)
+
+    # -- the seats (seating.AnySeat) ---------------------------------------------------------------
+    @contextmanager
+    def walking(self, waits: bool, cancel=None):
+        """One walk: a try (its server error GateUnavailable), or the queue's head waiting
+        (woken by the seats' channels, and by the death of a holder of this host: _deaths) --
+        queue.until_taken's sleeps, the one way a lanelock session waits; no statement waits in
+        the server. A wait's error once it was cancelled ends it with no seat."""
+        from ...errors import GateUnavailable
+        from .session import first_line
+
+        psycopg = driver()
+        handle = self.handle
+        if waits:
+            self.store.connected(handle)
+        self.listened, self.deaths, self.pauses = (set() if waits else None), None, \
+            pg_queue.Pauses()
+        try:
+            yield
+            if handle.held and self.listened:
+                # A holder hears no other seat's release: each would wake its lane watch, which
+                # watches this socket for the session's end (lanewatch.py).
+                handle.conn.execute("; ".join(f"UNLISTEN {channel}" for channel in self.listened))
+        except psycopg.Error as error:
+            if waits and handle.cancelled:
+                return
+            raise GateUnavailable(f"lane store: {first_line(error)}") from None
+        finally:
+            if self.deaths:
+                self.deaths.close()
+            self.listened, self.deaths = None, None
 
     def records(self) -> tuple:
         """The count (handle.seats, handle.past), the rows by seat and which seats the server
@@ -190,41 +215,22 @@ class PgSeats(Medium):
     def wait_any(self, seats: list, timeout: float | None, cancel=None):
         """A sleep on the session's LISTEN (every seat's channel), woken by any seat's unlock,
         by the death of a holder of this host, and every queue.RECHECK: AGAIN (look again), or
-        None once the wait is given up. No statement waits in the server."""
+        None once the wait is given up (cancel_wait, cancel set). No statement waits in the
+        server."""
         import time
 
         if self.deaths is None:
             self.deaths = _deaths(self.handle) or False
-        given_up = self._given_up
+
+        def given_up() -> bool:
+            return self.handle.cancelled or (cancel is not None and cancel.is_set())
+
         if given_up():
             return None
         self.pauses.sleep(self.handle.conn, None if timeout is None else
                           time.monotonic() + timeout,
                           lambda: self.deaths.fileno() if self.deaths else None, given_up)
         return None if given_up() else AGAIN
-
-    def _given_up(self) -> bool:
-        return self.handle.cancelled or (self.cancelled is not None and self.cancelled())
-
-    def close(self) -> None:
-        if self.deaths:
-            self.deaths.close()
-
-
-def try_seats(store, handle) -> bool:
-    """One look for a try (try_lock): True with the handle on the seat taken; a server error is
-    GateUnavailable."""
-    from ...errors import GateUnavailable
-    from .session import first_line
-
-    try:
-        return seating.wait(PgSeats(store, handle), _session(handle), 0) is not None
-    except driver().Error as error:
-        raise GateUnavailable(f"lane store: {first_line(error)}") from None
-
-
-def _session(handle) -> str | None:
-    return (handle.asker or {}).get("session")
 
 
 def let_go(handle) -> None:
@@ -237,34 +243,6 @@ def let_go(handle) -> None:
 def on_lane(handle) -> None:
     """The handle back on the lane's own key, holding nothing."""
     handle.key, handle.seat, handle.held = handle.ident[2], 1, False
-
-
-# -- waiting for any seat --------------------------------------------------------------------------
-def lock_any(store, handle, timeout: float | None, cancelled=None) -> bool:
-    """The queue's head: block until one of the lane's seats is this turn's (True, the handle on
-    it), timeout passes (None: never) or the wait is cancelled (False): the seat walk
-    (seating.wait) over PgSeats -- queue.until_taken's sleeps, the one way a lanelock session
-    waits; no statement waits in the server."""
-    from ...errors import GateUnavailable
-    from .session import first_line
-
-    psycopg = driver()
-    store.connected(handle)
-    listened: set = set()
-    medium = PgSeats(store, handle, listened, cancelled)
-    try:
-        got = seating.wait(medium, _session(handle), timeout) is not None
-        if got and listened:
-            # A holder hears no other seat's release: each would wake its lane watch, which
-            # watches this socket for the session's end (lanewatch.py).
-            handle.conn.execute("; ".join(f"UNLISTEN {channel}" for channel in listened))
-        return got
-    except psycopg.Error as error:
-        if handle.cancelled:
-            return False
-        raise GateUnavailable(f"lane store: {first_line(error)}") from None
-    finally:
-        medium.close()
 
 
 def _deaths(handle):

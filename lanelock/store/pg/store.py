@@ -27,8 +27,8 @@ import os
 import time
 
 from ...errors import GateUnavailable, ServerCrowded
-from .. import order
-from . import lease, outage, records, shared, survey, taken
+from .. import order, seating
+from . import kept, lease, outage, records, seats, shared, survey, taken
 from . import queue as pg_queue
 from ..base import LaneStore
 from ...priority import DEFAULT_AGING
@@ -39,7 +39,6 @@ from .session import (BOUND, connect, driver, ended, ensure_schema, first_line, 
 
 # A stop point (turn/stops.py) that wants the release written while the lane is still held.
 _PAUSE, _DURING_RELEASE = "LANELOCK_DEBUG_PAUSE", "during-release"
-WITNESS_NAMESPACE = 0x4C4E5754   # "LNWT": the lane's one witness, never a lane's or a queue's key
 
 
 class PgStore(LaneStore):
@@ -81,30 +80,12 @@ class PgStore(LaneStore):
     def connect(self, application_name: str):
         return connect(self.dsn, application_name)
 
-    # -- values kept with the lanes (lanelock_kept: one value every host reads) -------------------
+    # -- values kept with the lanes (kept.py: lanelock_kept, one value every host reads) ---------
     def kept(self, name: str):
-        from . import seats
-
-        return self._kept(f"lanelock kept {name}", lambda conn: seats.read_kept(conn, name))
+        return kept.read(self, name)
 
     def keep(self, name: str, value) -> None:
-        from . import seats
-
-        self._kept(f"lanelock keep {name}", lambda conn: seats.write_kept(conn, name, value))
-
-    def _kept(self, application_name: str, function):
-        """function(a connection of its own) on the table of kept values; GateUnavailable when
-        the server cannot be reached or the table cannot be made or read."""
-        from .session import NOT_KEPT, keeps
-
-        with shared.asking(self, application_name) as (conn, problem):
-            if not keeps(conn):   # never a statement on a missing table: an ERROR in the log
-                raise GateUnavailable(f"lane store {redact(self.dsn)}: {problem or NOT_KEPT}")
-            try:
-                return function(conn)
-            except driver().Error as error:
-                raise GateUnavailable(f"lane store {redact(self.dsn)}: "
-                                      f"{problem or first_line(error)}") from None
+        kept.write(self, name, value)
 
     def open(self, lane_obj, *, create: bool = True) -> PgHandle:
         """A handle with no connection yet: a turn that waits behind another of this host never
@@ -134,6 +115,7 @@ class PgStore(LaneStore):
         backend, started = self._session(conn, handle)
         handle.conn, handle.backend_pid, handle.fd, handle.started = \
             conn, backend, socket_of(conn), started
+        handle.taker = seating.taker(seats.PgSeats(self, handle))   # once: the count just read
 
     def disconnect(self, handle: PgHandle) -> None:
         """Close the handle's session (with it, any lock and ticket it held): a waiter that is
@@ -168,8 +150,6 @@ class PgStore(LaneStore):
     def _session(self, conn, handle: PgHandle | None = None) -> tuple[int, float]:
         """(backend pid, the server's start in epoch seconds) of a new connection; with a turn's
         handle, its lane's seat count too, in the same statement (seats.py)."""
-        from . import seats
-
         params = None if handle is None else seats.count_params(conn, handle.lane)
         try:
             with conn.cursor() as cursor:
@@ -223,10 +203,8 @@ class PgStore(LaneStore):
             hostqueue.host_unlock(local)
 
     def _try_server(self, handle: PgHandle, rank: int) -> bool:
-        from . import seats
-
         self.connected(handle)
-        if not (seats.try_seats(self, handle) if handle.seated else self._try_lane(handle)):
+        if not handle.taker.try_():   # its one lock, or any of its seats
             return False
         return order.keep_free_lane(PgLine(self, handle), rank)
 
@@ -574,25 +552,10 @@ class PgStore(LaneStore):
         return self.event_handle(lane)
 
     def claim_witness(self, lane, who: str | None = None) -> tuple:
-        """A session advisory lock on (WITNESS_NAMESPACE, the lane's key) in a connection of its
-        own, held while the witness runs: one witness per lane across every host."""
-        from ...facts import hostname
+        """One witness per lane across every host (witness_lock.py)."""
+        from .witness_lock import claim
 
-        psycopg = driver()
-        key = (WITNESS_NAMESPACE, lane_key(lane.name)[1])
-        conn = self.connect(f"lanelock witness {who or f'pid {os.getpid()} on {hostname()}'}"[:63])
-        try:
-            with conn.cursor() as cursor:
-                cursor.execute("SELECT pg_try_advisory_lock(%s, %s)", key)
-                if cursor.fetchone()[0]:
-                    return PgHandle(conn, lane.name, key, 0), None
-                names = [app for _, granted, app, _ in survey.lockers(cursor, key) if granted and app]
-            conn.close()
-            return None, (names[0].removeprefix("lanelock witness ") if names
-                          else "another session")
-        except psycopg.Error as error:
-            conn.close()
-            raise GateUnavailable(f"lane store {redact(self.dsn)}: {first_line(error)}") from None
+        return claim(self, lane, who)
 
     def lost(self, handle: PgHandle) -> bool:
         """Has the server ended our session (pg_terminate_backend, restart)? Then the lane is gone.
