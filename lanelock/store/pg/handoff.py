@@ -15,7 +15,7 @@ simple query of several statements. A turn that takes the lane once it is free r
 released; an unlock inside the writes' transaction would free the lane before they commit, and
 a taker would read the turn as one that never released (a false took-over). With a waiter of
 this host on its host lane, the unlock's statement lets go only once a head of this host is in
-the server's queue (hostqueue.await_next_head: no barging across hosts), in the same query.
+the server's queue (next_head.await_next_head: no barging across hosts), in the same query.
 
 A taker's queue leave (PgLine.leave) goes with its session's next statement instead of before
 its turn begins: the waiters behind it wait on its ticket meanwhile, and would find the lane

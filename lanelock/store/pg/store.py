@@ -440,10 +440,10 @@ class PgStore(LaneStore):
 
         if handle.held and local is not None:   # no gap for another host's later waiter
             from ...facts import hostname
-            from . import hostqueue
+            from . import next_head
 
             # each look lets go in its own round trip once a head of this host has joined
-            hostqueue.await_next_head(local, lambda head: let_go(self, handle, hostname(), head))
+            next_head.await_next_head(local, lambda head: let_go(self, handle, hostname(), head))
         # Only a lock this session holds: a turn that deflected or gave its wait up holds
         # none, and the server warns of every unlock of a lock not held ("you don't own a
         # lock"). The release's row and events go first, in the same round trip.
