@@ -48,6 +48,7 @@ import threading
 import time
 
 from ..flock.line import FlockLine
+from .next_head import await_next_head, head_queued
 from .session import ended
 
 ASIDE_LOOK = 0.2    # how often a head waiting in the server looks at its host's local queue
@@ -416,8 +417,6 @@ def give_way(store, handle) -> None:
     """The lane came to a head that a turn of its host now stands before (it arrived as the
     lane was handed on): the lane is handed on in the server's order once that turn has joined
     the server's queue, and this one waits on its host again, with its arrival."""
-    from .next_head import await_next_head, head_queued
-
     await_next_head(handle.local, lambda head: head_queued(store, handle, head))
     try:
         store.unlock_lane(handle)   # the unlock wakes the server's queue
