@@ -15,7 +15,7 @@ simple query of several statements. A turn that takes the lane once it is free r
 released; an unlock inside the writes' transaction would free the lane before they commit, and
 a taker would read the turn as one that never released (a false took-over). With a waiter of
 this host on its host lane, the unlock's statement lets go only once a head of this host is in
-the server's queue (next_head.await_next_head: no barging across hosts), in the same query.
+the server's queue (hostqueue.await_next_head: no barging across hosts), in the same query.
 
 A taker's queue leave (PgLine.leave) goes with its session's next statement instead of before
 its turn begins: the waiters behind it wait on its ticket meanwhile, and would find the lane
@@ -154,11 +154,10 @@ def with_leave(handle, sql: str, params, front=()) -> object:
 
 
 # -- letting go ---------------------------------------------------------------------------------
-def let_go(store, handle, head_here: str | None = None, head: str | None = None) -> bool:
+def let_go(store, handle, head_here: str | None = None) -> bool:
     """The release's writes (committed first), the pending queue leave, then the lane's unlock
     and wake-up, in one round trip. head_here: this host's name -- the unlock only once a head
-    of this host is in the lane's server queue (False: not let go, the writes done); head: that
-    head's entry on its host (hostqueue.py), when known -- its row, not its next's. True once
+    of this host is in the lane's server queue (False: not let go, the writes done). True once
     let go. GateUnavailable: the session is gone (and the lock with it)."""
     psycopg = driver()
     releasing, handle.releasing = handle.releasing, None
@@ -168,10 +167,8 @@ def let_go(store, handle, head_here: str | None = None, head: str | None = None)
     statements += _leave_sql(handle)
     unlock = (_UNLOCK, [*handle.key, pg_queue.lane_channel(handle.key)])
     if head_here is not None:
-        unlock = (_UNLOCK + " WHERE " + _HEAD_HERE[:-1] + (" AND q.facts->>'entry' = %s)"
-                                                            if head is not None else ")"),
-                  [*unlock[1], pg_queue.QUEUE_NAMESPACE, handle.lane, head_here,
-                   *([head] if head is not None else [])])
+        unlock = (_UNLOCK + " WHERE " + _HEAD_HERE,
+                  [*unlock[1], pg_queue.QUEUE_NAMESPACE, handle.lane, head_here])
     statements.append(unlock)
     try:
         let = _simple(handle.conn, statements)

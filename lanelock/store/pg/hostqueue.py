@@ -7,21 +7,18 @@ root every process of this host computes (LANELOCK_DIR or the default root), nam
 store's DSN, the lane and the host's name (stem HOST_PREFIX + digests: a hidden name, so flock's
 `status --all` lists no such lane). A waiting turn joins it first, with the flock store's own
 entries, order (classes, aging, arrival) and kernel waits. The first live waiter of a host (a
-stopped one passed over) is its HEAD: only the head waits for the lane in the server's queue
-(store/order.py with PgLine); the others wait in the kernel on the entry just ahead of them. The
-waiter just behind the head is its NEXT: it holds a connection of its own while it waits there,
-and once the head's row is in the server's queue its own row too (stand_by), so that when the
-head takes the lane it is in the server's queue already -- a connect (a backend forked, its
-settings and first statements), then a join, were the whole of a hand-off inside a queue of
-short turns. A head rings its entry once it has joined (Ticket.ring: the waiter behind it looks
-again, and finds itself next); a next that is pushed back (a higher class arrived ahead) lets
-its connection, and its row with it, go within STANDBY_LOOK.
+stopped one passed over) is its HEAD: only the head waits in the server's queue (store/order.py
+with PgLine); the others wait in the kernel on the entry just ahead of them. The waiter just
+behind the head is its NEXT: it holds a connection of its own while it waits there, so that when
+the head takes the lane it joins the server's queue at once -- a connect (a backend forked, its
+settings and first statements) was the whole of a hand-off inside a queue of short turns. A
+head rings its entry once it has joined (Ticket.ring: the waiter behind it looks again, and
+finds itself next); a next that is pushed back (a higher class arrived ahead) lets its
+connection go within STANDBY_LOOK.
 
 Invariants:
 - A turn connects only as head or next, or for a try while no turn of this host of its class or
   higher waits (try_lock), so a host's waiters cost the server two connections.
-- A next's row is never ahead of its head for the head (queue.ahead_and_step leaves this host's
-  next rows out of a head's look): the next waits on its host until the head has the lane.
 - A turn's entry stays in its host's queue from its first wait until it has the lane or is done
   waiting, whatever it does meanwhile: its arrival is kept, `status` lists it, and the waiters
   behind it wait on it. The head joins the server's queue with that arrival: clock_timestamp()
@@ -33,7 +30,7 @@ Invariants:
   directory listing); never a server statement on a schedule. A head that gets the lane with
   such a waiter ahead of it gives the lane way once that waiter has joined the server's queue.
 - A holder that lets the lane go while its host's next head is still connecting waits for that
-  head's row in the server's queue (next_head.py: at most NEXT_JOIN): otherwise another host's later waiter
+  head's row in the server's queue (at most NEXT_JOIN): otherwise another host's later waiter
   would take the free lane in the gap (no barging across hosts).
 - A head that cannot reach the server takes the host lane's lock and keeps it and its entry while
   its turn runs ungated (the gate fails it open and lets both go at the turn's end): this host's
@@ -48,11 +45,12 @@ import threading
 import time
 
 from ..flock.line import FlockLine
-from .next_head import await_next_head, head_queued
 from .session import ended
 
 ASIDE_LOOK = 0.2    # how often a head waiting in the server looks at its host's local queue
 STANDBY_LOOK = 0.2  # how often the host's next waiter, connected, looks whether it still is
+NEXT_JOIN = 2.0     # how long a releasing holder waits for its host's next head to join
+NEXT_LOOK = 0.01    # how often it looks meanwhile (only while a head of this host connects)
 HOST_PREFIX = ".pg-host-"
 
 
@@ -69,7 +67,7 @@ class Local:
     """One turn's place on its host lane: a flock handle of its own (flock is per open file
     description, so the threads of one process -- a proxy's requests -- exclude each other)."""
 
-    __slots__ = ("flock", "handle", "since", "ungated", "wake", "ticket", "early")
+    __slots__ = ("flock", "handle", "since", "ungated", "wake", "ticket")
 
     def __init__(self, flock, handle):
         self.flock, self.handle = flock, handle
@@ -77,7 +75,6 @@ class Local:
         self.ungated = False     # kept the host lane for a turn run ungated (server unreachable)
         self.wake = None         # the Event of the wait on the host lane under way (cancel())
         self.ticket = None       # its entry in the host's queue (place())
-        self.early = None        # (server ticket, backend pid) joined as the host's next
 
     def close(self) -> None:
         leave(self)
@@ -174,8 +171,8 @@ def wait_first(local: Local, timeout: float | None, cancel, rank: int, standby) 
     flock store's queue does): True; timeout or the caller's cancel: False. The walk is
     store/order.py's (wait_first): each wait the kernel's, on the entry just ahead
     (FlockLine.behind), looked at again at this turn's next aging step and every
-    order.STOPPED_LOOK. standby(next_up, ahead) runs before each wait: next_up when the entry
-    ahead is the host's head (this turn is the next); it says whether this turn now holds a connection
+    order.STOPPED_LOOK. standby(next_up) runs before each wait: next_up when the entry ahead is
+    the host's head (this turn is the next); it says whether this turn now holds a connection
     -- a standby looks again every STANDBY_LOOK, so one pushed back (a higher class arrived)
     lets its connection go within that."""
     from .. import order
@@ -198,7 +195,7 @@ class _HostLine(FlockLine):
     def behind(self, entry, timeout: float | None, cancel=None) -> None:
         from .. import order
 
-        if self.standby(next_up(self.local, entry), entry):
+        if self.standby(next_up(self.local, entry)):
             timeout = order.least(timeout, STANDBY_LOOK)
         self.local.wake = threading.Event()
         if cancel is not None and cancel.is_set():
@@ -224,25 +221,20 @@ def next_up(local: Local, ahead) -> bool:
         return False
 
 
-def stand_by(store, handle, rank: int):
+def stand_by(store, handle):
     """wait_first's standby for a turn of store: the host's next waiter connects while the head
-    waits, and once the head's row is in the server's queue joins it too, behind the head
-    (queue.join_behind) -- so that when the head takes the lane this turn is in the server's
-    queue already: the holder lets go at once (its host has a waiter there: no barging across
-    hosts), and this turn, woken on its host, walks on from its row with no connect and no join
-    in the hand-off's path (a connect -- a backend forked, its settings, its first statements --
-    was the whole of a hand-off inside a queue, then the head's join and its wake-up were).
-    One that is not next holds none: its session (and its row with it) goes. The connect is
-    tried once per wait: a server that cannot be reached is said when this turn is the head, as
-    before; a join that cannot be made is made as the head."""
+    waits, so that when the head takes the lane it joins the server's queue at once -- a connect
+    (a backend forked, its settings, its first statements: tens of ms on a busy machine, several
+    round trips on a far server) was the whole of a hand-off inside a queue. One that is not
+    next holds none. The connect is tried once per wait: a server that cannot be reached is
+    said when this turn is the head, as before."""
     from ...errors import GateUnavailable, ServerCrowded
 
     tried = False
 
-    def standby(next_up: bool, head) -> bool:
+    def standby(next_up: bool) -> bool:
         nonlocal tried
         if not next_up:
-            handle.local.early = None
             store.disconnect(handle)
             return False
         if handle.conn is None and not tried:
@@ -251,44 +243,9 @@ def stand_by(store, handle, rank: int):
                 store.connected(handle)
             except (GateUnavailable, ServerCrowded):
                 pass
-        if handle.conn is not None and handle.local.early is None:
-            join_behind(store, handle, rank, head)
         return handle.conn is not None
 
     return standby
-
-
-def join_behind(store, handle, rank: int, head) -> None:
-    """The next waiter's row in the server's queue, behind its head's (once the head has one),
-    with its arrival on its host; kept in local.early for the head's walk (take_early)."""
-    from ...errors import GateUnavailable
-    from . import queue as pg_queue
-
-    local = handle.local
-    if local.ticket is None or ended(handle.conn):
-        return
-    facts = {**(handle.asker or {}), "pid": os.getpid(), "backend": handle.backend_pid,
-             "entry": local.ticket.entry.name, "next": True}
-    try:
-        ticket = store.queue_call(handle, pg_queue.join_behind, handle.lane, rank, facts,
-                                  time.monotonic() - local.since, head.name)
-    except GateUnavailable:
-        return   # joined as the head, as before
-    if ticket is not None:
-        local.early = (ticket, handle.backend_pid)
-
-
-def take_early(handle) -> int | None:
-    """The server ticket this turn took as its host's next (join_behind), once: for its walk
-    as the head (store._join); None when it took none, or its session is not that one."""
-    local = handle.local
-    early = None if local is None else local.early
-    if early is None:
-        return None
-    local.early = None
-    if handle.conn is None or ended(handle.conn) or handle.backend_pid != early[1]:
-        return None
-    return early[0]
 
 
 def joined(local: Local | None) -> None:
@@ -336,11 +293,10 @@ def wait(store, handle, timeout: float | None, cancel, rank: int) -> bool:
     _load_driver_meanwhile()
     while True:
         # a waiter that is neither its host's first nor next holds no connection
-        if not wait_first(local, _left(deadline), cancel, rank, stand_by(store, handle, rank)):
+        if not wait_first(local, _left(deadline), cancel, rank, stand_by(store, handle)):
             leave(local)
             return False
         if handle.conn is not None and ended(handle.conn):   # a standby's session ended
-            local.early = None
             store.disconnect(handle)
         try:
             store.connected(handle)
@@ -417,7 +373,7 @@ def give_way(store, handle) -> None:
     """The lane came to a head that a turn of its host now stands before (it arrived as the
     lane was handed on): the lane is handed on in the server's order once that turn has joined
     the server's queue, and this one waits on its host again, with its arrival."""
-    await_next_head(handle.local, lambda head: head_queued(store, handle, head))
+    await_next_head(handle.local, lambda: store.host_queued(handle))
     try:
         store.unlock_lane(handle)   # the unlock wakes the server's queue
     except Exception:  # noqa: BLE001 - the session gone takes the lock with it
@@ -498,6 +454,27 @@ class _AsideWatch(threading.Thread):
     def finish(self) -> None:
         with self.acting:
             self.done.set()
+
+
+# -- the release: no gap for another host's later waiter ----------------------------------------
+def await_next_head(local: Local, joined) -> None:
+    """Before a holder lets the lane go: while a turn of this host waits (its first connecting)
+    and none of this host is in the server's queue yet (joined(): one look), wait for it, at
+    most NEXT_JOIN."""
+    end = time.monotonic() + NEXT_JOIN
+    while _waiting_here(local) and not joined() and time.monotonic() < end:
+        time.sleep(NEXT_LOOK)
+
+
+def _waiting_here(local: Local) -> bool:
+    """Does a live turn of this host (another than this one) wait in its host's queue?"""
+    found = local.flock.queue_of(local.handle)
+    own = local.ticket.entry.name if local.ticket is not None else None
+    try:
+        return found is not None and found.first_alive(
+            entry for entry in found.listed() if entry.name != own) is not None
+    except OSError:
+        return False
 
 
 # -- status: the local queues under this root -------------------------------------------------

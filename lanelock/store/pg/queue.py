@@ -103,26 +103,6 @@ JOIN = ("WITH joined AS (INSERT INTO lanelock_queue (lane, rank, facts, arrival)
         "SELECT ticket, pg_advisory_lock(%s, (ticket %% 2147483647)::int) FROM joined")
 
 
-def join_behind(conn, lane: str, rank: int, facts: dict, waited: float, head: str) -> int | None:
-    """join() for a host's next waiter (hostqueue.py: facts' "next"), once its head's row
-    (facts' entry: head, the head's entry on its host) is in the lane's queue -- before, the
-    lane could be let go with the head's place held by no row. Its arrival is its own, as the
-    head's is. None (nothing joined) while the head has no row."""
-    with conn.cursor() as cursor:
-        cursor.execute(JOIN_BEHIND, (lane, head, lane, rank, json.dumps(facts), max(0.0, waited),
-                                     QUEUE_NAMESPACE))
-        row = cursor.fetchone()
-        return None if row is None else row[0]
-
-
-JOIN_BEHIND = ("WITH head AS (SELECT max(arrival) AS at FROM lanelock_queue "
-               "WHERE lane = %s AND facts->>'entry' = %s), "
-               "joined AS (INSERT INTO lanelock_queue (lane, rank, facts, arrival) "
-               "SELECT %s, %s, %s, clock_timestamp() - make_interval(secs => %s) "
-               "FROM head WHERE head.at IS NOT NULL RETURNING ticket) "
-               "SELECT ticket, pg_advisory_lock(%s, (ticket %% 2147483647)::int) FROM joined")
-
-
 # One statement: the row goes first -- the CTE runs before the unlock in the select -- and the
 # waiter behind, woken, reads it gone once this commits.
 LEAVE = ("WITH gone AS (DELETE FROM lanelock_queue WHERE ticket = %s RETURNING 1) "
@@ -174,18 +154,9 @@ def ahead_and_step(conn, lane: str, ticket: int, aging: float, rows: list | None
     mine = next((entry for entry in entries if entry.ticket == ticket), None)
     if mine is None:
         return None, None
-    if "entry" in mine.facts:   # a host's head: its host's next waits behind it on its host
-        entries = [entry for entry in entries if entry is mine or not nexts_here(entry)]
     # A stopped waiter holds nothing in the server (no waiter blocks there: until_taken), so
     # nothing can be granted to it while the order passes it over.
     return order.just_ahead(mine, entries, aging, ROWS), next_step(mine.rank, mine.waited, aging)
-
-
-def nexts_here(entry: Entry) -> bool:
-    """Is the row a next's of this host (join_behind)? Its waiter waits on its host behind
-    this host's head, whatever the server's order says of two arrivals read on one host's clock
-    a moment apart: it is never ahead of the head, which would wait for it for ever."""
-    return bool(entry.facts.get("next")) and entry.here()
 
 
 def waiting_at_or_above(conn, lane: str, rank: int, aging: float,

@@ -336,10 +336,6 @@ class PgStore(LaneStore):
         takes the server's order, the lane's own lock alone)."""
         from . import hostqueue
 
-        early = hostqueue.take_early(handle)   # joined as its host's next: walks on from it
-        if early is not None:
-            hostqueue.joined(handle.local)
-            return early
         try:
             return self.queue_call(handle, pg_queue.join, handle.lane, rank,
                                     {**(handle.asker or {}), "pid": os.getpid(),
@@ -440,10 +436,10 @@ class PgStore(LaneStore):
 
         if handle.held and local is not None:   # no gap for another host's later waiter
             from ...facts import hostname
-            from . import next_head
+            from . import hostqueue
 
             # each look lets go in its own round trip once a head of this host has joined
-            next_head.await_next_head(local, lambda head: let_go(self, handle, hostname(), head))
+            hostqueue.await_next_head(local, lambda: let_go(self, handle, hostname()))
         # Only a lock this session holds: a turn that deflected or gave its wait up holds
         # none, and the server warns of every unlock of a lock not held ("you don't own a
         # lock"). The release's row and events go first, in the same round trip.
