@@ -83,8 +83,8 @@ def inode_holder(device: int, inode: int) -> int | None:
 
 def moved_holder(device: int, inode: int | None, stamp: int | None) -> int | None:
     """The pid holding a flock on a seat's lock file as its setter made it (its inode and mtime
-    stamp as kept: seats.identity; stamp None when kept before there was one) wherever it now is -- moved aside or removed under its
-    holder -- else None. The kernel's lock table names an inode only, and once the seat file is
+    stamp as kept: seats.identity; stamp None when kept before there was one) wherever it now
+    is -- moved aside or removed under its holder -- else None. The kernel's lock table names an inode only, and once the seat file is
     removed its number goes to the next file made on the filesystem: a flock on that file (any
     program's) is told apart by the holder's descriptor on it, whose mtime is not the stamp.
     A holder whose descriptors this reader cannot see (another user's, to a non-root reader)
