@@ -82,6 +82,8 @@ class LaneWatch:
         self.thread = None
         self.stop_read = self.stop_write = -1
         self.gone = False         # lost for good
+        self.paused = False       # no renewals: the holder is stopped with its command (pause)
+        self._renewing = None     # held by the watch's thread around a renewal (pause waits)
         self.deadline = None      # monotonic: a lost leased lane's lease ends (store/pg/lease.py)
         self._since = None        # monotonic: when the session was found gone, until taken back
 
@@ -91,6 +93,7 @@ class LaneWatch:
         import threading
 
         self.stop_read, self.stop_write = os.pipe2(os.O_CLOEXEC)
+        self._renewing = threading.Lock()
         self.thread = threading.Thread(target=self._watch, name="lanelock-watch", daemon=True)
         self.thread.start()
 
@@ -100,7 +103,7 @@ class LaneWatch:
             # A store that leases its lanes (store/pg/lease.py) is renewed every `every` s; an
             # unanswered renewal is a lost link as much as a socket that ends.
             every = store.renews(self.turn.handle)
-            if every is not None and not store.renew(self.turn.handle):
+            if every is not None and not self._renew(store):
                 woke = self.fd
             else:
                 # poll(), not select(): a proxy with many connections has descriptors past
@@ -113,6 +116,26 @@ class LaneWatch:
                 if not self._regain():
                     return
                 self.fd = self.turn.gate.store.watch_fd(self.turn.handle)
+
+    def _renew(self, store) -> bool:
+        with self._renewing:
+            return self.paused or store.renew(self.turn.handle)
+
+    def pause(self) -> None:
+        """No renewals until resume(): the holder is about to stop with its command (^Z), and its
+        store was told to keep the hold through the silence (store.rest). Returns once no renewal
+        is under way: one caught by the stop would find its answer's time long past when the
+        process is continued and take the link for lost, and one sent after the rest would put
+        the lease's silence limit back under the stopped holder."""
+        if self._renewing is None:
+            self.paused = True
+            return
+        with self._renewing:
+            self.paused = True
+
+    def resume(self) -> None:
+        """Renewals again (the command was continued): the next one sets the lease anew."""
+        self.paused = False
 
     def _regain(self) -> bool:
         """The session is gone: take the lane back as soon as the server answers, if it restarted

@@ -504,6 +504,9 @@ class _Supervision:
         if self.status is None and self.terminal.fd >= 0 and self.terminal.ours():
             self.terminal.hand(self.pid)
         _kill_group(self.pid, signal.SIGCONT)
+        if self.on_stop is not None and self.status is None:
+            # Said here too: a command that ignored the stop is never reported continued.
+            self.on_stop(False)
 
     def _continue_if_stopped(self) -> None:
         """A stopped command cannot act on an ending signal: it would keep the lane until someone

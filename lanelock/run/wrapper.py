@@ -152,7 +152,10 @@ def _run(argv, changes, options: Options, say: Say, turn: Turn | None,
 
         def stopped(now: bool) -> None:
             if now and watch:   # the wrapper stops too: no renewals until it is continued
+                watch.pause()
                 turn.gate.store.rest(turn.handle, None)
+            elif watch:
+                watch.resume()
             turn.mark_stopped(now)
 
         outcome = runner.run(starter, changes, kill_after=options.kill_after,
