@@ -95,9 +95,11 @@ class Sampler:
             self.counts.append(self.conn.execute(self.sql).fetchone()[0])
 
     def take(self) -> list[int]:
-        """The samples so far, and a fresh list for the next phase."""
+        """The samples so far, one taken now among them (a phase may be shorter than the
+        thread's period), and a fresh list for the next phase."""
+        now = self.conn.execute(self.sql).fetchone()[0]
         taken, self.counts = self.counts, []
-        return taken
+        return [*taken, now]
 
     def close(self) -> None:
         self.stop.set()

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from support.cli import LANELOCK, TIMEOUT, environ
+from support.cli import LANELOCK, TIMEOUT, environ, json_of
 from support.processes import line_with, read_line, wait_for
 from support.server import Server
 from support.netns import namespace, reachable_server  # noqa: F401 - fixtures
@@ -499,3 +499,41 @@ def test_the_shells_complete_on_lost_and_its_values():
         rows = [row.split("\t") for row in
                 completion.answer(shell, "lanelock run --on-lost ", None, group=cli).splitlines()]
         assert [row[1] for row in rows] == ["continue", "stop"], (shell, rows)
+
+
+def test_a_turn_that_waited_on_every_seat_hears_no_other_seat_once_it_holds(postgres, lock_roots,
+                                                                           lanelock, holder):
+    """The head of a lane of two seats listens on both seats' channels while it waits; holding
+    one, it listens on none (said with its record, not in a round trip of its own): another
+    seat's release does not wake its watch, which watches the session's socket for its end (a
+    wake is a statement: `SELECT 1`). Its statements in the server's log (log_statement=all for
+    its session alone) show it: its renewal after the other seat's release, and no look."""
+    lock_roots.watch_store(postgres.dsn)
+    lane = "localhost:7047"
+    done = lanelock("seats", "--store", postgres.dsn, "-b", lane, "2")
+    assert done.returncode == 0, done.stderr
+    first = holder("--store", postgres.dsn, "-b", lane)
+    second = holder("--store", postgres.dsn, "-b", lane)
+    logged = postgres.dsn + "?options=-c%20log_statement%3Dall"
+    waiter = holder("--store", logged, "-b", lane, "--wait", "1d", ready=False)
+
+    def queued() -> int:
+        (found,) = json_of(["status", "--json", "--store", postgres.dsn, "-b", lane])["lanes"]
+        return len(found["queue"])
+
+    wait_for(lambda: queued() == 1, "the waiter queued")
+    assert second.release() == 0
+    waiter.wait_ready()
+    (backend,) = [row[0] for row in sql(postgres.dsn, "SELECT backend_pid FROM lanelock_holders "
+                                        "WHERE (record->>'pid')::int = %s", waiter.proc.pid)]
+    mark = len(open(postgres.log_path).read())
+    assert first.release() == 0   # the other seat's release notifies its channel
+
+    def since_mark() -> list[str]:
+        return [line for line in open(postgres.log_path).read()[mark:].splitlines()
+                if f"[{backend}]" in line]
+
+    wait_for(lambda: any("jsonb_build_object('lease'" in line for line in since_mark()),
+             "the waiter's next renewal after the other seat's release")
+    assert not [line for line in since_mark() if "SELECT 1" in line]
+    assert waiter.release() == 0

@@ -46,6 +46,7 @@ class PgHandle(LockHandle):
     taken: object = None           # handoff.Taken
     reads: bool = True             # the try may read the row and the queue with it
     leaving: tuple | None = None   # (ticket, listening) of the queue left once the lane is had
+    unlisten: tuple = ()           # the seats' channels a head listened on, unlistened with it
     releasing: object = None       # handoff.Releasing: the release's row and events, unwritten
     # Seats (seats.py): the lane's count read as the session began, the seats past it some row
     # names, and the seat the handle is on (key is that seat's: ident keeps the lane's).

@@ -117,20 +117,26 @@ def try_and_read(store, handle) -> tuple[bool, int]:
 
 # -- the queue leave of a turn that took the lane -------------------------------------------------
 def _leave_sql(handle) -> list[tuple]:
-    if handle.leaving is None:
-        return []
-    ticket, listening = handle.leaving
-    statements = [(pg_queue.LEAVE, pg_queue.leave_params(ticket))]
-    if listening:   # a holder's session is not woken by the queue for the rest of its turn
-        statements.append((f"UNLISTEN {pg_queue.CHANNEL}", None))
+    statements = []
+    if handle.leaving is not None:
+        ticket, listening = handle.leaving
+        statements.append((pg_queue.LEAVE, pg_queue.leave_params(ticket)))
+        if listening:   # a holder's session is not woken by the queue for the rest of its turn
+            statements.append((f"UNLISTEN {pg_queue.CHANNEL}", None))
+    # nor by the seats' channels its wait listened on (seats.py)
+    statements += [(f"UNLISTEN {channel}", None) for channel in handle.unlisten]
     return statements
+
+
+def _left(handle) -> None:
+    handle.leaving, handle.unlisten = None, ()
 
 
 def flush_leave(handle) -> None:
     """The pending queue leave, now (a statement of its own; never raises: a session gone took
     its ticket lock with it)."""
     statements = _leave_sql(handle)
-    handle.leaving = None
+    _left(handle)
     if not statements:
         return
     try:
@@ -149,7 +155,7 @@ def with_leave(handle, sql: str, params, front=()) -> object:
             cursor.execute(sql, params)
             return cursor.fetchone()[0]
     row = _simple(handle.conn, [*statements, (sql, params)], fetch=True)
-    handle.leaving = None
+    _left(handle)
     return row[0]
 
 
@@ -174,11 +180,11 @@ def let_go(store, handle, head_here: str | None = None) -> bool:
         let = _simple(handle.conn, statements)
     except psycopg.Error as error:
         if ended(handle.conn):
-            handle.leaving = None
+            _left(handle)
             _unwritten(store, releasing, error)
             raise GateUnavailable(f"lane store: {first_line(error)}") from None
         return _one_by_one(store, handle, releasing, head_here)
-    handle.leaving = None
+    _left(handle)
     if let:
         handle.held, handle.taken = False, None
     return let

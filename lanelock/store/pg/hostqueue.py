@@ -50,7 +50,7 @@ from .session import ended
 ASIDE_LOOK = 0.2    # how often a head waiting in the server looks at its host's local queue
 STANDBY_LOOK = 0.2  # how often the host's next waiter, connected, looks whether it still is
 NEXT_JOIN = 2.0     # how long a releasing holder waits for its host's next head to join
-NEXT_LOOK = 0.01    # how often it looks meanwhile (only while a head of this host connects)
+NEXT_LOOK = (0.001, 0.01)   # how often it looks meanwhile: from 1 ms, doubling up to 10 ms
 HOST_PREFIX = ".pg-host-"
 
 
@@ -406,14 +406,17 @@ class _Either:
 def _load_driver_meanwhile() -> None:
     """psycopg costs about 140 ms of CPU to import: a waiter loads it while it waits here, so it
     connects at once when it comes first -- inside a queue of short turns that import was the
-    whole hand-off. (A thread: the wait must not be joined late for it.)"""
+    whole hand-off. So with handoff.py, which the take after a wait runs (a turn's first try
+    may not: a seat's is seats.py's), about 1 ms when it is imported on the hand-off's path.
+    (A thread: the wait must not be joined late for it.)"""
     import sys
 
-    if "psycopg" in sys.modules:
+    if "psycopg" in sys.modules and __package__ + ".handoff" in sys.modules:
         return
 
     def load() -> None:
         from ...errors import GateUnavailable
+        from . import handoff  # noqa: F401 - loaded, not used here
         from .session import driver
 
         try:
@@ -461,9 +464,12 @@ def await_next_head(local: Local, joined) -> None:
     """Before a holder lets the lane go: while a turn of this host waits (its first connecting)
     and none of this host is in the server's queue yet (joined(): one look), wait for it, at
     most NEXT_JOIN."""
-    end = time.monotonic() + NEXT_JOIN
+    # The head is usually a round trip or two from its row (it joins as the holder's short
+    # turn runs): the first looks come soon, and a head still connecting costs a look per 10 ms.
+    end, pause = time.monotonic() + NEXT_JOIN, NEXT_LOOK[0]
     while _waiting_here(local) and not joined() and time.monotonic() < end:
-        time.sleep(NEXT_LOOK)
+        time.sleep(pause)
+        pause = min(pause * 2, NEXT_LOOK[1])
 
 
 def _waiting_here(local: Local) -> bool:

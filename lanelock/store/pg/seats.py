@@ -140,8 +140,10 @@ class PgSeats(Medium):
             yield
             if handle.held and self.listened:
                 # A holder hears no other seat's release: each would wake its lane watch, which
-                # watches this socket for the session's end (lanewatch.py).
-                handle.conn.execute("; ".join(f"UNLISTEN {channel}" for channel in self.listened))
+                # watches this socket for the session's end (lanewatch.py). Said with the
+                # session's next statement, the turn's record (handoff.py), not in a round trip
+                # of its own on the hand-off's path.
+                handle.unlisten = tuple(sorted(self.listened))
         except psycopg.Error as error:
             if waits and handle.cancelled:
                 return
