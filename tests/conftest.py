@@ -16,13 +16,13 @@ waited for in the kernel (a pidfd, waitid()); wait_for() polls only a state no p
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
 
+from support import signals
 from support.cli import COLOUR_VARIABLES, LANELOCK, TEST_MARK, TIMEOUT, communicate
 from support.holding import HOLD_SCRIPT, Holder
 from support.processes import Processes
@@ -30,11 +30,13 @@ from support.roots import LockRoots
 
 
 def pytest_configure(config):
-    # A shell starts a background job (`pytest &`) with SIGINT ignored, and every process the
-    # tests start would inherit that: the ^C tests would then test the shell's choice instead of
-    # lanelock's. Tests that want an ignored SIGINT set it for their own process.
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    # `pytest &` and `nohup pytest`: the processes the tests start begin with no signal ignored
+    # (support/signals.py), or the ^C and hangup tests would test the shell's choice.
+    signals.take_ignored()
+
+
+def pytest_unconfigure(config):
+    signals.give_back()
 
 
 # -- isolation --------------------------------------------------------------------------------------

@@ -62,6 +62,30 @@ def test_hangup_of_a_terminal_whose_session_leader_is_lanelock_ends_the_turn(lan
     assert probe(lanelock, "localhost:7010").returncode == 0
 
 
+def test_a_turn_run_under_nohup_goes_on_through_a_hangup(holder, lanelock):
+    """`nohup lanelock run -- CMD`: the hangup reaches the wrapper, which passes it on; the
+    command ignores it as nohup asked, and the turn holds the lane to the command's own end."""
+    held = holder("-b", "localhost:7009",
+                  preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    os.kill(held.pid, signal.SIGHUP)
+    assert probe(lanelock, "localhost:7009").returncode == 1   # still held
+    assert held.release(3) == 3
+    assert probe(lanelock, "localhost:7009").returncode == 0
+
+
+def test_the_hangup_tests_hold_in_a_suite_run_under_nohup(procs):
+    """`nohup pytest`: the commands the suite starts begin with SIGHUP at its default all the
+    same (support/signals.py), so the hangup tests test lanelock, not nohup."""
+    test = (f"{os.path.abspath(__file__)}::"
+            "test_an_ending_signal_to_the_wrapper_ends_its_stopped_command[1]")
+    suite = procs.start(["nohup", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                         "-p", "no:xdist", "-o", "addopts=", test],
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                        cwd=os.path.dirname(os.path.abspath(__file__)))
+    out, _ = suite.communicate(timeout=3 * TIMEOUT)
+    assert suite.returncode == 0, out
+
+
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux not installed")
 def test_tmux_kill_session_frees_a_lane_held_by_its_first_command(lanelock, tmp_path, lock_dir):
     socket = tmp_path / "tmux.sock"
