@@ -156,9 +156,11 @@ def test_a_crowded_turn_never_takes_the_lane_past_a_queue_it_cannot_read(run_cmd
 
 # Run in a real process with its descriptors counted out: the queue asked of a live waiter's entry
 # with 0 descriptors to spare (the entry cannot be opened) and with 1 (the entry opens, the
-# waiter's /proc status cannot). Prints what first_alive did and whether the entry is still there.
+# waiter's /proc status cannot). Prints what the order's first live entry was and whether the entry
+# is still there.
 _ASK_CROWDED = textwrap.dedent("""
     import errno, os, sys
+    from lanelock.store import order
     from lanelock.store.flock.queue import Queue
     root, stem, spare = sys.argv[1], sys.argv[2], int(sys.argv[3])
     queue = Queue(os.open(root, os.O_RDONLY | os.O_DIRECTORY), stem, 60.0)
@@ -172,7 +174,7 @@ _ASK_CROWDED = textwrap.dedent("""
     for fd in hoard[:spare]:
         os.close(fd)
     try:
-        found = queue.first_alive(entries)
+        found = order.first_in_order(entries, queue.aging, queue)
         said = "found" if found is not None else "none"
     except OSError as error:
         said = errno.errorcode.get(error.errno, str(error.errno))

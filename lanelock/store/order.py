@@ -111,6 +111,11 @@ def first_waiting(entries: "Iterable[Queued]", medium: "Entries"):
     return None
 
 
+def first_in_order(entries: "Iterable[Queued]", aging: float, medium: "Entries"):
+    """The live entry that goes first (None: none waits), asked in the order's order."""
+    return first_waiting(sorted(entries, key=lambda entry: place(entry, aging)), medium)
+
+
 def just_ahead(mine: "Queued", entries: "Iterable[Queued]", aging: float, medium: "Entries"):
     """The live entry just ahead of mine (None: mine is first), nearest first."""
     me = place(mine, aging)

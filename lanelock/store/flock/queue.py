@@ -241,11 +241,6 @@ class Queue:
                 os.close(fd)
             self._remove(name)   # another user's (sticky directory): left to her own turns
 
-    def first_alive(self, entries) -> Entry | None:
-        """The first of entries whose waiter still waits and is not stopped (order.first_waiting,
-        asked of this queue)."""
-        return order.first_waiting(entries, self)
-
     # -- the medium's answers to the order's rules (order.Entries) ---------------------------------
     def waits(self, entry: Entry) -> bool:
         """Does the entry's waiter still wait? Asked of the entry itself (a non-blocking lock
@@ -434,6 +429,45 @@ async def wait_mine_async(entry: Entry, timeout: float | None) -> None:
         pass
     finally:
         _forget(entry, wake)
+
+
+class Rung:
+    """An entry watched from the moment this is made until its waiter rings (Ticket.ring) or
+    leaves: made BEFORE the caller's last look at what the ring follows, so a ring between that
+    look and wait() is not missed -- a waiter of another process lets the file opened here go
+    (the kernel wait on it returns), one of this process calls the waker registered here.
+    FileNotFoundError: the entry left already."""
+
+    __slots__ = ("entry", "rung", "wait_fd")
+
+    def __init__(self, queue: "Queue", entry: Entry):
+        import threading
+
+        self.entry, self.rung, self.wait_fd = entry, None, None
+        if is_mine(entry):
+            self.rung = threading.Event()
+            if not _listen(entry, self.rung.set):
+                raise FileNotFoundError(entry.name)
+        else:
+            self.wait_fd = EntryWait(queue, entry)
+
+    def wait(self, timeout: float) -> None:
+        """Until the ring or the leave, or timeout seconds."""
+        if self.rung is not None:
+            self.rung.wait(timeout)
+            return
+        from . import waiting
+
+        try:
+            waiting.wait(self.wait_fd, timeout)
+        except OSError:
+            pass   # the entry went away as we waited: the caller looks again
+
+    def close(self) -> None:
+        if self.rung is not None:
+            _forget(self.entry, self.rung.set)
+        if self.wait_fd is not None:
+            self.wait_fd.close()
 
 
 class EntryWait:

@@ -50,7 +50,7 @@ from .session import ended
 ASIDE_LOOK = 0.2    # how often a head waiting in the server looks at its host's local queue
 STANDBY_LOOK = 0.2  # how often the host's next waiter, connected, looks whether it still is
 NEXT_JOIN = 2.0     # how long a releasing holder waits for its host's next head to join
-NEXT_LOOK = (0.001, 0.01)   # how often it looks meanwhile: from 1 ms, doubling up to 10 ms
+NEXT_LOOK = 0.01    # how often it looks meanwhile when the head's entry cannot be watched
 HOST_PREFIX = ".pg-host-"
 
 
@@ -463,24 +463,48 @@ class _AsideWatch(threading.Thread):
 def await_next_head(local: Local, joined) -> None:
     """Before a holder lets the lane go: while a turn of this host waits (its first connecting)
     and none of this host is in the server's queue yet (joined(): one look), wait for it, at
-    most NEXT_JOIN."""
-    # The head is usually a round trip or two from its row (it joins as the holder's short
-    # turn runs): the first looks come soon, and a head still connecting costs a look per 10 ms.
-    end, pause = time.monotonic() + NEXT_JOIN, NEXT_LOOK[0]
-    while _waiting_here(local) and not joined() and time.monotonic() < end:
-        time.sleep(pause)
-        pause = min(pause * 2, NEXT_LOOK[1])
+    most NEXT_JOIN. Woken by that turn's ring, which it sends once it has joined (joined()), or
+    by its leave: its entry is watched before each look, so a ring between the two is not
+    missed, and nothing is asked on a schedule."""
+    from ..flock.queue import Rung
+
+    end = time.monotonic() + NEXT_JOIN
+    while (head := _next_here(local)) is not None:
+        found = local.flock.queue_of(local.handle)
+        try:
+            rung = Rung(found, head)
+        except OSError:
+            rung = None   # it left as we looked (or cannot be opened): asked below all the same
+        try:
+            if joined():
+                return
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            if rung is None:
+                time.sleep(min(left, NEXT_LOOK))
+            else:
+                rung.wait(left)
+        finally:
+            if rung is not None:
+                rung.close()   # at once: the waiter behind the head waits on the same file
 
 
-def _waiting_here(local: Local) -> bool:
-    """Does a live turn of this host (another than this one) wait in its host's queue?"""
+def _next_here(local: Local):
+    """The live turn of this host (another than this one) that goes first in its host's queue
+    -- the one that joins the server's queue next -- or None."""
+    from .. import order
+
     found = local.flock.queue_of(local.handle)
     own = local.ticket.entry.name if local.ticket is not None else None
+    if found is None:
+        return None
+    now = time.monotonic_ns()
     try:
-        return found is not None and found.first_alive(
-            entry for entry in found.listed() if entry.name != own) is not None
+        return order.first_in_order([entry for entry in found.listed(now) if entry.name != own],
+                                    found.aging, found)
     except OSError:
-        return False
+        return None
 
 
 # -- status: the local queues under this root -------------------------------------------------
