@@ -6,6 +6,8 @@ freeze while the server stays up for every other client (who connect to it direc
 - freeze(): nothing forwarded either way and nothing closed: each side's kernel still
             acknowledges what it is sent (the server's keepalives are answered, as a stuck
             middlebox's are); new connections are accepted and left silent;
+            freeze(port): that one connection alone, the one the server sees from that port
+            (pg_stat_activity.client_port), the others go on;
 - restore(): forwarding again, for frozen connections and new ones.
 
 One thread, one selector, a wake-up socketpair for the test's orders: no polling.
@@ -33,6 +35,7 @@ class Relay:
         self.accepted = 0
         self._lock = threading.Lock()
         self._orders: list = []
+        self._frozen_one: set = set()   # the sockets of the connections frozen one by one
         self._wake_read, self._wake_write = socket.socketpair()
         self._selector = selectors.DefaultSelector()
         self._selector.register(self.listener, selectors.EVENT_READ, "accept")
@@ -52,8 +55,8 @@ class Relay:
     def reset(self) -> None:
         self._order(RESET)
 
-    def freeze(self) -> None:
-        self._order(FROZEN)
+    def freeze(self, port: int | None = None) -> None:
+        self._order(FROZEN if port is None else (FROZEN, port))
 
     def restore(self) -> None:
         self._order(OPEN)
@@ -98,6 +101,11 @@ class Relay:
         with self._lock:
             orders, self._orders = self._orders, []
         for mode, done in orders:
+            if isinstance(mode, tuple):   # one connection, by the server's view of its port
+                self._freeze_one(mode[1])
+                done.set()
+                continue
+            self._frozen_one.clear()
             self.mode = mode
             if mode in (CUT, RESET):
                 for sock in list(self.pairs):
@@ -106,6 +114,17 @@ class Relay:
             for sock in self.pairs:
                 self._watch(sock, watched)
             done.set()
+
+    def _freeze_one(self, port: int) -> None:
+        for sock, other in list(self.pairs.items()):
+            try:
+                here = sock.getsockname()[1]
+            except OSError:
+                continue
+            if here == port and sock.getpeername()[1] == self.target[1]:
+                self._frozen_one.update((sock, other))
+                self._watch(sock, False)
+                self._watch(other, False)
 
     def _accept(self) -> None:
         try:
