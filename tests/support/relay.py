@@ -35,7 +35,6 @@ class Relay:
         self.accepted = 0
         self._lock = threading.Lock()
         self._orders: list = []
-        self._frozen_one: set = set()   # the sockets of the connections frozen one by one
         self._wake_read, self._wake_write = socket.socketpair()
         self._selector = selectors.DefaultSelector()
         self._selector.register(self.listener, selectors.EVENT_READ, "accept")
@@ -105,7 +104,6 @@ class Relay:
                 self._freeze_one(mode[1])
                 done.set()
                 continue
-            self._frozen_one.clear()
             self.mode = mode
             if mode in (CUT, RESET):
                 for sock in list(self.pairs):
@@ -117,12 +115,11 @@ class Relay:
 
     def _freeze_one(self, port: int) -> None:
         for sock, other in list(self.pairs.items()):
-            try:
-                here = sock.getsockname()[1]
+            try:   # the upstream side: its own port is the one the server sees
+                ours = sock.getsockname()[1] == port and sock.getpeername()[1] == self.target[1]
             except OSError:
                 continue
-            if here == port and sock.getpeername()[1] == self.target[1]:
-                self._frozen_one.update((sock, other))
+            if ours:
                 self._watch(sock, False)
                 self._watch(other, False)
 

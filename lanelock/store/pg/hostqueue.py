@@ -468,9 +468,11 @@ def await_next_head(local: Local, joined) -> None:
     missed, and nothing is asked on a schedule."""
     from ..flock.queue import Rung
 
+    found = local.flock.queue_of(local.handle)
+    if found is None:
+        return
     end = time.monotonic() + NEXT_JOIN
-    while (head := _next_here(local)) is not None:
-        found = local.flock.queue_of(local.handle)
+    while (head := _next_here(local, found)) is not None:
         try:
             rung = Rung(found, head)
         except OSError:
@@ -490,15 +492,12 @@ def await_next_head(local: Local, joined) -> None:
                 rung.close()   # at once: the waiter behind the head waits on the same file
 
 
-def _next_here(local: Local):
+def _next_here(local: Local, found):
     """The live turn of this host (another than this one) that goes first in its host's queue
-    -- the one that joins the server's queue next -- or None."""
+    (found) -- the one that joins the server's queue next -- or None."""
     from .. import order
 
-    found = local.flock.queue_of(local.handle)
     own = local.ticket.entry.name if local.ticket is not None else None
-    if found is None:
-        return None
     now = time.monotonic_ns()
     try:
         return order.first_in_order([entry for entry in found.listed(now) if entry.name != own],
