@@ -99,9 +99,19 @@ print(server.server_address[1], flush=True)
 server.serve_forever()
 """
 
+# How a worker or client reports: each line in ONE write. print() writes its words one by one
+# where stdout is unbuffered (PYTHONUNBUFFERED, set on the CI machine), and the killer's kill -9
+# between two of them left a line "done" with no session -- a turn counted as one that ended wrong.
+SAY = """
+import os
+
+def say(*words):
+    os.write(1, (" ".join(map(str, words)) + "\\n").encode())
+"""
+
 # What the Python workers share: one generation at the engine, once the token is found free -- no
 # `lanelock run` turn's command (which holds it for as long as it lives) still running.
-GENERATE = """
+GENERATE = SAY + """
 import fcntl, os, urllib.request
 BODY = b'{"messages": [{"role": "user", "content": "hi"}]}'
 
@@ -128,7 +138,7 @@ def generate(url, session, token):
         fcntl.flock(token, fcntl.LOCK_SH | fcntl.LOCK_NB)
         fcntl.flock(token, fcntl.LOCK_UN)
     except BlockingIOError:
-        print("overlap", session, *holders(token), flush=True)
+        say("overlap", session, *holders(token))
         return
     request = urllib.request.Request(url + "/v1/chat/completions", data=BODY, headers={
         "Content-Type": "application/json", "X-Lanelock-Session": session})
@@ -149,10 +159,10 @@ while not select.select([0], [], [], rng.uniform(0, float(think)))[0]:
     n += 1
     with gate.turn(session=session, wait=None, priority=klass) as turn:
         if not turn.held:
-            print("bad", session, turn.state, flush=True)
+            say("bad", session, turn.state)
             continue
         generate(url, session, token)
-    print("done", session, flush=True)
+    say("done", session)
 """
 
 # One asyncio task per class, each a stream of turns, until stdin closes.
@@ -173,10 +183,10 @@ async def stream(gate, klass, stop, rng, token):
         n += 1
         async with gate.turn(session=session, wait=None, priority=klass) as turn:
             if not turn.held:
-                print("bad", session, turn.state, flush=True)
+                say("bad", session, turn.state)
                 continue
             await asyncio.to_thread(generate, url, session, token)
-        print("done", session, flush=True)
+        say("done", session)
 
 async def main():
     loop, stop = asyncio.get_running_loop(), asyncio.Event()
@@ -193,7 +203,7 @@ asyncio.run(main())
 # A client of `lanelock proxy`: one request at a time with X-Lanelock-Priority, until stdin
 # closes. A proxy being restarted refuses connections for a moment: retried. A request whose
 # proxy died under it is "lost" (its turn was killed).
-PROXY_CLIENT = """
+PROXY_CLIENT = SAY + """
 import http.client, random, select, sys, time
 port, klass, prefix, think, seed, path, body = sys.argv[1:8]
 rng = random.Random(int(seed))
@@ -212,15 +222,15 @@ while not select.select([0], [], [], rng.uniform(0, float(think)))[0]:
         time.sleep(0.05)
         continue
     except (ConnectionError, http.client.HTTPException) as error:
-        print("lost", session, type(error).__name__, flush=True)
+        say("lost", session, type(error).__name__)
         continue
     finally:
         conn.close()
     state = response.getheader("X-Lanelock-State")
     if response.status == 200 and state == "held":
-        print("done", session, flush=True)
+        say("done", session)
     else:
-        print("bad", session, response.status, state, data[:200], flush=True)
+        say("bad", session, response.status, state, data[:200])
 """
 
 # The held command of a `lanelock run` turn: take the token on descriptor 9 (exit 99, naming who
